@@ -1,0 +1,242 @@
+"""Ahead-of-time compilation: (cell, sizes, direction, target, schedule) ->
+a shared library plus manifest.json, cached on disk.
+
+The cache lives in the user cache directory (HALSTM_CACHE overrides it),
+one folder per key; the key hashes everything that changes the code: cell,
+sizes, direction, the target string (for "host" targets, this machine's CPU
+as well), schedule, Halide's version and halstm's own compiler sources.
+Builds go to a temporary folder renamed into place under a file lock, so
+concurrent builders of one key both succeed, a failed or interrupted build
+leaves nothing behind, and an entry whose library does not match its
+manifest's checksum is rebuilt. Halide is imported only to build.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from filelock import FileLock
+
+from . import cells
+
+DIRECTIONS = ("fwd", "bwd")
+LIBRARY = "libhalstm.so"
+MANIFEST = "manifest.json"
+FORMAT = 1
+_HERE = Path(__file__).resolve().parent
+
+# What each direction's C entry point takes (numpy shapes), for manifests.
+ENTRY_POINTS = {
+    "fwd": {"halstm_forward": [
+        "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
+        "b_hh (G*H,)", "ws wih_t (K, G, H)", "ws whh_t (H, G, H)", "ws xp (T, B, G, H)",
+        "out saved (T, B, S, H)", "inout states[NS] (T+1, B, H)"]},
+    "bwd": {"halstm_backward": [
+        "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
+        "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
+        "inout dstate[NS] (2, B, H)", "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
+        "out dx (T, B, K)", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
+        "out dw_hh (G*H, H)", "out db_hh (G*H,)"]},
+}
+
+
+class CompileError(RuntimeError):
+    """A pipeline failed to compile; the message names cell, target and schedule."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    cell: str
+    input_size: int
+    hidden_size: int
+    direction: str
+    target: str = "host"
+    schedule: str | None = None   # None: the target family's default
+
+    def __post_init__(self):
+        cells.check(self.cell)
+        for name in ("input_size", "hidden_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError(f"target: expected a Halide target string, got {self.target!r}")
+
+    def describe(self) -> str:
+        return (f"cell {self.cell} ({self.direction}, input {self.input_size}, hidden "
+                f"{self.hidden_size}), target {self.target}, schedule "
+                f"{self.schedule or 'default'}")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("HALSTM_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("halstm"))
+
+
+@lru_cache(maxsize=None)
+def code_hash() -> str:
+    """Hash of the sources that decide the generated code."""
+    h = hashlib.sha256()
+    files = [_HERE / "pipeline.py", _HERE / "driver.cpp", _HERE / "aot.py"]
+    files += sorted((_HERE / "cells").glob("*.py"))
+    import halstm.schedules as sched
+    files += sorted(Path(sched.__file__).parent.glob("*.py"))
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=None)
+def host_fingerprint() -> str:
+    """What "host" means here: the CPU's model and feature flags."""
+    info = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    info += line
+                if line.strip() == "":
+                    break
+    except OSError:
+        pass
+    return hashlib.sha256(info.encode()).hexdigest()[:16]
+
+
+def halide_version() -> str:
+    return importlib.metadata.version("halide")
+
+
+def cache_key(spec: Spec) -> str:
+    material = {**asdict(spec), "halide": halide_version(), "code": code_hash(), "format": FORMAT}
+    if "host" in spec.target.split("-"):
+        material["host"] = host_fingerprint()
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_entry(folder: Path) -> dict | None:
+    """The manifest of a complete, intact entry, else None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if manifest.get("format") != FORMAT:
+            return None
+        if _sha256(folder / manifest["library"]) != manifest["sha256"]:
+            return None
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def library(spec: Spec) -> tuple[Path, dict]:
+    """The cached library for spec, built first if missing or corrupt.
+    Returns (path of the .so, manifest)."""
+    root = cache_dir()
+    key = cache_key(spec)
+    entry = root / key
+    manifest = read_entry(entry)
+    if manifest is not None:
+        return entry / manifest["library"], manifest
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{key}.lock")):
+        manifest = read_entry(entry)          # another process may have built it
+        if manifest is None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+            try:
+                manifest = build(spec, tmp)
+                if entry.exists():            # a corrupt entry: replace it
+                    shutil.rmtree(entry)
+                os.rename(tmp, entry)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return entry / manifest["library"], manifest
+
+
+def build(spec: Spec, out: Path) -> dict:
+    """Compile spec's pipelines and driver into out/libhalstm.so and write
+    out/manifest.json (last, so that a manifest means a finished build)."""
+    try:
+        import halide as hl
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise CompileError(f"{spec.describe()}: halide is not importable: {e}") from e
+    from . import pipeline
+    from halstm import schedules
+
+    start = time.perf_counter()
+    cell = cells.get(spec.cell)
+    try:
+        target = hl.Target(spec.target)
+        if "host" in spec.target.split("-"):
+            target = hl.get_host_target() if spec.target == "host" else target
+        schedule = schedules.resolve(target, spec.schedule)
+    except (RuntimeError, ValueError) as e:
+        raise CompileError(f"{spec.describe()}: {e}") from e
+    kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
+    objects = []
+    try:
+        lowered = target.with_feature(hl.TargetFeature.NoRuntime)
+        for kind in kinds:
+            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size)
+            schedules.apply(p, target, schedule)
+            obj = out / f"{kind}.o"
+            p.pipeline().compile_to({hl.OutputFileType.object: str(obj)},
+                                    [hl.Argument(q) for q in p.inputs], f"halstm_{kind}", lowered)
+            objects.append(obj)
+        runtime = out / "runtime.o"
+        hl.compile_standalone_runtime(str(runtime), target)
+        objects.append(runtime)
+    except Exception as e:  # Halide raises RuntimeError and others
+        raise CompileError(f"Halide failed to compile {spec.describe()} "
+                           f"(schedule {schedule}):\n{e}") from e
+    defines = {"NS": len(cell.states), "G": cell.n_gates, "S": len(cell.saved),
+               "K": spec.input_size, "H": spec.hidden_size,
+               "DXP_IS_DHG": int(cell.dxp_is_dhg),
+               "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
+           f"-I{Path(hl.__file__).parent / 'include'}",
+           *(f"-D{k}={v}" for k, v in defines.items()),
+           str(_HERE / "driver.cpp"), *map(str, objects), "-o", str(out / LIBRARY),
+           "-lpthread", "-ldl", "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise CompileError(f"linking {spec.describe()} (schedule {schedule}) failed:\n"
+                           f"{' '.join(cmd)}\n{res.stderr}")
+    for obj in objects:
+        obj.unlink()
+    manifest = {
+        "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
+        "hidden_size": spec.hidden_size, "direction": spec.direction,
+        "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
+        "dxp_is_dhg": cell.dxp_is_dhg,
+        "target": str(target), "target_requested": spec.target, "schedule": schedule,
+        "halide_version": halide_version(), "halstm_code": code_hash(),
+        "entry_points": ENTRY_POINTS[spec.direction],
+        "pipelines": [f"halstm_{k}" for k in kinds],
+        "library": LIBRARY, "sha256": _sha256(out / LIBRARY),
+        "compile_seconds": round(time.perf_counter() - start, 3),
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / MANIFEST)
+    return manifest

@@ -1,0 +1,59 @@
+"""What a recurrent cell provides to the pipeline builder.
+
+A cell is pointwise math only. The pipeline owns the matrix products:
+
+    xp(j, gate, b) = W_ih x + b_ih      (input projection, all steps at once)
+    hg(j, gate, b) = W_hh h + b_hh      (recurrent product, per step)
+
+and hands both to the cell, which turns them and the previous states into
+new states plus the per-gate values that backward needs ("saved").
+Axes are Halide's, innermost first: j = hidden unit, gate, b = batch.
+A cell never calls a schedule: intermediate Funcs it creates are inlined
+unless a schedule names them through the pipeline's stages.
+"""
+from __future__ import annotations
+
+import halide as hl
+
+
+def sigmoid(e):
+    return 1.0 / (1.0 + hl.exp(-e))
+
+
+class Cell:
+    """Base class: subclasses set the names below and define forward/backward."""
+
+    name: str = ""
+    gates: tuple[str, ...] = ()   # row blocks of weight_ih / weight_hh, PyTorch order
+    states: tuple[str, ...] = ()  # carried state, "h" first; each (j, b)
+    saved: tuple[str, ...] = ()   # channels of the saved Func (j, s, b)
+    dxp_is_dhg: bool = False      # backward's dxp and dhg are one Func
+
+    @property
+    def n_gates(self) -> int:
+        return len(self.gates)
+
+    def forward(self, xp, hg, prev, j, b):
+        """xp, hg: Func(j, gate, b); prev: {state: Func(j, b)}.
+
+        Returns (saved Func(j, s, b), {state: Func(j, b)} new states)."""
+        raise NotImplementedError
+
+    def backward(self, saved, prev, new, dnew, j, b):
+        """Pointwise backward of one step.
+
+        saved: Func(j, s, b); prev/new: {state: Func(j, b)} before/after the
+        step; dnew: {state: Func(j, b)} total gradient w.r.t. the new states.
+        Returns (dxp, dhg, dprev): gradients w.r.t. xp and hg as Func(j, gate,
+        b) (the same Func when they are equal, as for LSTM) and {state:
+        Func(j, b) or None}, the pointwise part of each previous state's
+        gradient (the pipeline adds W_hh^T dhg to "h")."""
+        raise NotImplementedError
+
+
+def gate_func(name, exprs, j, b):
+    """Func(j, gate, b) whose gate-th plane is exprs[gate]."""
+    f = hl.Func(name)
+    g = hl.Var("gate")
+    f[j, g, b] = hl.mux(g, list(exprs))
+    return f

@@ -1,0 +1,190 @@
+// The compiled library's driver: owns the time loop, so that one call from
+// Python runs a whole layer over a sequence. Compiled by aot.py together with
+// the Halide pipelines of pipeline.py (halstm_pack, halstm_proj, halstm_step;
+// halstm_step_bwd, halstm_grads) and one Halide runtime.
+//
+// Built with -DHALSTM_FORWARD or -DHALSTM_BACKWARD and the sizes:
+//   NS states (LSTM: h, c; GRU: h), G gates, S saved channels, K input size,
+//   H hidden size, DXP_IS_DHG (backward: the cell's dxp and dhg coincide).
+// Arrays are C-contiguous float32 with numpy shapes given below; a Halide view
+// lists the same axes innermost first.
+#include <HalideRuntime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+
+namespace {
+
+thread_local char g_error[8192];
+
+struct View {
+    halide_buffer_t buf;
+    halide_dimension_t dim[4];
+    // dims: (extent, stride) pairs, innermost first.
+    View(const float *host, std::initializer_list<std::pair<int, int>> dims) {
+        std::memset(this, 0, sizeof(*this));
+        buf.host = (uint8_t *)host;
+        buf.type.code = halide_type_float;
+        buf.type.bits = 32;
+        buf.type.lanes = 1;
+        buf.dimensions = (int)dims.size();
+        buf.dim = dim;
+        int d = 0;
+        for (auto &e : dims) {
+            dim[d].min = 0;
+            dim[d].extent = e.first;
+            dim[d].stride = e.second;
+            d++;
+        }
+    }
+    View(const View &o) {
+        std::memcpy(this, &o, sizeof(*this));
+        buf.dim = dim;
+    }
+    halide_buffer_t *hb() { return &buf; }
+};
+
+// A (B, H) slice of a (T+1, B, H) or (T, B, H) array at step t.
+View bh(const float *base, int t, int B) {
+    return View(base + (int64_t)t * B * H, {{H, 1}, {B, H}});
+}
+
+}  // namespace
+
+extern "C" {
+
+// Halide's runtime reports errors through this weak symbol; keep the message
+// so that Python can raise it.
+void halide_error(void *, const char *msg) {
+    size_t used = strnlen(g_error, sizeof(g_error) - 1);
+    std::strncat(g_error, msg, sizeof(g_error) - 1 - used);
+}
+
+const char *halstm_last_error(void) { return g_error; }
+
+void halstm_set_num_threads(int n) { halide_set_num_threads(n); }
+
+#ifdef HALSTM_FORWARD
+int halstm_pack(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#if NS == 1
+int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
+                halide_buffer_t *, halide_buffer_t *);
+#else
+int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
+                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#endif
+
+// x (T, B, K); w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
+// workspaces: wih_t (K, G, H); whh_t (H, G, H); xp (T, B, G, H)
+// out: saved (T, B, S, H); states[NS] each (T+1, B, H), [0] holds the
+// initial state on entry, [t+1] the state after step t on return.
+int halstm_forward(int T, int B, const float *x, const float *w_ih, const float *b_ih,
+                   const float *w_hh, const float *b_hh, float *wih_t, float *whh_t,
+                   float *xp, float *saved, float *const *states) {
+    g_error[0] = 0;
+    View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+    View vwih_t(wih_t, {{H, 1}, {G, H}, {K, G * H}}), vwhh_t(whh_t, {{H, 1}, {G, H}, {H, G * H}});
+    int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwih_t.hb(), vwhh_t.hb());
+    if (rc) return rc;
+    View vx(x, {{K, 1}, {B, K}, {T, B * K}});
+    View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
+    View vxp(xp, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
+    rc = halstm_proj(vx.hb(), vwih_t.hb(), vb_ih.hb(), vxp.hb());
+    for (int t = 0; t < T && rc == 0; t++) {
+        View xp_t(xp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
+        View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
+        View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
+#if NS == 1
+        rc = halstm_step(xp_t.hb(), vwhh_t.hb(), vb_hh.hb(), h0.hb(), saved_t.hb(), h1.hb());
+#else
+        View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
+        rc = halstm_step(xp_t.hb(), vwhh_t.hb(), vb_hh.hb(), h0.hb(), c0.hb(), saved_t.hb(), h1.hb(), c1.hb());
+#endif
+    }
+    return rc;
+}
+#endif  // HALSTM_FORWARD
+
+#ifdef HALSTM_BACKWARD
+#define HB halide_buffer_t *
+// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh; outputs dxp, [dhg], dprev[NS]
+#if NS == 1 && DXP_IS_DHG
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB);
+#elif NS == 1
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#elif DXP_IS_DHG
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#else
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#endif
+#if DXP_IS_DHG
+int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#else
+int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#endif
+
+// x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); saved (T, B, S, H) and
+// states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
+// dstate[NS] each (2, B, H): [0] holds dL/d(final state) on entry and
+// dL/d(initial state) on return, [1] is scratch.
+// workspaces dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG)
+// out: dx (T, B, K); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
+int halstm_backward(int T, int B, const float *x, const float *w_ih, const float *w_hh,
+                    const float *saved, const float *const *states, const float *dy,
+                    float *const *dstate, float *dxp, float *dhg, float *dx, float *dw_ih,
+                    float *db_ih, float *dw_hh, float *db_hh) {
+    g_error[0] = 0;
+    (void)dhg;
+    View vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+    int rc = 0;
+    for (int t = T - 1; t >= 0 && rc == 0; t--) {
+        int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
+        View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
+        View dxp_t(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
+        View dy_t = bh(dy, t, B);
+        View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
+        View dh1 = bh(dstate[0], cur, B), dh0 = bh(dstate[0], nxt, B);
+#if !DXP_IS_DHG
+        View dhg_t(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
+#endif
+#if NS == 1 && DXP_IS_DHG
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vw_hh.hb(), dxp_t.hb(), dh0.hb());
+#elif NS == 1
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vw_hh.hb(), dxp_t.hb(), dhg_t.hb(), dh0.hb());
+#else
+        View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
+        View dc1 = bh(dstate[1], cur, B), dc0 = bh(dstate[1], nxt, B);
+#if DXP_IS_DHG
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vw_hh.hb(),
+                             dxp_t.hb(), dh0.hb(), dc0.hb());
+#else
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vw_hh.hb(),
+                             dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
+#endif
+#endif
+    }
+    if (rc) return rc;
+    if (T & 1) {  // the result sits in the scratch half
+        for (int s = 0; s < NS; s++)
+            std::memcpy(dstate[s], dstate[s] + (int64_t)B * H, sizeof(float) * B * H);
+    }
+    View vx(x, {{K, 1}, {B, K}, {T, B * K}});
+    View vhs(states[0], {{H, 1}, {B, H}, {T, B * H}});
+    View vdxp(dxp, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
+    View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}});
+    View vdx(dx, {{K, 1}, {B, K}, {T, B * K}});
+    View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
+    View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
+#if DXP_IS_DHG
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vw_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
+#else
+    View vdhg(dhg, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vw_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
+                        vdb_hh.hb());
+#endif
+}
+#endif  // HALSTM_BACKWARD
+
+}  // extern "C"

@@ -1,0 +1,212 @@
+"""NumPy reference (oracle) for multi-layer LSTM / GRU forward and backward.
+
+Semantics follow torch.nn.LSTM / torch.nn.GRU (unidirectional, sequence-major
+input, no dropout, no projections). Everything is computed in the dtype of the
+inputs; the tests use float64. BPTT is written out by hand.
+
+Shapes: T time steps, B batch, I input size, H hidden size, L layers.
+"""
+import re
+
+import numpy as np
+
+
+def _sigmoid(a):
+    # Overflow-free form of 1 / (1 + exp(-a)).
+    return 0.5 * (1.0 + np.tanh(0.5 * a))
+
+
+# ----------------------------------------------------------------------------
+# LSTM, one layer.  Gate row blocks of the weights/biases: i, f, g, o.
+# ----------------------------------------------------------------------------
+
+def lstm_layer_forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh):
+    """x (T, B, I), h0/c0 (B, H). Returns y (T, B, H), h_n (B, H), c_n (B, H), cache."""
+    T = x.shape[0]
+    H = h0.shape[1]
+    hs = [h0]        # hs[t] = h before step t, (B, H)
+    cs = [c0]        # cs[t] = c before step t, (B, H)
+    gates = []       # activated gates [i, f, g, o] per step, each (B, 4H)
+    for t in range(T):
+        a = x[t] @ w_ih.T + b_ih + hs[t] @ w_hh.T + b_hh      # (B, 4H)
+        i = _sigmoid(a[:, 0 * H:1 * H])
+        f = _sigmoid(a[:, 1 * H:2 * H])
+        g = np.tanh(a[:, 2 * H:3 * H])
+        o = _sigmoid(a[:, 3 * H:4 * H])
+        c = f * cs[t] + i * g                                 # (B, H)
+        h = o * np.tanh(c)                                    # (B, H)
+        gates.append(np.concatenate([i, f, g, o], axis=1))
+        hs.append(h)
+        cs.append(c)
+    y = np.stack(hs[1:])                                      # (T, B, H)
+    cache = dict(x=x, hs=hs, cs=cs, gates=gates, w_ih=w_ih, w_hh=w_hh)
+    return y, hs[-1], cs[-1], cache
+
+
+def lstm_layer_backward(dy, dh_n, dc_n, cache):
+    """Returns dict with keys dx (T,B,I), dh0, dc0 (B,H), dw_ih, dw_hh, db_ih, db_hh (shapes of the params)."""
+    x, hs, cs, gates = cache["x"], cache["hs"], cache["cs"], cache["gates"]
+    w_ih, w_hh = cache["w_ih"], cache["w_hh"]
+    T, H = x.shape[0], hs[0].shape[1]
+    dx = np.zeros_like(x)                                     # (T, B, I)
+    dw_ih, dw_hh = np.zeros_like(w_ih), np.zeros_like(w_hh)   # (4H, I), (4H, H)
+    db = np.zeros(4 * H, dtype=w_ih.dtype)                    # (4H,)
+    dh = dh_n.copy()                                          # (B, H) grad wrt h_t
+    dc = dc_n.copy()                                          # (B, H) grad wrt c_t
+    for t in reversed(range(T)):
+        i, f, g, o = (gates[t][:, k * H:(k + 1) * H] for k in range(4))
+        dh = dh + dy[t]
+        tc = np.tanh(cs[t + 1])
+        dc = dc + dh * o * (1.0 - tc * tc)
+        # Gradients wrt the gate pre-activations, (B, 4H).
+        da = np.concatenate([
+            dc * g * i * (1.0 - i),             # i
+            dc * cs[t] * f * (1.0 - f),         # f
+            dc * i * (1.0 - g * g),             # g
+            dh * tc * o * (1.0 - o),            # o
+        ], axis=1)
+        dw_ih += da.T @ x[t]
+        dw_hh += da.T @ hs[t]
+        db += da.sum(axis=0)
+        dx[t] = da @ w_ih                                     # (B, I)
+        dh = da @ w_hh                                        # (B, H)
+        dc = dc * f                                           # (B, H)
+    return dict(dx=dx, dh0=dh, dc0=dc, dw_ih=dw_ih, dw_hh=dw_hh,
+                db_ih=db, db_hh=db.copy())
+
+
+# ----------------------------------------------------------------------------
+# GRU, one layer.  Gate row blocks: r, z, n.
+# ----------------------------------------------------------------------------
+
+def gru_layer_forward(x, h0, w_ih, w_hh, b_ih, b_hh):
+    """x (T, B, I), h0 (B, H). Returns y (T, B, H), h_n (B, H), cache."""
+    T = x.shape[0]
+    H = h0.shape[1]
+    hs = [h0]        # hs[t] = h before step t, (B, H)
+    steps = []       # (r, z, n, hn) per step, each (B, H); hn = W_hn h + b_hn
+    for t in range(T):
+        gi = x[t] @ w_ih.T + b_ih                             # (B, 3H)
+        gh = hs[t] @ w_hh.T + b_hh                            # (B, 3H)
+        r = _sigmoid(gi[:, :H] + gh[:, :H])
+        z = _sigmoid(gi[:, H:2 * H] + gh[:, H:2 * H])
+        hn = gh[:, 2 * H:]
+        n = np.tanh(gi[:, 2 * H:] + r * hn)
+        hs.append((1.0 - z) * n + z * hs[t])
+        steps.append((r, z, n, hn))
+    y = np.stack(hs[1:])                                      # (T, B, H)
+    cache = dict(x=x, hs=hs, steps=steps, w_ih=w_ih, w_hh=w_hh)
+    return y, hs[-1], cache
+
+
+def gru_layer_backward(dy, dh_n, cache):
+    """Returns dict with keys dx (T,B,I), dh0 (B,H), dw_ih, dw_hh, db_ih, db_hh (shapes of the params)."""
+    x, hs, steps = cache["x"], cache["hs"], cache["steps"]
+    w_ih, w_hh = cache["w_ih"], cache["w_hh"]
+    T = x.shape[0]
+    dx = np.zeros_like(x)                                     # (T, B, I)
+    dw_ih, dw_hh = np.zeros_like(w_ih), np.zeros_like(w_hh)   # (3H, I), (3H, H)
+    db_ih = np.zeros(w_ih.shape[0], dtype=w_ih.dtype)         # (3H,)
+    db_hh = np.zeros(w_hh.shape[0], dtype=w_hh.dtype)         # (3H,)
+    dh = dh_n.copy()                                          # (B, H) grad wrt h_t
+    for t in reversed(range(T)):
+        r, z, n, hn = steps[t]
+        dh = dh + dy[t]
+        dan = dh * (1.0 - z) * (1.0 - n * n)                  # wrt n pre-activation
+        daz = dh * (hs[t] - n) * z * (1.0 - z)                # wrt z pre-activation
+        dar = dan * hn * r * (1.0 - r)                        # wrt r pre-activation
+        dgi = np.concatenate([dar, daz, dan], axis=1)         # (B, 3H)
+        dgh = np.concatenate([dar, daz, dan * r], axis=1)     # (B, 3H)
+        dw_ih += dgi.T @ x[t]
+        dw_hh += dgh.T @ hs[t]
+        db_ih += dgi.sum(axis=0)
+        db_hh += dgh.sum(axis=0)
+        dx[t] = dgi @ w_ih                                    # (B, I)
+        dh = dh * z + dgh @ w_hh                              # (B, H)
+    return dict(dx=dx, dh0=dh, dw_ih=dw_ih, dw_hh=dw_hh, db_ih=db_ih, db_hh=db_hh)
+
+
+# ----------------------------------------------------------------------------
+# Multi-layer stacks with PyTorch state_dict parameter names.
+# ----------------------------------------------------------------------------
+
+def _num_layers(params):
+    layers = [int(m.group(1)) for k in params
+              if (m := re.fullmatch(r"weight_ih_l(\d+)", k))]
+    if sorted(layers) != list(range(len(layers))) or not layers:
+        raise ValueError(f"bad layer keys in params: {sorted(params)}")
+    return len(layers)
+
+
+def _layer_params(params, k):
+    w_ih, w_hh = params[f"weight_ih_l{k}"], params[f"weight_hh_l{k}"]
+    zeros = np.zeros(w_ih.shape[0], dtype=w_ih.dtype)
+    return (w_ih, w_hh, params.get(f"bias_ih_l{k}", zeros),
+            params.get(f"bias_hh_l{k}", zeros))
+
+
+def forward(cell, params, x, hx=None):
+    """Multi-layer forward; x (T, B, I), hx None (zeros), (h0, c0) for lstm or h0 for gru, each (L, B, H).
+
+    Returns (y, (h_n, c_n), cache) for lstm, (y, h_n, cache) for gru; y (T, B, H), h_n/c_n (L, B, H).
+    """
+    if cell not in ("lstm", "gru"):
+        raise ValueError(f"unknown cell {cell!r}")
+    L = _num_layers(params)
+    H = params["weight_hh_l0"].shape[1]
+    B = x.shape[1]
+    if hx is None:
+        zeros = np.zeros((L, B, H), dtype=x.dtype)
+        hx = (zeros, zeros) if cell == "lstm" else zeros
+    h0, c0 = hx if cell == "lstm" else (hx, None)
+    layer_caches, h_n, c_n = [], [], []
+    inp = x
+    for k in range(L):
+        p = _layer_params(params, k)
+        if cell == "lstm":
+            inp, h, c, lc = lstm_layer_forward(inp, h0[k], c0[k], *p)
+            c_n.append(c)
+        else:
+            inp, h, lc = gru_layer_forward(inp, h0[k], *p)
+        h_n.append(h)
+        layer_caches.append(lc)
+    cache = dict(cell=cell, L=L, keys=list(params), layers=layer_caches)
+    if cell == "lstm":
+        return inp, (np.stack(h_n), np.stack(c_n)), cache
+    return inp, np.stack(h_n), cache
+
+
+def backward(cell, cache, dy, dh_n=None, dc_n=None):
+    """Gradients of `forward` given dy (T,B,H) and dh_n/dc_n (L,B,H) or None (zeros).
+
+    Returns a dict: each key of params -> its gradient, plus 'input' (T,B,I),
+    'h0' (L,B,H) and, for lstm, 'c0' (L,B,H).
+    """
+    if cell != cache["cell"]:
+        raise ValueError(f"cache is for {cache['cell']!r}, not {cell!r}")
+    L = cache["L"]
+    B, H = dy.shape[1], dy.shape[2]
+    if dh_n is None:
+        dh_n = np.zeros((L, B, H), dtype=dy.dtype)
+    if cell == "lstm" and dc_n is None:
+        dc_n = np.zeros((L, B, H), dtype=dy.dtype)
+    grads, dh0, dc0 = {}, [None] * L, [None] * L
+    d_out = dy                                     # grad wrt output of layer k, (T, B, H)
+    for k in reversed(range(L)):
+        lc = cache["layers"][k]
+        if cell == "lstm":
+            g = lstm_layer_backward(d_out, dh_n[k], dc_n[k], lc)
+            dc0[k] = g["dc0"]
+        else:
+            g = gru_layer_backward(d_out, dh_n[k], lc)
+        dh0[k] = g["dh0"]
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            key = f"{name}_l{k}"
+            if key in cache["keys"]:
+                grads[key] = g["d" + name.replace("weight", "w").replace("bias", "b")]
+        d_out = g["dx"]                            # feeds layer k-1 (or the input)
+    grads["input"] = d_out
+    grads["h0"] = np.stack(dh0)
+    if cell == "lstm":
+        grads["c0"] = np.stack(dc0)
+    return grads

@@ -1,0 +1,10 @@
+"""The baseline: every stage computed at root, in its pure loop order,
+no vectorization, no threads. Every table shows it."""
+
+
+def _root(pipe, target):
+    for f in pipe.stages.values():
+        f.compute_root()
+
+
+pack = proj = step = step_bwd = grads = _root

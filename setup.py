@@ -1,0 +1,22 @@
+from setuptools import setup
+
+setup(
+    name="halstm",
+    version="0.1.0",
+    description="Fast LSTM and GRU kernels for CPUs and NVIDIA GPUs, generated with Halide",
+    python_requires=">=3.11",
+    # schedules/ is a top-level folder in the repository, installed as
+    # halstm.schedules so that it cannot clash with another package.
+    packages=["halstm", "halstm.cells", "halstm.schedules"],
+    package_dir={"halstm": "halstm", "halstm.schedules": "schedules"},
+    package_data={"halstm": ["driver.cpp"]},
+    install_requires=[
+        "halide==21.*",
+        "numpy>=1.24",
+        "click>=8.1",
+        "platformdirs>=3",   # the user cache directory, per platform
+        "filelock>=3.12",    # one builder per cache entry across processes
+    ],
+    extras_require={"test": ["pytest>=7"]},
+    entry_points={"console_scripts": ["halstm=halstm.cli:main"]},
+)
