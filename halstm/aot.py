@@ -36,16 +36,18 @@ FORMAT = 1
 _HERE = Path(__file__).resolve().parent
 
 # What each direction's C entry point takes (numpy shapes), for manifests.
+# HP, KP: H and K rounded up to the panel width P.
 ENTRY_POINTS = {
     "fwd": {"halstm_forward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
-        "b_hh (G*H,)", "ws wih_t (K, G, H)", "ws whh_t (H, G, H)", "ws xp (T, B, G, H)",
-        "out saved (T, B, S, H)", "inout states[NS] (T+1, B, H)"]},
+        "b_hh (G*H,)", "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
+        "ws xp (T, B, G, HP)", "out saved (T, B, S, H)", "inout states[NS] (T+1, B, H)"]},
     "bwd": {"halstm_backward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
-        "inout dstate[NS] (2, B, H)", "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
-        "out dx (T, B, K)", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
+        "inout dstate[NS] (2, B, HP)", "ws wq_ih (KP/P, G, H, P)", "ws wq_hh (HP/P, G, H, P)",
+        "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
+        "out dx (T, B, KP)", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
         "out dw_hh (G*H, H)", "out db_hh (G*H,)"]},
 }
 
@@ -196,8 +198,9 @@ def build(spec: Spec, out: Path) -> dict:
     objects = []
     try:
         lowered = target.with_feature(hl.TargetFeature.NoRuntime)
+        panel = schedules.for_target(target, schedule).panel(target)
         for kind in kinds:
-            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size)
+            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, panel)
             schedules.apply(p, target, schedule)
             obj = out / f"{kind}.o"
             p.pipeline().compile_to({hl.OutputFileType.object: str(obj)},
@@ -210,7 +213,7 @@ def build(spec: Spec, out: Path) -> dict:
         raise CompileError(f"Halide failed to compile {spec.describe()} "
                            f"(schedule {schedule}):\n{e}") from e
     defines = {"NS": len(cell.states), "G": cell.n_gates, "S": len(cell.saved),
-               "K": spec.input_size, "H": spec.hidden_size,
+               "K": spec.input_size, "H": spec.hidden_size, "P": panel,
                "DXP_IS_DHG": int(cell.dxp_is_dhg),
                "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
     cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
@@ -228,7 +231,7 @@ def build(spec: Spec, out: Path) -> dict:
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
-        "dxp_is_dhg": cell.dxp_is_dhg,
+        "dxp_is_dhg": cell.dxp_is_dhg, "panel": panel,
         "target": str(target), "target_requested": spec.target, "schedule": schedule,
         "halide_version": halide_version(), "halstm_code": code_hash(),
         "entry_points": ENTRY_POINTS[spec.direction],

@@ -5,7 +5,8 @@
 //
 // Built with -DHALSTM_FORWARD or -DHALSTM_BACKWARD and the sizes:
 //   NS states (LSTM: h, c; GRU: h), G gates, S saved channels, K input size,
-//   H hidden size, DXP_IS_DHG (backward: the cell's dxp and dhg coincide).
+//   H hidden size, P weight panel width, DXP_IS_DHG (backward: the cell's
+//   dxp and dhg coincide). HP and KP are H and K rounded up to P.
 // Arrays are C-contiguous float32 with numpy shapes given below; a Halide view
 // lists the same axes innermost first.
 #include <HalideRuntime.h>
@@ -13,6 +14,9 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+
+#define HP ((H + P - 1) / P * P)
+#define KP ((K + P - 1) / P * P)
 
 namespace {
 
@@ -50,6 +54,19 @@ View bh(const float *base, int t, int B) {
     return View(base + (int64_t)t * B * H, {{H, 1}, {B, H}});
 }
 
+// Row i of a (2, B, HP) state-gradient array: `units` (H or HP) used per row.
+View dstate_row(const float *base, int i, int B, int units) {
+    return View(base + (int64_t)i * B * HP, {{units, 1}, {B, HP}});
+}
+
+// Panels (n/P, ..., P) of a weight as packed by pipeline.py: dims innermost first.
+View panels_t(const float *w, int n_red) {  // (HP/P, n_red, G, P): ji, gate, red, jo
+    return View(w, {{P, 1}, {G, P}, {n_red, G * P}, {HP / P, n_red * G * P}});
+}
+View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate, ko
+    return View(w, {{P, 1}, {H, P}, {G, H * P}, {n_pad / P, G * H * P}});
+}
+
 }  // namespace
 
 extern "C" {
@@ -77,30 +94,30 @@ int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
 #endif
 
 // x (T, B, K); w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
-// workspaces: wih_t (K, G, H); whh_t (H, G, H); xp (T, B, G, H)
+// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP)
 // out: saved (T, B, S, H); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
 int halstm_forward(int T, int B, const float *x, const float *w_ih, const float *b_ih,
-                   const float *w_hh, const float *b_hh, float *wih_t, float *whh_t,
+                   const float *w_hh, const float *b_hh, float *wp_ih, float *wp_hh,
                    float *xp, float *saved, float *const *states) {
     g_error[0] = 0;
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
-    View vwih_t(wih_t, {{H, 1}, {G, H}, {K, G * H}}), vwhh_t(whh_t, {{H, 1}, {G, H}, {H, G * H}});
-    int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwih_t.hb(), vwhh_t.hb());
+    View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
+    int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
     if (rc) return rc;
     View vx(x, {{K, 1}, {B, K}, {T, B * K}});
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
-    View vxp(xp, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
-    rc = halstm_proj(vx.hb(), vwih_t.hb(), vb_ih.hb(), vxp.hb());
+    View vxp(xp, {{HP, 1}, {G, HP}, {B, G * HP}, {T, B * G * HP}});
+    rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
     for (int t = 0; t < T && rc == 0; t++) {
-        View xp_t(xp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
+        View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
         View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
         View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
 #if NS == 1
-        rc = halstm_step(xp_t.hb(), vwhh_t.hb(), vb_hh.hb(), h0.hb(), saved_t.hb(), h1.hb());
+        rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), saved_t.hb(), h1.hb());
 #else
         View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
-        rc = halstm_step(xp_t.hb(), vwhh_t.hb(), vb_hh.hb(), h0.hb(), c0.hb(), saved_t.hb(), h1.hb(), c1.hb());
+        rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(), saved_t.hb(), h1.hb(), c1.hb());
 #endif
     }
     return rc;
@@ -119,6 +136,7 @@ int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 #else
 int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 #endif
+int halstm_pack_bwd(HB, HB, HB, HB);
 #if DXP_IS_DHG
 int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB);
 #else
@@ -127,40 +145,42 @@ int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 
 // x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); saved (T, B, S, H) and
 // states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
-// dstate[NS] each (2, B, H): [0] holds dL/d(final state) on entry and
-// dL/d(initial state) on return, [1] is scratch.
-// workspaces dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG)
-// out: dx (T, B, K); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
+// dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry
+// and dL/d(initial state) on return, [1] is scratch.
+// workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
+//   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG)
+// out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
 int halstm_backward(int T, int B, const float *x, const float *w_ih, const float *w_hh,
                     const float *saved, const float *const *states, const float *dy,
-                    float *const *dstate, float *dxp, float *dhg, float *dx, float *dw_ih,
-                    float *db_ih, float *dw_hh, float *db_hh) {
+                    float *const *dstate, float *wq_ih, float *wq_hh, float *dxp, float *dhg,
+                    float *dx, float *dw_ih, float *db_ih, float *dw_hh, float *db_hh) {
     g_error[0] = 0;
     (void)dhg;
-    View vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
-    int rc = 0;
+    View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+    View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
+    int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     for (int t = T - 1; t >= 0 && rc == 0; t--) {
         int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
         View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
         View dxp_t(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
         View dy_t = bh(dy, t, B);
         View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
-        View dh1 = bh(dstate[0], cur, B), dh0 = bh(dstate[0], nxt, B);
+        View dh1 = dstate_row(dstate[0], cur, B, H), dh0 = dstate_row(dstate[0], nxt, B, HP);
 #if !DXP_IS_DHG
         View dhg_t(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
 #endif
 #if NS == 1 && DXP_IS_DHG
-        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vw_hh.hb(), dxp_t.hb(), dh0.hb());
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb(), dxp_t.hb(), dh0.hb());
 #elif NS == 1
-        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vw_hh.hb(), dxp_t.hb(), dhg_t.hb(), dh0.hb());
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb(), dxp_t.hb(), dhg_t.hb(), dh0.hb());
 #else
         View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
-        View dc1 = bh(dstate[1], cur, B), dc0 = bh(dstate[1], nxt, B);
+        View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = dstate_row(dstate[1], nxt, B, H);
 #if DXP_IS_DHG
-        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vw_hh.hb(),
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vwq_hh.hb(),
                              dxp_t.hb(), dh0.hb(), dc0.hb());
 #else
-        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vw_hh.hb(),
+        rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vwq_hh.hb(),
                              dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
 #endif
 #endif
@@ -168,20 +188,19 @@ int halstm_backward(int T, int B, const float *x, const float *w_ih, const float
     if (rc) return rc;
     if (T & 1) {  // the result sits in the scratch half
         for (int s = 0; s < NS; s++)
-            std::memcpy(dstate[s], dstate[s] + (int64_t)B * H, sizeof(float) * B * H);
+            std::memcpy(dstate[s], dstate[s] + (int64_t)B * HP, sizeof(float) * B * HP);
     }
     View vx(x, {{K, 1}, {B, K}, {T, B * K}});
     View vhs(states[0], {{H, 1}, {B, H}, {T, B * H}});
     View vdxp(dxp, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
-    View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}});
-    View vdx(dx, {{K, 1}, {B, K}, {T, B * K}});
+    View vdx(dx, {{KP, 1}, {B, KP}, {T, B * KP}});
     View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
     View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
 #if DXP_IS_DHG
-    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vw_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
 #else
     View vdhg(dhg, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
-    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vw_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
                         vdb_hh.hb());
 #endif
 }

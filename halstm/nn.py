@@ -187,7 +187,7 @@ class _RNN:
                 grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
             for d, s in zip(dinit, self._state_names):
                 d[layer] = g[f"d{s}0"]
-            dy = g["dx"]
+            dy = f32(g["dx"])
         grads = {k: grads[k] for k in self._params}          # state_dict order
         x_grad = dy[:, 0] if unbatched else (dy.transpose(1, 0, 2) if self.batch_first else dy)
         grads["input"] = np.ascontiguousarray(x_grad)

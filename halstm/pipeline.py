@@ -3,17 +3,21 @@
 A layer runs as a few pipelines that the compiled library's driver
 (aot.py) calls; the time loop lives in that C++ driver, never in Python:
 
-    forward:   pack  (once)   PyTorch weights -> transposed panels
-               proj  (once)   xp = W_ih x + b_ih for all T steps (one GEMM)
-               step  (T times) hg = W_hh h + b_hh, then the cell
-    backward:  step_bwd (T times, reversed)  cell backward, dh_prev = W_hh^T dhg
-               grads (once)   dx, dW_ih, db_ih, dW_hh, db_hh over all steps
+    forward:   pack     (once)    PyTorch weights -> transposed panels
+               proj     (once)    xp = W_ih x + b_ih for all T steps (one GEMM)
+               step     (T times) hg = W_hh h + b_hh, then the cell
+    backward:  pack_bwd (once)    PyTorch weights -> panels along the input axis
+               step_bwd (T times, reversed) cell backward, dh_prev = W_hh^T dhg
+               grads    (once)    dx, dW_ih, db_ih, dW_hh, db_hh over all steps
 
 Axes are Halide's, innermost first; the numpy shape of the same buffer is
 the reverse (runtime.py owns that convention). K = the layer's input size,
 H = hidden size, G = the cell's gate count, S = its saved channel count.
 T and B are runtime values: one library serves every sequence length and
 batch. Stages are named so that schedules can find them (Pipe.stage).
+Weights are packed in panels of P units (P chosen by the schedule, a
+vector's lanes), so that a P-unit tile of a product reads one contiguous
+block; buffers written along a packed axis are padded to a multiple of P.
 """
 from __future__ import annotations
 
@@ -23,19 +27,23 @@ import halide as hl
 
 from .cells.base import Cell
 
-KINDS = ("pack", "proj", "step", "step_bwd", "grads")
+KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads")
 FORWARD = ("pack", "proj", "step")
-BACKWARD = ("step_bwd", "grads")
+BACKWARD = ("pack_bwd", "step_bwd", "grads")
 
 
 @dataclass
 class Pipe:
-    """A built pipeline: its arguments in C ABI order and its named stages."""
+    """A built pipeline: its arguments in C ABI order and its named stages.
+
+    P is the panel width of the packed weights (set by the schedule: a
+    vector's lanes); Hp and Kp are H and K rounded up to P."""
 
     kind: str
     cell: Cell
     K: int
     H: int
+    P: int = 1
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -45,6 +53,14 @@ class Pipe:
     @property
     def G(self) -> int:
         return self.cell.n_gates
+
+    @property
+    def Hp(self) -> int:
+        return padded(self.H, self.P)
+
+    @property
+    def Kp(self) -> int:
+        return padded(self.K, self.P)
 
     def stage(self, name: str) -> hl.Func:
         try:
@@ -57,27 +73,24 @@ class Pipe:
         return hl.Pipeline(self.outputs)
 
 
-def _param(name: str, extents) -> hl.ImageParam:
+def padded(n: int, p: int) -> int:
+    return -(-n // p) * p
+
+
+def _param(name: str, extents, strides=None) -> hl.ImageParam:
     """A float32 input. extents: innermost first; an int fixes that extent
-    (and the stride of the next dense dimension), None leaves it free."""
+    (and the stride of the next dense dimension), None leaves it free.
+    strides: explicit strides overriding the dense ones (None entries free)."""
     p = hl.ImageParam(hl.Float(32), len(extents), name)
-    stride = 1
-    for d, e in enumerate(extents):
-        if stride is not None:
-            p.dim(d).set_stride(stride)
-        if e is None:
-            stride = None
-        else:
-            p.dim(d).set_bounds(0, e)
-            stride = stride * e if stride is not None else None
+    _constrain(p, extents, strides)
     return p
 
 
-def _fix_output(f: hl.Func, extents) -> None:
-    """Constrain an output buffer like _param constrains an input."""
-    buf = f.output_buffer()
+def _constrain(buf, extents, strides=None) -> None:
     stride = 1
     for d, e in enumerate(extents):
+        if strides is not None and strides[d] is not None:
+            stride = strides[d]
         if stride is not None:
             buf.dim(d).set_stride(stride)
         if e is None:
@@ -85,6 +98,11 @@ def _fix_output(f: hl.Func, extents) -> None:
         else:
             buf.dim(d).set_bounds(0, e)
             stride = stride * e if stride is not None else None
+
+
+def _fix_output(f: hl.Func, extents, strides=None) -> None:
+    """Constrain an output buffer like _param constrains an input."""
+    _constrain(f.output_buffer(), extents, strides)
 
 
 def _output(f: hl.Func) -> hl.Func:
@@ -120,62 +138,88 @@ def _matmul(name, args, init, term):
     return acc, out
 
 
-def build(cell: Cell, kind: str, K: int, H: int) -> Pipe:
-    """Build pipeline `kind` (one of KINDS) for `cell` with input size K."""
+def build(cell: Cell, kind: str, K: int, H: int, P: int = 1) -> Pipe:
+    """Build pipeline `kind` (one of KINDS) for `cell` with input size K,
+    weights packed in panels of P units."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    p = Pipe(kind, cell, K, H)
+    p = Pipe(kind, cell, K, H, P)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
 
 
+def _panels(w: hl.ImageParam, n: int, P: int, name: str) -> hl.Func:
+    """w(k, j, gate) with k (extent n) split into panels:
+    f(ki, j, gate, ko) = w(ko*P + ki, j, gate), zero past n."""
+    f = hl.Func(name)
+    ki, j, gate, ko = hl.Var("ki"), hl.Var("j"), hl.Var("gate"), hl.Var("ko")
+    k = ko * P + ki
+    f[ki, j, gate, ko] = hl.select(k < n, w[hl.min(k, n - 1), j, gate], hl.f32(0))
+    return f
+
+
 def _pack(p: Pipe) -> None:
-    j, k, gate = p.vars["j"], p.vars["k"], p.vars["gate"]
-    G, K, H = p.G, p.K, p.H
+    G, K, H, P = p.G, p.K, p.H, p.P
     w_ih = _param("w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
     w_hh = _param("w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
-    wih_t = hl.Func("wih_t")              # numpy (K, G, H)
-    wih_t[j, gate, k] = w_ih[k, j, gate]
-    whh_t = hl.Func("whh_t")              # numpy (H, G, H)
-    whh_t[j, gate, k] = w_hh[k, j, gate]
+    # Panels of P units with all gates and the whole reduction axis, so that
+    # a P-unit tile of the product reads one contiguous block.
+    wp_ih = _transposed_panels(w_ih, H, P, "wp_ih")   # numpy (Hp/P, K, G, P)
+    wp_hh = _transposed_panels(w_hh, H, P, "wp_hh")   # numpy (Hp/P, H, G, P)
     p.inputs = [w_ih, w_hh]
-    p.outputs = [wih_t, whh_t]
-    _fix_output(wih_t, [H, G, K])
-    _fix_output(whh_t, [H, G, H])
-    p.stages = {"wih_t": wih_t, "whh_t": whh_t}
+    p.outputs = [wp_ih, wp_hh]
+    _fix_output(wp_ih, [P, G, K, p.Hp // P])
+    _fix_output(wp_hh, [P, G, H, p.Hp // P])
+    p.stages = {"wp_ih": wp_ih, "wp_hh": wp_hh}
+
+
+def _transposed_panels(w, H, P, name):
+    """w(k, j, gate) -> f(ji, gate, k, jo) = w(k, jo*P + ji, gate), zero past H."""
+    f = hl.Func(name)
+    ji, gate, k, jo = hl.Var("ji"), hl.Var("gate"), hl.Var("k"), hl.Var("jo")
+    j = jo * P + ji
+    f[ji, gate, k, jo] = hl.select(j < H, w[k, hl.min(j, H - 1), gate], hl.f32(0))
+    return f
+
+
+def _packed(w, j, P):
+    """Read a panel-packed weight at unit j: w(j % P, ..., j / P)."""
+    return lambda *mid: w[[j % P, *mid, j / P]]
 
 
 def _proj(p: Pipe) -> None:
     j, gate, b, t = (p.vars[n] for n in ("j", "gate", "b", "t"))
-    G, K, H = p.G, p.K, p.H
-    x = _param("x", [K, None, None])          # numpy (T, B, K)
-    wih_t = _param("wih_t", [H, G, K])        # numpy (K, G, H)
-    b_ih = _param("b_ih", [H, G])             # numpy (G, H)
+    G, K, H, P = p.G, p.K, p.H, p.P
+    x = _param("x", [K, None, None])                  # numpy (T, B, K)
+    wp_ih = _param("wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
+    b_ih = _param("b_ih", [H, G])                     # numpy (G, H)
     r = hl.RDom([(0, K)], "r_i")
-    xin = _clamp_b(x, 1)
-    xp_acc, xp = _matmul("xp", [j, gate, b, t], b_ih[j, gate],   # numpy (T, B, G, H)
-                         lambda: wih_t[j, gate, r.x] * xin[r.x, b, t])
-    p.inputs = [x, wih_t, b_ih]
+    xin, w = _clamp_b(x, 1), _packed(wp_ih, j, P)
+    # xp rows past H (padding) hold only a bias and are never read.
+    xp_acc, xp = _matmul("xp", [j, gate, b, t], b_ih[hl.min(j, H - 1), gate],
+                         lambda: w(gate, r.x) * xin[r.x, b, t])
+    p.inputs = [x, wp_ih, b_ih]
     p.outputs = [xp]
-    _fix_output(xp, [H, G, None, None])
+    _fix_output(xp, [p.Hp, G, None, None])            # numpy (T, B, G, Hp)
     p.stages = {"xp_acc": xp_acc, "xp": xp}
     p.rdoms = {"i": r}
 
 
 def _step(p: Pipe) -> None:
-    cell, G, H = p.cell, p.G, p.H
-    j, k, gate, b = (p.vars[n] for n in ("j", "k", "gate", "b"))
-    xp = _param("xp", [H, G, None])                  # numpy (B, G, H): xp[t]
-    whh_t = _param("whh_t", [H, G, H])               # numpy (H, G, H)
+    cell, G, H, P = p.cell, p.G, p.H, p.P
+    j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
+    xp = _param("xp", [p.Hp, G, None])               # numpy (B, G, Hp): xp[t]
+    wp_hh = _param("wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     b_hh = _param("b_hh", [H, G])                    # numpy (G, H)
     prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}  # (B, H)
     prev_in = {s: _clamp_b(q, 1) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
-    hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[j, gate],      # numpy (B, G, H)
-                         lambda: whh_t[j, gate, r.x] * prev_in["h"][r.x, b])
+    w = _packed(wp_hh, j, P)
+    hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
+                         lambda: w(gate, r.x) * prev_in["h"][r.x, b])
     saved, new = cell.forward(_clamp_b(xp, 2), hg, prev_in, j, b)
-    p.inputs = [xp, whh_t, b_hh] + [prev[s] for s in cell.states]
+    p.inputs = [xp, wp_hh, b_hh] + [prev[s] for s in cell.states]
     outs = {"saved": saved, **{"new_" + s: new[s] for s in cell.states}}
     p.stages = {"hg_acc": hg_acc, "hg": hg, **outs}
     p.stages |= {n + "_out": _output(f) for n, f in outs.items()}
@@ -186,33 +230,50 @@ def _step(p: Pipe) -> None:
     p.rdoms = {"k": r}
 
 
+def _pack_bwd(p: Pipe) -> None:
+    G, K, H, P = p.G, p.K, p.H, p.P
+    w_ih = _param("w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
+    w_hh = _param("w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
+    # Panels of P input units with every (gate, unit) row: the transposed
+    # products dx = W_ih^T dxp and dh = W_hh^T dhg read them contiguously.
+    wq_ih = _panels(w_ih, K, P, "wq_ih")          # numpy (Kp/P, G, H, P)
+    wq_hh = _panels(w_hh, H, P, "wq_hh")          # numpy (Hp/P, G, H, P)
+    p.inputs = [w_ih, w_hh]
+    p.outputs = [wq_ih, wq_hh]
+    _fix_output(wq_ih, [P, H, G, p.Kp // P])
+    _fix_output(wq_hh, [P, H, G, p.Hp // P])
+    p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
+
+
 def _step_bwd(p: Pipe) -> None:
-    cell, G, H = p.cell, p.G, p.H
+    cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
     j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
     S = len(cell.saved)
     saved = _param("saved", [H, S, None])            # numpy (B, S, H): saved[t]
     prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}
     new = {s: _param(s + "_new", [H, None]) for s in cell.states}
     dy = _param("dy", [H, None])                     # numpy (B, H): dy[t]
-    dnext = {s: _param("d" + s + "_next", [H, None]) for s in cell.states}
-    w_hh = _param("w_hh", [H, H, G])                 # numpy (G*H, H): PyTorch
-    ins = {s: _clamp_b(q, 1) for s, q in [*prev.items()]}
+    # state gradients live in (B, Hp) rows; dh is computed over all Hp
+    dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in cell.states}
+    wq_hh = _param("wq_hh", [P, H, G, Hp // P])      # numpy (Hp/P, G, H, P)
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
         dn = _clamp_b(dnext[s], 1)
         f[j, b] = dn[j, b] + (_clamp_b(dy, 1)[j, b] if s == "h" else 0.0)
         dnew[s] = f
-    dxp, dhg, dprev = cell.backward(_clamp_b(saved, 2), ins,
+    dxp, dhg, dprev = cell.backward(_clamp_b(saved, 2),
+                                    {s: _clamp_b(q, 1) for s, q in prev.items()},
                                     {s: _clamp_b(q, 1) for s, q in new.items()},
                                     dnew, j, b)
     r = hl.RDom([(0, H), (0, G)], "r_jg")
-    init = dprev["h"][k, b] if dprev["h"] is not None else hl.f32(0)
-    dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,             # numpy (B, H)
-                              lambda: w_hh[k, r.x, r.y] * dhg[r.x, r.y, b])
+    w = _packed(wq_hh, k, P)
+    init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
+    dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
+                              lambda: w(r.x, r.y) * dhg[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states] + [w_hh])
+                + [dy] + [dnext[s] for s in cell.states] + [wq_hh])
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, "dxp_out": _output(dxp),
                 **{"dprev_" + s: dprev[s] for s in cell.states}}
@@ -220,37 +281,40 @@ def _step_bwd(p: Pipe) -> None:
         p.stages["dhg_out"] = _output(dhg)
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])
                  + [dprev[s] for s in cell.states])
-    for f in p.outputs:
-        _fix_output(f, [H, G, None] if f.dimensions() == 3 else [H, None])
+    for f in p.outputs[:-len(cell.states)]:
+        _fix_output(f, [H, G, None])                 # numpy (B, G, H)
+    _fix_output(dh_prev, [Hp, None])                 # numpy (B, Hp)
+    for s in cell.states[1:]:
+        _fix_output(dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
     p.rdoms = {"jg": r}
 
 
 def _grads(p: Pipe) -> None:
-    cell, G, K, H = p.cell, p.G, p.K, p.H
+    cell, G, K, H, P = p.cell, p.G, p.K, p.H, p.P
     i, j, k, gate, b, t = (p.vars[n] for n in ("i", "j", "k", "gate", "b", "t"))
     x = _param("x", [K, None, None])                 # numpy (T, B, K)
     hs = _param("hs", [H, None, None])               # numpy (T+1, B, H): h_{t-1} at [t]
     dxp = _param("dxp", [H, G, None, None])          # numpy (T, B, G, H)
     shared = cell.dxp_is_dhg
     dhg = dxp if shared else _param("dhg", [H, G, None, None])
-    w_ih = _param("w_ih", [K, H, G])                 # numpy (G*H, K): PyTorch
+    wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
     B, T = x.dim(1).extent(), x.dim(2).extent()
     rn = hl.RDom([(0, B), (0, T)], "r_bt")
     rg = hl.RDom([(0, H), (0, G)], "r_jg")
+    dxp_in, w = _clamp_b(dxp, 2), _packed(wq_ih, i, P)
     zero = hl.f32(0)
     stages = {}
     for name, args, term in [
-        ("dx", [i, b, t], lambda: w_ih[i, rg.x, rg.y] * dxp[rg.x, rg.y, b, t]),      # (T, B, K)
+        ("dx", [i, b, t], lambda: w(rg.x, rg.y) * dxp_in[rg.x, rg.y, b, t]),       # (T, B, Kp)
         ("dw_ih", [i, j, gate], lambda: dxp[j, gate, rn.x, rn.y] * x[i, rn.x, rn.y]),  # (G*H, K)
         ("db_ih", [j, gate], lambda: dxp[j, gate, rn.x, rn.y]),                      # (G*H,)
         ("dw_hh", [k, j, gate], lambda: dhg[j, gate, rn.x, rn.y] * hs[k, rn.x, rn.y]),  # (G*H, H)
         ("db_hh", [j, gate], lambda: dhg[j, gate, rn.x, rn.y]),                      # (G*H,)
     ]:
         stages[name + "_acc"], stages[name] = _matmul(name, args, zero, term)
-    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + [w_ih]
+    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + [wq_ih]
     p.outputs = [stages[n] for n in ("dx", "dw_ih", "db_ih", "dw_hh", "db_hh")]
-    for f, ext in zip(p.outputs, ([K, None, None], [K, H, G], [H, G], [H, H, G], [H, G])):
+    for f, ext in zip(p.outputs, ([p.Kp, None, None], [K, H, G], [H, G], [H, H, G], [H, G])):
         _fix_output(f, ext)
     p.stages = stages
     p.rdoms = {"bt": rn, "jg": rg}
-

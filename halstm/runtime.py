@@ -27,6 +27,15 @@ def f32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def empty(shape) -> np.ndarray:
+    """An uninitialised float32 array whose data starts on a 64-byte boundary
+    (a cache line; an AVX-512 vector)."""
+    n = int(np.prod(shape))
+    raw = np.empty(n * 4 + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + n * 4].view(np.float32).reshape(shape)
+
+
 def _ptr(a: np.ndarray) -> int:
     assert a.dtype == np.float32 and a.flags.c_contiguous, "runtime arrays must be contiguous f32"
     return a.ctypes.data
@@ -48,6 +57,8 @@ class Library:
         self.K, self.H = manifest["input_size"], manifest["hidden_size"]
         self.G, self.S = len(manifest["gates"]), len(manifest["saved"])
         self.states = tuple(manifest["states"])
+        P = self.P = manifest["panel"]
+        self.Hp, self.Kp = -(-self.H // P) * P, -(-self.K // P) * P
         self._lib = ctypes.CDLL(str(path))
         self._lib.halstm_last_error.restype = ctypes.c_char_p
         if manifest["direction"] == "fwd":
@@ -55,7 +66,7 @@ class Library:
             self._entry.argtypes = [_I, _I] + [_P] * 10
         else:
             self._entry = self._lib.halstm_backward
-            self._entry.argtypes = [_I, _I] + [_P] * 14
+            self._entry.argtypes = [_I, _I] + [_P] * 16
         self._entry.restype = _I
 
     def set_num_threads(self, n: int) -> None:
@@ -77,12 +88,12 @@ class Library:
         G, H, K, S = self.G, self.H, self.K, self.S
         states = []
         for s0 in init:
-            st = np.empty((T + 1, B, H), np.float32)
+            st = empty((T + 1, B, H))
             st[0] = s0
             states.append(st)
-        saved = np.empty((T, B, S, H), np.float32)
-        ws = [np.empty((K, G, H), np.float32), np.empty((H, G, H), np.float32),
-              np.empty((T, B, G, H), np.float32)]
+        saved = empty((T, B, S, H))
+        Hp, P = self.Hp, self.P
+        ws = [empty((Hp // P, K, G, P)), empty((Hp // P, H, G, P)), empty((T, B, G, Hp))]
         self._call(T, B, _ptr(x), _ptr(w_ih), _ptr(b_ih), _ptr(w_hh), _ptr(b_hh),
                    *map(_ptr, ws), _ptr(saved), _ptrs(states))
         return states, saved
@@ -91,19 +102,22 @@ class Library:
         """BPTT of one layer. dfinal: one (B, H) gradient per final state.
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H)."""
         T, B, K = x.shape
-        G, H = self.G, self.H
+        G, H, Hp, Kp, P = self.G, self.H, self.Hp, self.Kp, self.P
         dstate = []
         for d in dfinal:
-            a = np.empty((2, B, H), np.float32)
-            a[0] = d
+            a = empty((2, B, Hp))
+            a[0, :, :H] = d
             dstate.append(a)
-        dxp = np.empty((T, B, G, H), np.float32)
-        dhg = dxp if self.manifest["dxp_is_dhg"] else np.empty_like(dxp)
-        out = {"dx": np.empty((T, B, K), np.float32),
-               "dw_ih": np.empty((G * H, K), np.float32), "db_ih": np.empty(G * H, np.float32),
-               "dw_hh": np.empty((G * H, H), np.float32), "db_hh": np.empty(G * H, np.float32)}
+        ws = [empty((Kp // P, G, H, P)), empty((Hp // P, G, H, P))]
+        dxp = empty((T, B, G, H))
+        dhg = dxp if self.manifest["dxp_is_dhg"] else empty((T, B, G, H))
+        out = {"dx": empty((T, B, Kp)), "dw_ih": empty((G * H, K)), "db_ih": empty(G * H),
+               "dw_hh": empty((G * H, H)), "db_hh": empty(G * H)}
         self._call(T, B, _ptr(x), _ptr(w_ih), _ptr(w_hh), _ptr(saved), _ptrs(states),
-                   _ptr(dy), _ptrs(dstate), _ptr(dxp), _ptr(dhg), *map(_ptr, out.values()))
+                   _ptr(dy), _ptrs(dstate), *map(_ptr, ws), _ptr(dxp), _ptr(dhg),
+                   *map(_ptr, out.values()))
+        if Kp != K:
+            out["dx"] = out["dx"][:, :, :K]
         for s, a in zip(self.states, dstate):
-            out[f"d{s}0"] = a[0].copy()
+            out[f"d{s}0"] = a[0, :, :H].copy()
         return out

@@ -1,48 +1,52 @@
 """Hand-written schedules for x86-64 (AVX2 / AVX-512) and ARM CPUs.
 
-Every product is a register-tiled GEMM: the `*_acc` stage is computed per
-output tile, its vector axis (the contiguous unit axis) vectorized, the
-other tile axes unrolled, the reduction outside them, so that the tile's
-accumulators stay in registers. Unit axes (fixed sizes) split with
-ShiftInwards; batch axes (runtime sizes) split with GuardWithIf (the
-pipeline clamps batch reads, so a tile may overrun B).
+Every product is a register-tiled GEMM over weights packed in panels of one
+vector's lanes (P): the `*_acc` stage is computed per output tile, its unit
+axis vectorized, the other tile axes unrolled and the reduction outside
+them, so that the tile's accumulators stay in registers and each reduction
+step reads one contiguous block of the panel. Batch axes (runtime sizes)
+split with GuardWithIf; the pipeline clamps batch reads, so a tile may
+overrun B.
 """
 import halide as hl
 
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
+ROUND = hl.TailStrategy.RoundUp
 
 
-def _lanes(target: hl.Target) -> int:
+def panel(target: hl.Target) -> int:
+    """One native float vector: the width of a weight panel."""
     return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
 
 
-def _vw(target, extent: int, vectors: int = 1) -> int:
-    """Vector tile width: `vectors` native vectors, at most the extent."""
-    return min(_lanes(target) * vectors, extent)
+def _vw(target, extent: int) -> int:
+    return min(panel(target), extent)
 
 
-def _gemm(out, acc, vec, vec_w, cols, reduce, par=None):
+def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND):
     """Register-tile out(vec, ...): vec split by vec_w and vectorized; each
-    (var, factor, tail) in cols split and its inner part unrolled; acc
-    computed per tile with `reduce` (RVars) outside the tile loops."""
+    (var, factor, tail) in cols split (factor None: the whole small axis)
+    and unrolled; acc computed per tile with `reduce` (RVars) outside the
+    tile loops; `par`: the name of an outer loop to run in parallel."""
     vo, vi = hl.Var(vec.name() + "o"), hl.Var(vec.name() + "i")
-    out.split(vec, vo, vi, vec_w, SHIFT)
+    out.split(vec, vo, vi, vec_w, vec_tail)
     inner, outer = [vi], [vo]
     for v, f, tail in cols:
-        if f is None:             # the whole (small, fixed) axis in the tile
+        if f is None:
             inner.append(v)
             continue
         o, i = hl.Var(v.name() + "o"), hl.Var(v.name() + "i")
         out.split(v, o, i, f, tail)
         inner.append(i)
         outer.append(o)
-    rest = [a for a in out.args() if a.name() not in {x.name() for x in [vec] + [c[0] for c in cols]}]
+    tiled = {x.name() for x in [vec] + [c[0] for c in cols]}
+    rest = [a for a in out.args() if a.name() not in tiled]
     out.reorder(*(inner + outer + rest)).vectorize(vi)
     for i in inner[1:]:
         out.unroll(i)
     if par is not None:
-        out.parallel(par if isinstance(par, hl.Var) else {v.name(): v for v in outer + rest}[par])
+        out.parallel({v.name(): v for v in outer + rest}[par])
     acc.compute_at(out, vo).vectorize(vec)
     tile_vars = [vec] + [c[0] for c in cols]
     for v in tile_vars[1:]:
@@ -54,15 +58,25 @@ def _gemm(out, acc, vec, vec_w, cols, reduce, par=None):
     return out
 
 
+def _pack(f, target):
+    """A panel-packing stage f(u, a, b, uo): vectorize the panel axis."""
+    u, _, _, uo = f.args()
+    f.vectorize(u).parallel(uo)
+
+
 def pack(p, target):
-    j, k = p.vars["j"], p.vars["k"]
-    for name in ("wih_t", "whh_t"):
-        p.stage(name).vectorize(j, _vw(target, p.H)).parallel(k)
+    for name in ("wp_ih", "wp_hh"):
+        _pack(p.stage(name), target)
+
+
+def pack_bwd(p, target):
+    for name in ("wq_ih", "wq_hh"):
+        _pack(p.stage(name), target)
 
 
 def proj(p, target):
     v = p.vars
-    _gemm(p.stage("xp"), p.stage("xp_acc"), v["j"], _vw(target, p.H),
+    _tile(p.stage("xp"), p.stage("xp_acc"), v["j"], p.P,
           [(v["gate"], None, None), (v["b"], 4, GUARD)], [p.rdoms["i"].x], par="t")
 
 
@@ -71,9 +85,9 @@ def step(p, target):
     j, b = v["j"], v["b"]
     hg, hg_acc = p.stage("hg"), p.stage("hg_acc")
     hg.compute_root()
-    # Large steps go parallel over unit tiles; small ones stay on one thread,
+    # Large steps go parallel over unit panels; small ones stay on one thread,
     # where a fork would cost more than the step.
-    _gemm(hg, hg_acc, j, _vw(target, H), [(v["gate"], None, None), (b, 4, hl.TailStrategy.RoundUp)],
+    _tile(hg, hg_acc, j, p.P, [(v["gate"], None, None), (b, 4, ROUND)],
           [p.rdoms["k"].x], par="jo" if H >= 256 else None)
     vw = _vw(target, H)
     act = p.stage("saved")                      # the cell's gate activations
@@ -92,7 +106,7 @@ def step_bwd(p, target):
         for f in (p.stage(name).compute_root(), p.stage(name + "_out")):
             f.vectorize(f.args()[0], _vw(target, H)).unroll(f.args()[1])
     r = p.rdoms["jg"]
-    _gemm(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, _vw(target, H, 2),
+    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
           [(b, 4, GUARD)], [r.x, r.y], par="ko" if H >= 256 else None)
     for s in p.cell.states[1:]:
         p.stage("dprev_" + s).vectorize(j, _vw(target, H))
@@ -102,13 +116,12 @@ def grads(p, target):
     v, K, H = p.vars, p.K, p.H
     i, j, k, gate, b = (v[n] for n in ("i", "j", "k", "gate", "b"))
     rg, rn = p.rdoms["jg"], p.rdoms["bt"]
-    _gemm(p.stage("dx"), p.stage("dx_acc"), i, _vw(target, K, 2),
-          [(b, 4, GUARD)], [rg.x, rg.y], par="t")
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(b, 4, GUARD)], [rg.x, rg.y], par="t")
     for w, vec, n in (("dw_ih", i, K), ("dw_hh", k, H)):
-        out = _gemm(p.stage(w), p.stage(w + "_acc"), vec, _vw(target, n, 2),
-                    [(j, min(6, H), SHIFT)], [rn.x, rn.y])
+        out = _tile(p.stage(w), p.stage(w + "_acc"), vec, _vw(target, n),
+                    [(j, min(6, H), SHIFT)], [rn.x, rn.y], vec_tail=SHIFT)
         jo = hl.Var("jo")
         out.fuse(jo, gate, jo).parallel(jo)
     for bias in ("db_ih", "db_hh"):
-        _gemm(p.stage(bias), p.stage(bias + "_acc"), j, _vw(target, H), [], [rn.x, rn.y],
-              par="gate")
+        _tile(p.stage(bias), p.stage(bias + "_acc"), j, _vw(target, H), [], [rn.x, rn.y],
+              par="gate", vec_tail=SHIFT)

@@ -7,4 +7,9 @@ def _root(pipe, target):
         f.compute_root()
 
 
-pack = proj = step = step_bwd = grads = _root
+pack = proj = step = pack_bwd = step_bwd = grads = _root
+
+
+def panel(target) -> int:
+    """Weight panel width: 1, the plain transposed layout."""
+    return 1

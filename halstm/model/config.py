@@ -39,7 +39,7 @@ class Config:
     eps: float = 1e-8
     momentum: float = 0.0            # SGD (PyTorch semantics)
     clip: float = 5.0                # global gradient-norm clip; 0 disables
-    eval_every: int = 100            # validation loss every N steps (0: only at the end)
+    eval_every: int = 200            # validation loss every N steps (0: only at the end)
     eval_batch_size: int = 128       # parallel streams over the validation text
     save_every: int = 0              # checkpoint every N steps (0: at the end and on Ctrl-C)
     seed: int = 0

@@ -1,0 +1,166 @@
+"""The char-level language model: one-hot characters -> a stack of halstm
+LSTM (or GRU) layers -> linear -> softmax cross-entropy.
+
+The recurrent layers run in halstm's compiled kernels (halstm.LSTM/GRU); the
+head (a (T*B, H) x (H, V) product, the softmax and their gradients) runs in
+numpy: at the default size it is about 4% of a step's FLOPs (see
+bench/train_vs_torch.py --profile for a measured breakdown).
+
+Parameter names follow a PyTorch module with attributes `rnn` (nn.LSTM or
+nn.GRU) and `head` (nn.Linear): rnn.weight_ih_l0, ..., head.weight, head.bias.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..nn import GRU, LSTM
+
+MODULES = {"lstm": LSTM, "gru": GRU}
+
+
+class CharLM:
+    """vocab_size one-hot inputs, `layers` recurrent layers of `hidden_size`
+    units, a linear head over the vocabulary. Initialised as PyTorch does
+    (every weight and bias uniform in +-1/sqrt(hidden_size)) from `seed`."""
+
+    def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
+                 layers: int = 2, target: str = "host", schedule: str | None = None,
+                 seed: int = 0):
+        if cell not in MODULES:
+            raise ValueError(f"cell: expected one of {list(MODULES)}, got {cell!r}")
+        self.V, self.H, self.L, self.cell = int(vocab_size), int(hidden_size), int(layers), cell
+        self.rnn = MODULES[cell](self.V, self.H, num_layers=self.L, target=target,
+                                 schedule=schedule)
+        self.n_states = 2 if cell == "lstm" else 1
+        rng = np.random.default_rng(seed)
+        bound = 1.0 / np.sqrt(self.H)
+
+        def uniform(shape):
+            return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+        self.rnn.load_state_dict({k: uniform(v.shape) for k, v in self.rnn.state_dict().items()})
+        self.head = {"weight": uniform((self.V, self.H)), "bias": uniform((self.V,))}
+
+    @classmethod
+    def from_config(cls, config, vocab_size: int) -> "CharLM":
+        return cls(vocab_size, config.cell, config.hidden_size, config.layers,
+                   config.target, config.schedule, config.seed)
+
+    # ---- parameters --------------------------------------------------------
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Every parameter by name: the model's own arrays (in-place updates act
+        on the model)."""
+        params = {f"rnn.{k}": v for k, v in self.rnn.state_dict().items()}
+        params.update({f"head.{k}": v for k, v in self.head.items()})
+        return params
+
+    def load_parameters(self, params: dict) -> None:
+        """Copy parameters in (strict: same names and shapes, else KeyError/ValueError)."""
+        own = self.parameters()
+        if set(params) != set(own):
+            raise KeyError(f"parameters: missing {sorted(set(own) - set(params))}, "
+                           f"unexpected {sorted(set(params) - set(own))}")
+        for k, a in params.items():
+            if np.shape(a) != own[k].shape:
+                raise ValueError(f"parameter {k}: expected shape {own[k].shape}, got {np.shape(a)}")
+        self.rnn.load_state_dict({k[4:]: params[k] for k in own if k.startswith("rnn.")})
+        for k in self.head:
+            np.copyto(self.head[k], params[f"head.{k}"], casting="unsafe")
+
+    # ---- state -------------------------------------------------------------
+    def zero_state(self, batch_size: int) -> tuple[np.ndarray, ...]:
+        """The recurrent state, one (layers, B, H) array per state (LSTM: h, c)."""
+        return tuple(np.zeros((self.L, batch_size, self.H), np.float32)
+                     for _ in range(self.n_states))
+
+    # ---- forward / backward ------------------------------------------------
+    def one_hot(self, ids: np.ndarray) -> np.ndarray:
+        """int ids (T, B) -> float32 one-hot (T, B, V)."""
+        T, B = ids.shape
+        x = np.zeros((T * B, self.V), np.float32)
+        x[np.arange(T * B), ids.ravel()] = 1.0
+        return x.reshape(T, B, self.V)
+
+    def hidden(self, ids: np.ndarray, state, timer=None) -> tuple[np.ndarray, tuple]:
+        """The top layer's outputs (T, B, H) and the final state."""
+        timer = timer or _no_timer
+        with timer("one-hot input"):
+            x = self.one_hot(ids)
+        with timer("rnn forward"):
+            return self._rnn(x, state)
+
+    def _rnn(self, x, state):
+        if self.cell == "lstm":
+            y, (h, c) = self.rnn(x, state)
+            return y, (h, c)
+        y, h = self.rnn(x, state[0])
+        return y, (h,)
+
+    def logits(self, y: np.ndarray) -> np.ndarray:
+        """(T, B, H) -> logits (T*B, V)."""
+        out = y.reshape(-1, self.H) @ self.head["weight"].T
+        out += self.head["bias"]
+        return out
+
+    def loss(self, ids: np.ndarray, targets: np.ndarray, state) -> tuple[float, tuple]:
+        """Summed cross-entropy (nats) of predicting targets (T, B) from ids
+        (T, B), and the final state. Forward only."""
+        y, state = self.hidden(ids, state)
+        logits = self.logits(y)
+        nll = _log_softmax_nll(logits, targets.ravel())
+        return float(nll.sum(dtype=np.float64)), state
+
+    def loss_and_grads(self, ids: np.ndarray, targets: np.ndarray, state, timer=None):
+        """Mean cross-entropy over the T*B predictions, the gradient of every
+        parameter (by parameters() name), and the final state (to carry to
+        the next batch; truncated BPTT: no gradient flows into it)."""
+        timer = timer or _no_timer
+        y, state = self.hidden(ids, state, timer)
+        with timer("head"):
+            n = y.shape[0] * y.shape[1]
+            y2 = y.reshape(n, self.H)
+            w = self.head["weight"]
+            logits = y2 @ w.T
+            logits += self.head["bias"]
+            t = targets.ravel()
+            loss = float(_log_softmax_nll(logits, t, grad=True).mean(dtype=np.float64))
+            dlogits = logits                       # overwritten with d(mean loss)/d logits
+            dlogits *= 1.0 / n
+            grads = {"head.weight": dlogits.T @ y2, "head.bias": dlogits.sum(axis=0)}
+            dy = (dlogits @ w).reshape(y.shape)
+        with timer("rnn backward"):
+            g = self.rnn.backward(dy)
+        for k in self.rnn.state_dict():
+            grads[f"rnn.{k}"] = g[k]
+        return loss, {k: grads[k] for k in self.parameters()}, state
+
+
+def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray, grad: bool = False) -> np.ndarray:
+    """Per-row -log softmax(logits)[target] (float32, length N). With grad,
+    logits (N, V) is overwritten with softmax(logits) - one_hot(targets),
+    the gradient of the summed loss."""
+    rows = np.arange(len(targets))
+    z = logits if grad else logits.copy()
+    z -= z.max(axis=1, keepdims=True)
+    picked = z[rows, targets]
+    np.exp(z, out=z)
+    total = z.sum(axis=1)
+    nll = np.log(total) - picked
+    if grad:
+        z /= total[:, None]
+        z[rows, targets] -= 1.0
+    return nll
+
+
+class _NoTimer:
+    def __call__(self, name):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_no_timer = _NoTimer()

@@ -1,0 +1,147 @@
+"""Optimizers (Adam, SGD with momentum, both with PyTorch's update rules),
+global gradient-norm clipping and the learning-rate schedule. All updates
+are in place on the parameter arrays, in float32, with preallocated scratch,
+so that a step allocates nothing."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def lr_at(config, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): a linear warm-up
+    over warmup_steps, then constant, or a cosine / linear decay reaching
+    lr * min_lr_ratio at config.steps."""
+    lr, warm = config.lr, config.warmup_steps
+    if step < warm:
+        return lr * (step + 1) / warm
+    if config.lr_schedule == "constant":
+        return lr
+    span = max(1, config.steps - warm)
+    frac = min(1.0, (step - warm) / span)
+    floor = lr * config.min_lr_ratio
+    if config.lr_schedule == "cosine":
+        return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return lr - (lr - floor) * frac                      # linear
+
+
+def clip_grad_norm(grads: dict, max_norm: float) -> float:
+    """Scale grads in place so that their global L2 norm is at most max_norm
+    (0: no clipping), as torch.nn.utils.clip_grad_norm_. Returns the norm
+    before clipping."""
+    total = math.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in grads.values()))
+    if max_norm > 0:
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads.values():
+                g *= np.float32(coef)
+    return total
+
+
+class Optimizer:
+    """Per-parameter slots (arrays shaped like the parameters) plus a step count."""
+
+    slots: tuple[str, ...] = ()
+
+    def __init__(self, params: dict):
+        for k, p in params.items():
+            if not (p.flags.c_contiguous and p.flags.writeable and p.dtype == np.float32):
+                raise ValueError(f"parameter {k}: expected a writable C-contiguous float32 array")
+        self.t = 0
+        self.state = {s: {k: np.zeros_like(p) for k, p in params.items()} for s in self.slots}
+        self._tmp = {k: np.empty_like(p) for k, p in params.items()}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Flat name -> array: "t" and "<slot>/<param>"."""
+        out = {"t": np.array(self.t, np.int64)}
+        for s, arrays in self.state.items():
+            out.update({f"{s}/{k}": a for k, a in arrays.items()})
+        return out
+
+    def load_state_dict(self, d: dict) -> None:
+        """Strict: every slot of every parameter, with its shape."""
+        expected = {f"{s}/{k}": a.shape for s, arrays in self.state.items() for k, a in arrays.items()}
+        missing = sorted(set(expected) - set(d) - {"t"})
+        if missing or "t" not in d:
+            raise KeyError(f"optimizer state: missing {missing or ['t']}")
+        for name, shape in expected.items():
+            if np.shape(d[name]) != shape:
+                raise ValueError(f"optimizer state {name}: expected shape {shape}, got {np.shape(d[name])}")
+        for name in expected:
+            s, k = name.split("/", 1)
+            np.copyto(self.state[s][k], d[name], casting="unsafe")
+        self.t = int(d["t"])
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        self.t += 1
+        for k, p in params.items():
+            self._update(k, p, grads[k], lr)
+
+
+class SGD(Optimizer):
+    """p -= lr * g, or with momentum m: buf = m * buf + g; p -= lr * buf."""
+
+    def __init__(self, params: dict, momentum: float = 0.0):
+        self.momentum = float(momentum)
+        self.slots = ("momentum",) if self.momentum else ()
+        super().__init__(params)
+
+    def _update(self, k, p, g, lr):
+        if self.momentum:
+            buf = self.state["momentum"][k]
+            if self.t == 1:
+                np.copyto(buf, g)
+            else:
+                buf *= np.float32(self.momentum)
+                buf += g
+            g = buf
+        tmp = self._tmp[k]
+        np.multiply(g, np.float32(lr), out=tmp)
+        p -= tmp
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam (no weight decay, no amsgrad)."""
+
+    slots = ("m", "v")
+
+    def __init__(self, params: dict, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
+        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+        super().__init__(params)
+
+    # Elements per block: the update's 13 passes run block by block so that
+    # the five arrays' blocks stay in L2 (1.4x faster than whole arrays at
+    # the default size, 900k parameters: 3.8 against 5.3 ms, loaded 2-core).
+    BLOCK = 1 << 16
+
+    def _update(self, k, p, g, lr):
+        b1, b2 = self.beta1, self.beta2
+        c_m, c_v, c_b2 = np.float32(1.0 - b1), np.float32(1.0 - b2), np.float32(b2)
+        c_bc2 = np.float32(1.0 / math.sqrt(1.0 - b2 ** self.t))
+        c_step = np.float32(lr / (1.0 - b1 ** self.t))
+        eps = np.float32(self.eps)
+        arrays = [a.reshape(-1) for a in (p, g, self.state["m"][k], self.state["v"][k], self._tmp[k])]
+        for s in range(0, arrays[0].size, self.BLOCK):
+            p_, g_, m, v, tmp = (a[s:s + self.BLOCK] for a in arrays)
+            # m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+            np.subtract(g_, m, out=tmp)
+            tmp *= c_m
+            m += tmp
+            np.multiply(g_, g_, out=tmp)
+            tmp *= c_v
+            v *= c_b2
+            v += tmp
+            # p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+            np.sqrt(v, out=tmp)
+            tmp *= c_bc2
+            tmp += eps
+            np.divide(m, tmp, out=tmp)
+            tmp *= c_step
+            p_ -= tmp
+
+
+def make(config, params: dict) -> Optimizer:
+    if config.optimizer == "adam":
+        return Adam(params, config.beta1, config.beta2, config.eps)
+    return SGD(params, config.momentum)

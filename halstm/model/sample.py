@@ -1,0 +1,42 @@
+"""Text generation from a trained CharLM."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _blas
+from .charlm import CharLM
+from .data import Vocab
+
+
+def generate(model: CharLM, vocab: Vocab, prime: str, length: int,
+             temperature: float = 1.0, seed: int | None = None) -> str:
+    """prime followed by `length` sampled characters. The prime is read in
+    one forward call; each new character is drawn from softmax(logits /
+    temperature) with a numpy Generator seeded by `seed` (temperature 0:
+    the most likely character). ValueError if prime is empty or has
+    characters outside the vocabulary."""
+    if not prime:
+        raise ValueError("prime: expected at least one character")
+    missing = vocab.missing(prime)
+    if missing:
+        raise ValueError(f"prime has characters outside the model's vocabulary: {missing!r}")
+    if temperature < 0 or temperature != temperature:
+        raise ValueError(f"temperature: expected a value >= 0, got {temperature!r}")
+    rng = np.random.default_rng(seed)
+    ids = vocab.encode(prime).reshape(-1, 1)
+    state = model.zero_state(1)
+    out = []
+    for _ in range(length):
+        with _blas.single_threaded():
+            y, state = model.hidden(ids, state)
+            logits = model.logits(y[-1:]).astype(np.float64)[0]
+        if temperature == 0:
+            nxt = int(np.argmax(logits))
+        else:
+            z = logits / temperature
+            p = np.exp(z - z.max())
+            cdf = np.cumsum(p)
+            nxt = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(p) - 1)
+        out.append(nxt)
+        ids = np.array([[nxt]], np.int32)
+    return prime + vocab.decode(out)

@@ -1,0 +1,238 @@
+"""Training: truncated BPTT over parallel streams, validation, checkpoints.
+
+    corpus = Corpus.from_text(*data.load(None), config.seq_len, config.batch_size)
+    trainer = Trainer(config, corpus)
+    trainer.run(out="charlm.npz")            # Ctrl-C: checkpoint, then return
+    trainer = Trainer.resume(checkpoint.load("charlm.npz"), corpus)
+
+A run is deterministic for a given config (seed included): weights start
+from CharLM(seed), the data order from Streams(rng(seed, 1)), and a
+checkpoint holds all the state that changes, so that a resumed run
+continues exactly as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+
+import numpy as np
+
+from . import _blas
+from . import checkpoint as ckpt_mod
+from . import optim
+from .charlm import CharLM
+from .config import RESUMABLE, Config
+from .data import Corpus, Streams
+
+HISTORY = ("train_step", "train_loss", "val_step", "val_loss")
+
+
+class Timer:
+    """Seconds spent per named section, summed over calls."""
+
+    def __init__(self):
+        self.seconds = collections.defaultdict(float)
+        self.calls = collections.defaultdict(int)
+
+    @contextmanager
+    def __call__(self, name):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t
+            self.calls[name] += 1
+
+    def reset(self):
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class Trainer:
+    """A model, its optimizer, the data streams and the carried state."""
+
+    def __init__(self, config: Config, corpus: Corpus):
+        config.validate()
+        self.config, self.corpus, self.vocab = config, corpus, corpus.vocab
+        self.model = CharLM.from_config(config, len(self.vocab))
+        self.params = self.model.parameters()
+        self.optimizer = optim.make(config, self.params)
+        self.streams = Streams(corpus.train, config.seq_len, config.batch_size,
+                               np.random.default_rng([config.seed, 1]))
+        self.state = self.model.zero_state(config.batch_size)
+        self.step = 0
+        self.history = {k: [] for k in HISTORY}
+        self.timer = Timer()
+        self._val = None
+
+    # ---- checkpoints -------------------------------------------------------
+    def checkpoint(self) -> ckpt_mod.Checkpoint:
+        return ckpt_mod.Checkpoint(
+            config=self.config, vocab=self.vocab, step=self.step, params=self.params,
+            optimizer=self.optimizer.state_dict(), state=self.state,
+            position=self.streams.position(),
+            corpus={"source": self.corpus.source, "sha256": self.corpus.sha256,
+                    "length": int(len(self.corpus.train) + len(self.corpus.val))},
+            history={"train_step": np.asarray(self.history["train_step"], np.int64),
+                     "train_loss": np.asarray(self.history["train_loss"], np.float64),
+                     "val_step": np.asarray(self.history["val_step"], np.int64),
+                     "val_loss": np.asarray(self.history["val_loss"], np.float64)})
+
+    def save(self, path) -> None:
+        ckpt_mod.save(path, self.checkpoint())
+
+    @classmethod
+    def resume(cls, ckpt: ckpt_mod.Checkpoint, corpus: Corpus,
+               config: Config | None = None) -> "Trainer":
+        """A trainer in the state ckpt was saved in. config (default: the
+        checkpoint's) may differ from the checkpoint's only in RESUMABLE
+        fields. CheckpointError if ckpt does not fit the config or corpus."""
+        config = config or ckpt.config
+        for f, v in asdict(ckpt.config).items():
+            if f not in RESUMABLE and getattr(config, f) != v:
+                raise ckpt_mod.CheckpointError(
+                    f"the checkpoint was trained with {f} = {v!r}, not {getattr(config, f)!r}")
+        if ckpt.vocab != corpus.vocab:
+            raise ckpt_mod.CheckpointError(
+                f"the checkpoint's vocabulary ({len(ckpt.vocab)} characters) differs from "
+                f"that of {corpus.source} ({len(corpus.vocab)} characters)")
+        if ckpt.corpus is None or ckpt.corpus.get("sha256") != corpus.sha256:
+            src = (ckpt.corpus or {}).get("source", "another text")
+            raise ckpt_mod.CheckpointError(
+                f"the checkpoint was trained on {src}, not on {corpus.source} (the texts "
+                f"differ); give the same text to resume")
+        trainer = cls(config, corpus)
+        try:
+            trainer.model.load_parameters(ckpt.params)
+            trainer.optimizer.load_state_dict(ckpt.optimizer)
+            expected = trainer.state
+            if len(ckpt.state) != len(expected) or any(
+                    s.shape != e.shape for s, e in zip(ckpt.state, expected)):
+                raise ValueError(f"carried state: expected {len(expected)} arrays of shape "
+                                 f"{expected[0].shape}, got {[s.shape for s in ckpt.state]}")
+            trainer.state = tuple(np.array(s, np.float32) for s in ckpt.state)
+            if ckpt.position is None:
+                raise ValueError("no data position")
+            trainer.streams.set_position(ckpt.position)
+            trainer.history = {k: ckpt.history.get(k, np.zeros(0)).tolist() for k in HISTORY}
+        except (KeyError, ValueError, TypeError) as e:
+            raise ckpt_mod.CheckpointError(f"the checkpoint does not fit its own config "
+                                           f"(corrupt?): {str(e).splitlines()[0][:200]}") from None
+        trainer.step = ckpt.step
+        return trainer
+
+    # ---- one step, validation ----------------------------------------------
+    def lr(self) -> float:
+        return optim.lr_at(self.config, self.step)
+
+    def train_step(self) -> float:
+        """One optimizer step on the next batch; returns its mean loss (nats/char)."""
+        timer = self.timer
+        x, y, new_epoch = self.streams.batch()
+        if new_epoch:
+            self.state = self.model.zero_state(self.config.batch_size)
+        with _blas.single_threaded():
+            loss, grads, self.state = self.model.loss_and_grads(x, y, self.state, timer)
+        with timer("optimizer"):
+            optim.clip_grad_norm(grads, self.config.clip)
+            self.optimizer.step(self.params, grads, self.lr())
+        self.step += 1
+        self.history["train_step"].append(self.step)
+        self.history["train_loss"].append(loss)
+        return loss
+
+    def _val_streams(self):
+        if self._val is None:
+            ids, T = self.corpus.val, self.config.seq_len
+            n = len(ids) - 1
+            E = min(self.config.eval_batch_size, max(1, n // T))
+            length = n // E
+            idx = np.arange(E)[:, None] * length + np.arange(length)[None, :]
+            self._val = (np.ascontiguousarray(ids[idx].T), np.ascontiguousarray(ids[idx + 1].T))
+        return self._val
+
+    def evaluate(self) -> float:
+        """Mean cross-entropy (nats/char) over the whole validation text, read
+        as eval_batch_size contiguous streams from a zero state, seq_len
+        steps at a time with the state carried (the training state is untouched)."""
+        x, y = self._val_streams()
+        state = self.model.zero_state(x.shape[1])
+        total, T = 0.0, self.config.seq_len
+        with _blas.single_threaded():
+            for t in range(0, x.shape[0], T):
+                loss, state = self.model.loss(x[t:t + T], y[t:t + T], state)
+                total += loss
+        return total / y.size
+
+    # ---- the loop ----------------------------------------------------------
+    def run(self, until: int | None = None, out=None, progress: bool = True,
+            handle_sigint: bool = True) -> str:
+        """Train up to step `until` (default and at most config.steps).
+        Validates every eval_every steps and at config.steps; with `out`,
+        saves every save_every steps, at the end and when interrupted.
+        Ctrl-C (SIGINT, main thread) finishes the current step, saves and
+        returns "interrupted"; a second Ctrl-C aborts at once. Returns
+        "done" (config.steps reached) or "stopped" (until reached)."""
+        cfg = self.config
+        until = cfg.steps if until is None else min(until, cfg.steps)
+        interrupted = threading.Event()
+        old_handler = None
+        if handle_sigint and threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):
+                interrupted.set()
+                signal.signal(signal.SIGINT, old_handler)   # a second Ctrl-C aborts
+            old_handler = signal.signal(signal.SIGINT, on_sigint)
+        bar = _progress(cfg.steps, self.step, progress)
+        chars = cfg.seq_len * cfg.batch_size
+        window = collections.deque(maxlen=20)
+        self.train_seconds, self.train_chars = 0.0, 0      # excluding each run's first step
+        val = self.history["val_loss"][-1] if self.history["val_loss"] else None
+        try:
+            first = True
+            while self.step < until and not interrupted.is_set():
+                t0 = time.perf_counter()
+                loss = self.train_step()
+                dt = time.perf_counter() - t0
+                if not first:
+                    self.train_seconds += dt
+                    self.train_chars += chars
+                first = False
+                window.append(dt)
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                    with self.timer("validation"):
+                        val = self.evaluate()
+                    self.history["val_step"].append(self.step)
+                    self.history["val_loss"].append(val)
+                if out is not None and cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save(out)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"loss {loss:.3f}  val {'-' if val is None else f'{val:.3f}'}"
+                                        f"  {chars * len(window) / sum(window):,.0f} chars/s",
+                                        refresh=False)
+        finally:
+            if old_handler is not None and signal.getsignal(signal.SIGINT) is not old_handler:
+                signal.signal(signal.SIGINT, old_handler)
+            if bar is not None:
+                bar.close()
+        if out is not None:
+            self.save(out)
+        if interrupted.is_set():
+            return "interrupted"
+        return "done" if self.step >= cfg.steps else "stopped"
+
+    def chars_per_second(self) -> float | None:
+        """Training throughput of the last run() (its first step, which may
+        compile kernels, and validation excluded)."""
+        return self.train_chars / self.train_seconds if getattr(self, "train_seconds", 0) else None
+
+
+def _progress(total, initial, enabled):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5)
