@@ -69,6 +69,13 @@ class Pipe:
             raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
                            f"it has {sorted(self.stages)}") from None
 
+    def param(self, name: str) -> hl.ImageParam:
+        """The input called `name`."""
+        for q in self.inputs:
+            if q.name() == name:
+                return q
+        raise KeyError(f"pipeline {self.kind!r} has no input {name!r}")
+
     def pipeline(self) -> hl.Pipeline:
         return hl.Pipeline(self.outputs)
 

@@ -24,30 +24,38 @@ def _vw(target, extent: int) -> int:
     return min(panel(target), extent)
 
 
-def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND):
+def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None):
     """Register-tile out(vec, ...): vec split by vec_w and vectorized; each
     (var, factor, tail) in cols split (factor None: the whole small axis)
     and unrolled; acc computed per tile with `reduce` (RVars) outside the
-    tile loops; `par`: the name of an outer loop to run in parallel."""
-    vo, vi = hl.Var(vec.name() + "o"), hl.Var(vec.name() + "i")
-    out.split(vec, vo, vi, vec_w, vec_tail)
-    inner, outer = [vi], [vo]
-    for v, f, tail in cols:
-        if f is None:
-            inner.append(v)
-            continue
-        o, i = hl.Var(v.name() + "o"), hl.Var(v.name() + "i")
-        out.split(v, o, i, f, tail)
-        inner.append(i)
-        outer.append(o)
-    tiled = {x.name() for x in [vec] + [c[0] for c in cols]}
-    rest = [a for a in out.args() if a.name() not in tiled]
-    out.reorder(*(inner + outer + rest)).vectorize(vi)
-    for i in inner[1:]:
-        out.unroll(i)
-    if par is not None:
-        out.parallel({v.name(): v for v in outer + rest}[par])
-    acc.compute_at(out, vo).vectorize(vec)
+    tile loops; `par`: the name of an outer loop to run in parallel.
+
+    A col whose tail is GUARD has a runtime extent: the tiled schedule is
+    specialized to extent >= factor (with ShiftInwards, so every tile is
+    full and its accumulators have a constant size), and smaller extents
+    get a tile of 1 along it. `small`: (condition, vec_w) to use a wider
+    vector tile and no batch tiling when condition holds (tiny batches)."""
+    runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
+    tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
+    untiled = [(v, 1, ROUND) if tail is GUARD else (v, f, tail) for v, f, tail in cols]
+    if small is not None:
+        cond, small_w = small
+        _loops(out.specialize(cond), out, vec, small_w, untiled, par, vec_tail)
+    if runtime:
+        dims = {a.name(): d for d, a in enumerate(out.args())}
+        buf = out.output_buffer()
+        cond = None
+        for v, f in runtime:
+            c = buf.dim(dims[v.name()]).extent() >= f
+            cond = c if cond is None else (cond & c)
+        _loops(out.specialize(cond), out, vec, vec_w, tiled_cols, par, vec_tail)
+        _loops(out, out, vec, vec_w, untiled, par, vec_tail)
+    else:
+        _loops(out, out, vec, vec_w, tiled_cols, par, vec_tail)
+    # per tile: inside the innermost tile loop (all specializations name it alike)
+    innermost = next((hl.Var(v.name() + "o") for v, f, _ in cols if f is not None),
+                     hl.Var(vec.name() + "o"))
+    acc.compute_at(out, innermost).vectorize(vec)
     tile_vars = [vec] + [c[0] for c in cols]
     for v in tile_vars[1:]:
         acc.unroll(v)
@@ -56,6 +64,31 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND):
     for v in tile_vars[1:]:
         upd.unroll(v)
     return out
+
+
+def _loops(stage, func, vec, vec_w, cols, par, vec_tail):
+    """The loop nest of one (specialization of a) tiled stage."""
+    vo, vi = hl.Var(vec.name() + "o"), hl.Var(vec.name() + "i")
+    stage.split(vec, vo, vi, vec_w, vec_tail)
+    inner, outer = [vi], []
+    for v, f, tail in cols:
+        if f is None:
+            inner.append(v)
+            continue
+        o, i = hl.Var(v.name() + "o"), hl.Var(v.name() + "i")
+        stage.split(v, o, i, f, tail)
+        inner.append(i)
+        outer.append(o)
+    tiled = {x.name() for x in [vec] + [c[0] for c in cols]}
+    rest = [a for a in func.args() if a.name() not in tiled]
+    # the weight-panel loop outermost: a panel stays in cache across the
+    # batch tiles and time steps that use it
+    outer += rest + [vo]
+    stage.reorder(*(inner + outer)).vectorize(vi)
+    for i in inner[1:]:
+        stage.unroll(i)
+    if par is not None:
+        stage.parallel({v.name(): v for v in outer}[par])
 
 
 def _pack(f, target):
@@ -77,7 +110,7 @@ def pack_bwd(p, target):
 def proj(p, target):
     v = p.vars
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"], p.P,
-          [(v["gate"], None, None), (v["b"], 4, GUARD)], [p.rdoms["i"].x], par="t")
+          [(v["gate"], None, None), (v["b"], 4, GUARD)], [p.rdoms["i"].x], par="jo")
 
 
 def step(p, target):
@@ -87,8 +120,10 @@ def step(p, target):
     hg.compute_root()
     # Large steps go parallel over unit panels; small ones stay on one thread,
     # where a fork would cost more than the step.
+    batch = p.param("h_prev").dim(1).extent()
+    # batches under 4: no batch tile (B=1 would waste 3/4 of the FMAs)
     _tile(hg, hg_acc, j, p.P, [(v["gate"], None, None), (b, 4, ROUND)],
-          [p.rdoms["k"].x], par="jo" if H >= 256 else None)
+          [p.rdoms["k"].x], par="jo" if H >= 256 else None, small=(batch < 4, p.P))
     vw = _vw(target, H)
     act = p.stage("saved")                      # the cell's gate activations
     act.compute_root().vectorize(j, vw).unroll(act.args()[1])
@@ -116,7 +151,7 @@ def grads(p, target):
     v, K, H = p.vars, p.K, p.H
     i, j, k, gate, b = (v[n] for n in ("i", "j", "k", "gate", "b"))
     rg, rn = p.rdoms["jg"], p.rdoms["bt"]
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(b, 4, GUARD)], [rg.x, rg.y], par="t")
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(b, 4, GUARD)], [rg.x, rg.y], par="io")
     for w, vec, n in (("dw_ih", i, K), ("dw_hh", k, H)):
         out = _tile(p.stage(w), p.stage(w + "_acc"), vec, _vw(target, n),
                     [(j, min(6, H), SHIFT)], [rn.x, rn.y], vec_tail=SHIFT)

@@ -24,7 +24,7 @@ from halstm.model import optim
 
 ALPHABET = "abcdefghijklmn \n"            # 16 symbols
 WORDS = ["bad", "cab", "fig", "hen", "jam", "kind", "lime", "mile", "can", "dig",
-         "aged", "glen", "halo", "mink", "jib", "fen"]
+         "aged", "glen", "hale", "mink", "jib", "fen"]
 TINY = dict(hidden_size=16, layers=2, seq_len=8, batch_size=4, eval_batch_size=8)
 
 
@@ -265,15 +265,15 @@ def test_loss_matches_between_forward_only_and_training_paths():
 # ---- training ---------------------------------------------------------------
 
 def test_a_short_run_lowers_the_loss():
-    config = Config(**TINY, steps=60, lr=1e-2, eval_every=30)
+    config = Config(**TINY, steps=80, lr=2e-2, eval_every=40)
     trainer = Trainer(config, make_corpus(config))
     first_val = trainer.evaluate()
     assert first_val == pytest.approx(np.log(16), abs=0.3)
     assert trainer.run(progress=False) == "done"
     losses = trainer.history["train_loss"]
-    assert len(losses) == 60 and trainer.history["val_step"] == [30, 60]
-    assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 0.6
-    assert trainer.history["val_loss"][-1] < first_val - 0.6
+    assert len(losses) == 80 and trainer.history["val_step"] == [40, 80]
+    assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 0.8           # measured: 2.73 -> 1.49
+    assert trainer.history["val_loss"][-1] < first_val - 0.8            # measured: 2.78 -> 1.38
     assert trainer.chars_per_second() > 0
 
 
@@ -358,7 +358,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 def test_sampling_is_deterministic_for_a_seed():
-    config = Config(**TINY, steps=30, lr=1e-2, eval_every=0)
+    config = Config(**TINY, steps=30, lr=2e-2, eval_every=0)
     corpus = make_corpus(config)
     trainer = Trainer(config, corpus)
     trainer.run(progress=False)
