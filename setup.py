@@ -7,7 +7,7 @@ setup(
     python_requires=">=3.11",
     # schedules/ is a top-level folder in the repository, installed as
     # halstm.schedules so that it cannot clash with another package.
-    packages=["halstm", "halstm.cells", "halstm.schedules"],
+    packages=["halstm", "halstm.cells", "halstm.model", "halstm.schedules"],
     package_dir={"halstm": "halstm", "halstm.schedules": "schedules"},
     package_data={"halstm": ["driver.cpp"]},
     install_requires=[

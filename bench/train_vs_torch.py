@@ -6,7 +6,7 @@ slows both alike; chars/s counts training steps only (each side's first
 step, which may compile or warm up, and validation excluded).
 
     .venv/bin/python bench/train_vs_torch.py --steps 300            # quick
-    .venv/bin/python bench/train_vs_torch.py --steps 2000 --profile  # the comparison
+    .venv/bin/python bench/train_vs_torch.py --steps 2000 --profile --save charlm.npz
 
 Writes OUT_DIR/train_vs_torch.json (config, machine, per side: loss curves,
 validation losses, chars/s; halstm's step-time breakdown) and
@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--profile", action="store_true",
                    help="also time the one-hot layer's kernels against a dense layer")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--save", metavar="CKPT", help="also write halstm's final checkpoint here "
+                   "(for `halstm sample CKPT`)")
     return p.parse_args()
 
 
@@ -242,6 +244,8 @@ def main():
     result["sides"]["halstm"]["steps_timed"] = steps_timed
     if a.profile:
         result["sides"]["halstm"]["projection"] = projection_cost(config, V)
+    if a.save:
+        trainer.save(a.save)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_vs_torch.json").write_text(json.dumps(result, indent=1))

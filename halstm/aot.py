@@ -63,7 +63,7 @@ class Spec:
     hidden_size: int
     direction: str
     target: str = "host"
-    schedule: str | None = None   # None: the target family's default
+    schedule: str | None = None   # None: the target family's default (resolved here)
 
     def __post_init__(self):
         cells.check(self.cell)
@@ -75,6 +75,8 @@ class Spec:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target: expected a Halide target string, got {self.target!r}")
+        from halstm import schedules     # the default schedule, named: one cache key
+        object.__setattr__(self, "schedule", schedules.resolve(self.target, self.schedule))
 
     def describe(self) -> str:
         return (f"cell {self.cell} ({self.direction}, input {self.input_size}, hidden "
@@ -161,6 +163,7 @@ def library(spec: Spec) -> tuple[Path, dict]:
     if manifest is not None:
         return entry / manifest["library"], manifest
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(root)
     with FileLock(str(root / f"{key}.lock")):
         manifest = read_entry(entry)          # another process may have built it
         if manifest is None:
@@ -173,6 +176,17 @@ def library(spec: Spec) -> tuple[Path, dict]:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return entry / manifest["library"], manifest
+
+
+def _remove_stale_builds(root: Path, age_s: float = 3600) -> None:
+    """Delete temporary build folders that a killed process left behind."""
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def build(spec: Spec, out: Path) -> dict:
@@ -192,7 +206,7 @@ def build(spec: Spec, out: Path) -> dict:
         if "host" in spec.target.split("-"):
             target = hl.get_host_target() if spec.target == "host" else target
         schedule = schedules.resolve(target, spec.schedule)
-    except (RuntimeError, ValueError) as e:
+    except Exception as e:  # halide.HalideError derives from Exception only
         raise CompileError(f"{spec.describe()}: {e}") from e
     kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
     objects = []

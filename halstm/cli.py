@@ -17,10 +17,7 @@ def _register():
     main.add_command(sample)
 
 
-try:
-    _register()
-except ImportError:  # pragma: no cover - the model package is optional while it is built
-    pass
+_register()
 
 if __name__ == "__main__":
     main()

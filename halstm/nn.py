@@ -118,19 +118,19 @@ class _RNN:
         """x as a (T, B, I) float32 array, and whether it came unbatched."""
         x = _float_array("input", x)
         layout = "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"
-        if x.ndim == 2:
-            x, unbatched = x[:, None, :], True
-        elif x.ndim == 3:
-            unbatched = False
-            if self.batch_first:
-                x = x.transpose(1, 0, 2)
-        else:
+        if x.ndim not in (2, 3):
             raise ValueError(f"input: expected a 3-D array {layout} or a 2-D unbatched "
                              f"(T, input_size), got shape {x.shape}")
-        if x.shape[2] != self.input_size or x.shape[0] < 1 or x.shape[1] < 1:
-            raise ValueError(f"input: expected {layout} with input_size={self.input_size} "
-                             f"and T, B >= 1, got shape {x.shape if not unbatched else x.shape[::2]}")
-        return f32(x), unbatched
+        if x.shape[-1] != self.input_size or 0 in x.shape:
+            raise ValueError(f"input: expected {layout} or unbatched (T, input_size), with "
+                             f"input_size={self.input_size} and no empty axis, got shape {x.shape}")
+        unbatched = x.ndim == 2
+        if unbatched:
+            x = x[:, None, :]
+        elif self.batch_first:
+            x = x.transpose(1, 0, 2)
+        # a copy: backward reads it, and the caller may change theirs meanwhile
+        return np.array(x, dtype=np.float32, order="C"), unbatched
 
     def _initial(self, name, a, B, unbatched):
         L, H = self.num_layers, self.hidden_size

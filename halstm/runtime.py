@@ -84,8 +84,10 @@ class Library:
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array per state. Returns (states, saved): states
         each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H)."""
-        T, B, _ = x.shape
-        G, H, K, S = self.G, self.H, self.K, self.S
+        T, B, K = x.shape
+        G, H, S = self.G, self.H, self.S
+        if K != self.K:
+            raise ValueError(f"x: expected (T, B, {self.K}), got {x.shape}")
         states = []
         for s0 in init:
             st = empty((T + 1, B, H))
@@ -103,6 +105,9 @@ class Library:
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H)."""
         T, B, K = x.shape
         G, H, Hp, Kp, P = self.G, self.H, self.Hp, self.Kp, self.P
+        if K != self.K or dy.shape != (T, B, H):
+            raise ValueError(f"x, dy: expected (T, B, {self.K}) and (T, B, {H}), "
+                             f"got {x.shape} and {dy.shape}")
         dstate = []
         for d in dfinal:
             a = empty((2, B, Hp))

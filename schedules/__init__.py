@@ -22,9 +22,13 @@ def names() -> list[str]:
     return sorted(_MODULES)
 
 
+GPU_FEATURES = {"cuda", "opencl", "metal", "d3d12compute", "vulkan", "webgpu"}
+
+
 def family(target) -> str:
-    """'gpu' for a target with a GPU API feature, else 'cpu'."""
-    return "gpu" if _target(target).has_gpu_feature() else "cpu"
+    """'gpu' for a target (string or halide.Target) with a GPU API feature,
+    else 'cpu'. Reads the string: needs no halide import."""
+    return "gpu" if GPU_FEATURES & set(str(target).split("-")) else "cpu"
 
 
 def _target(target):
@@ -39,12 +43,12 @@ def resolve(target, name: str | None = None) -> str:
     if name is None:
         if fam not in _DEFAULT:
             raise ValueError(f"schedule: no schedule for {fam} targets yet "
-                             f"(target {_target(target)}); available: {names()}")
+                             f"(target {target}); available: {names()}")
         return _DEFAULT[fam]
     if name not in _MODULES:
         raise ValueError(f"schedule: expected one of {names()}, got {name!r}")
     if fam not in _MODULES[name][1]:
-        raise ValueError(f"schedule: {name!r} does not fit {fam} target {_target(target)}")
+        raise ValueError(f"schedule: {name!r} does not fit {fam} target {target}")
     return name
 
 

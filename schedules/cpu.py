@@ -152,8 +152,10 @@ def grads(p, target):
     i, j, k, gate, b = (v[n] for n in ("i", "j", "k", "gate", "b"))
     rg, rn = p.rdoms["jg"], p.rdoms["bt"]
     _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(b, 4, GUARD)], [rg.x, rg.y], par="io")
+    # weight gradients: a 4-vector x 6-row tile (24 accumulators) per (b, t)
+    # step reads 4 vectors of x (or h) and broadcasts 6 values of dxp
     for w, vec, n in (("dw_ih", i, K), ("dw_hh", k, H)):
-        out = _tile(p.stage(w), p.stage(w + "_acc"), vec, _vw(target, n),
+        out = _tile(p.stage(w), p.stage(w + "_acc"), vec, min(4 * panel(target), n),
                     [(j, min(6, H), SHIFT)], [rn.x, rn.y], vec_tail=SHIFT)
         jo = hl.Var("jo")
         out.fuse(jo, gate, jo).parallel(jo)

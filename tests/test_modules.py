@@ -390,9 +390,7 @@ def test_wrong_rank_raises(cell, shape):
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("batch_first,shape,layout", [
     (False, (T, B, I + 1), "(T, B, input_size)"),
-    pytest.param(True, (B, T, I - 1), "(B, T, input_size)", marks=pytest.mark.xfail(
-        strict=True, reason="bug: with batch_first=True the message reports the shape "
-        "after nn._input's internal transpose, (T, B, I), not the (B, T, I) shape received")),
+    (True, (B, T, I - 1), "(B, T, input_size)"),
     (False, (T, I + 2), "(T, B, input_size)"),                 # unbatched
     (False, (0, B, I), "(T, B, input_size)"),                  # empty sequence
     (False, (T, 0, I), "(T, B, input_size)"),                  # empty batch

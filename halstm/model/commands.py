@@ -16,16 +16,15 @@ from click.core import ParameterSource
 from .. import CompileError, KernelError
 from . import checkpoint as ckpt_mod
 from . import data
+from .charlm import CharLM
 from .config import CELLS, LR_SCHEDULES, OPTIMIZERS, RESUMABLE, Config
 from .data import Corpus, CorpusError
+from .sample import generate
+from .train import Trainer
 
 _DEFAULTS = Config()
-# CLI option name -> Config field, for the options that set a config field.
-_FIELDS = {"hidden_size": "hidden_size", "layers": "layers", "cell": "cell", "seq_len": "seq_len",
-           "batch_size": "batch_size", "steps": "steps", "lr": "lr", "optimizer": "optimizer",
-           "momentum": "momentum", "lr_schedule": "lr_schedule", "warmup": "warmup_steps",
-           "clip": "clip", "eval_every": "eval_every", "save_every": "save_every",
-           "seed": "seed", "target": "target", "schedule": "schedule"}
+# CLI option names that differ from their Config field's; the others are the same.
+_FIELDS = {"warmup": "warmup_steps"}
 
 PATH = click.Path(dir_okay=False, path_type=Path)
 
@@ -101,7 +100,7 @@ def train(ctx, text, out, resume, plot, quiet, **options):
             ckpt = ckpt_mod.load(resume)
             changes = {}
             for name in given:
-                field, value = _FIELDS[name], options[name]
+                field, value = _FIELDS.get(name, name), options[name]
                 if field in RESUMABLE:
                     changes[field] = value
                 elif value != getattr(ckpt.config, field):
@@ -110,16 +109,14 @@ def train(ctx, text, out, resume, plot, quiet, **options):
                         f"{getattr(ckpt.config, field)!r}: leave it out to resume {resume}")
             config = ckpt.config.replace(**changes)
             corpus = Corpus.from_text(raw, source, config.seq_len, config.batch_size, ckpt.vocab)
-            from .train import Trainer
             trainer = Trainer.resume(ckpt, corpus, config)
             if trainer.step >= config.steps:
                 raise click.ClickException(
                     f"{resume} is already at step {trainer.step} (--steps {config.steps}): "
                     f"give a larger --steps to train further")
         else:
-            config = Config(**{_FIELDS[k]: v for k, v in options.items()})
+            config = Config(**{_FIELDS.get(k, k): v for k, v in options.items()})
             corpus = Corpus.from_text(raw, source, config.seq_len, config.batch_size)
-            from .train import Trainer
             trainer = Trainer(config, corpus)
     except (CorpusError, ckpt_mod.CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -171,8 +168,6 @@ def train(ctx, text, out, resume, plot, quiet, **options):
 @click.option("--schedule", default=None, help="Kernel schedule (default: the target's).")
 def sample(checkpoint, prime, length, temperature, seed, target, schedule):
     """Generate text from a checkpoint written by `halstm train`."""
-    from .charlm import CharLM
-    from .sample import generate
     try:
         ckpt = ckpt_mod.load(checkpoint)
         vocab = ckpt.vocab

@@ -77,10 +77,8 @@ class Trainer:
             position=self.streams.position(),
             corpus={"source": self.corpus.source, "sha256": self.corpus.sha256,
                     "length": int(len(self.corpus.train) + len(self.corpus.val))},
-            history={"train_step": np.asarray(self.history["train_step"], np.int64),
-                     "train_loss": np.asarray(self.history["train_loss"], np.float64),
-                     "val_step": np.asarray(self.history["val_step"], np.int64),
-                     "val_loss": np.asarray(self.history["val_loss"], np.float64)})
+            history={k: np.asarray(v, np.int64 if k.endswith("step") else np.float64)
+                     for k, v in self.history.items()})
 
     def save(self, path) -> None:
         ckpt_mod.save(path, self.checkpoint())
@@ -155,15 +153,18 @@ class Trainer:
             self._val = (np.ascontiguousarray(ids[idx].T), np.ascontiguousarray(ids[idx + 1].T))
         return self._val
 
-    def evaluate(self) -> float:
+    def evaluate(self, stop=None) -> float | None:
         """Mean cross-entropy (nats/char) over the whole validation text, read
         as eval_batch_size contiguous streams from a zero state, seq_len
-        steps at a time with the state carried (the training state is untouched)."""
+        steps at a time with the state carried (the training state is
+        untouched). None if stop() turns true on the way."""
         x, y = self._val_streams()
         state = self.model.zero_state(x.shape[1])
         total, T = 0.0, self.config.seq_len
         with _blas.single_threaded():
             for t in range(0, x.shape[0], T):
+                if stop is not None and stop():
+                    return None
                 loss, state = self.model.loss(x[t:t + T], y[t:t + T], state)
                 total += loss
         return total / y.size
@@ -174,8 +175,9 @@ class Trainer:
         """Train up to step `until` (default and at most config.steps).
         Validates every eval_every steps and at config.steps; with `out`,
         saves every save_every steps, at the end and when interrupted.
-        Ctrl-C (SIGINT, main thread) finishes the current step, saves and
-        returns "interrupted"; a second Ctrl-C aborts at once. Returns
+        Ctrl-C (SIGINT, main thread) finishes the current step (dropping a
+        validation under way), saves and returns "interrupted"; a second
+        Ctrl-C aborts at once. Returns
         "done" (config.steps reached) or "stopped" (until reached)."""
         cfg = self.config
         until = cfg.steps if until is None else min(until, cfg.steps)
@@ -197,23 +199,25 @@ class Trainer:
                 t0 = time.perf_counter()
                 loss = self.train_step()
                 dt = time.perf_counter() - t0
-                if not first:
+                if not first:                   # the first step may compile kernels
                     self.train_seconds += dt
                     self.train_chars += chars
+                    window.append(dt)
                 first = False
-                window.append(dt)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
                     with self.timer("validation"):
-                        val = self.evaluate()
-                    self.history["val_step"].append(self.step)
-                    self.history["val_loss"].append(val)
+                        v = self.evaluate(stop=interrupted.is_set)
+                    if v is not None:                 # None: Ctrl-C during validation
+                        val = v
+                        self.history["val_step"].append(self.step)
+                        self.history["val_loss"].append(val)
                 if out is not None and cfg.save_every and self.step % cfg.save_every == 0:
                     self.save(out)
                 if bar is not None:
                     bar.update(1)
+                    speed = f"{chars * len(window) / sum(window):,.0f}" if window else "-"
                     bar.set_postfix_str(f"loss {loss:.3f}  val {'-' if val is None else f'{val:.3f}'}"
-                                        f"  {chars * len(window) / sum(window):,.0f} chars/s",
-                                        refresh=False)
+                                        f"  {speed} chars/s", refresh=False)
         finally:
             if old_handler is not None and signal.getsignal(signal.SIGINT) is not old_handler:
                 signal.signal(signal.SIGINT, old_handler)
