@@ -169,7 +169,7 @@ def library(spec: Spec) -> tuple[Path, dict]:
         if manifest is None:
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
             try:
-                manifest = build(spec, tmp)
+                manifest = build(spec, tmp, require_loadable=True)
                 if entry.exists():            # a corrupt entry: replace it
                     shutil.rmtree(entry)
                 os.rename(tmp, entry)
@@ -189,9 +189,33 @@ def _remove_stale_builds(root: Path, age_s: float = 3600) -> None:
             pass
 
 
-def build(spec: Spec, out: Path) -> dict:
-    """Compile spec's pipelines and driver into out/libhalstm.so and write
-    out/manifest.json (last, so that a manifest means a finished build)."""
+# `halstm compile --emit` names -> Halide output files (suffix per pipeline)
+EMIT = {"c_header": ".h", "static_library": ".a", "assembly": ".s", "stmt": ".stmt",
+        "stmt_html": ".stmt.html", "schedule": ".schedule.h"}
+_ISA_PREFIXES = ("SSE", "AVX", "FMA", "F16C", "X86APX", "ARM", "SVE", "VSX", "POWER", "RVV")
+
+
+def loadable_here(target) -> bool:
+    """Whether code for `target` (a halide.Target) can be loaded and run on
+    this machine's CPU: same architecture, bits and OS, and every ISA
+    extension it uses present here."""
+    import halide as hl
+    host = hl.get_host_target()
+    if (target.arch, target.bits, target.os) != (host.arch, host.bits, host.os):
+        return False
+    return all(host.has_feature(f) or not target.has_feature(f)
+               for name, f in hl.TargetFeature.__members__.items()
+               if name.upper().startswith(_ISA_PREFIXES))
+
+
+def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dict:
+    """Compile spec's pipelines into `out` and write out/manifest.json last
+    (so that a manifest means a finished build). Where the target runs on
+    this machine, pipelines, runtime and driver are linked into
+    out/libhalstm.so; otherwise (a cross target) out gets one static library
+    and header per pipeline, the runtime, and driver.cpp with the defines to
+    build it with, for embedding in a C or C++ program. `emit`: more of
+    Halide's outputs per pipeline (keys of EMIT)."""
     try:
         import halide as hl
     except ImportError as e:  # pragma: no cover - a dependency
@@ -203,11 +227,17 @@ def build(spec: Spec, out: Path) -> dict:
     cell = cells.get(spec.cell)
     try:
         target = hl.Target(spec.target)
-        if "host" in spec.target.split("-"):
-            target = hl.get_host_target() if spec.target == "host" else target
         schedule = schedules.resolve(target, spec.schedule)
+        unknown = sorted(set(emit) - set(EMIT))
+        if unknown:
+            raise ValueError(f"emit: expected some of {sorted(EMIT)}, got {unknown}")
     except Exception as e:  # halide.HalideError derives from Exception only
         raise CompileError(f"{spec.describe()}: {e}") from e
+    link = loadable_here(target)
+    if require_loadable and not link:
+        raise CompileError(f"{spec.describe()}: code for target {target} cannot run on this "
+                           f"machine ({hl.get_host_target()}); `halstm compile --out DIR` "
+                           f"writes static libraries and headers for it")
     kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
     objects = []
     try:
@@ -216,31 +246,44 @@ def build(spec: Spec, out: Path) -> dict:
         for kind in kinds:
             p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, panel)
             schedules.apply(p, target, schedule)
-            obj = out / f"{kind}.o"
-            p.pipeline().compile_to({hl.OutputFileType.object: str(obj)},
-                                    [hl.Argument(q) for q in p.inputs], f"halstm_{kind}", lowered)
-            objects.append(obj)
-        runtime = out / "runtime.o"
-        hl.compile_standalone_runtime(str(runtime), target)
-        objects.append(runtime)
-    except Exception as e:  # Halide raises RuntimeError and others
+            files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
+            if link:
+                files[hl.OutputFileType.object] = str(out / f"{kind}.o")
+                objects.append(out / f"{kind}.o")
+            else:
+                files[hl.OutputFileType.static_library] = str(out / f"{kind}.a")
+                files[hl.OutputFileType.c_header] = str(out / f"{kind}.h")
+            p.pipeline().compile_to(files, [hl.Argument(q) for q in p.inputs],
+                                    f"halstm_{kind}", lowered)
+        if link:
+            hl.compile_standalone_runtime(str(out / "runtime.o"), target)
+            objects.append(out / "runtime.o")
+        else:
+            hl.compile_standalone_runtime({hl.OutputFileType.static_library:
+                                           str(out / "runtime.a")}, target)
+    except Exception as e:  # Halide raises HalideError, RuntimeError and others
         raise CompileError(f"Halide failed to compile {spec.describe()} "
                            f"(schedule {schedule}):\n{e}") from e
     defines = {"NS": len(cell.states), "G": cell.n_gates, "S": len(cell.saved),
                "K": spec.input_size, "H": spec.hidden_size, "P": panel,
                "DXP_IS_DHG": int(cell.dxp_is_dhg),
                "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
-           f"-I{Path(hl.__file__).parent / 'include'}",
-           *(f"-D{k}={v}" for k, v in defines.items()),
-           str(_HERE / "driver.cpp"), *map(str, objects), "-o", str(out / LIBRARY),
-           "-lpthread", "-ldl", "-lm"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise CompileError(f"linking {spec.describe()} (schedule {schedule}) failed:\n"
-                           f"{' '.join(cmd)}\n{res.stderr}")
-    for obj in objects:
-        obj.unlink()
+    flags = [f"-D{k}={v}" for k, v in defines.items()]
+    if link:
+        cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
+               f"-I{Path(hl.__file__).parent / 'include'}", *flags,
+               str(_HERE / "driver.cpp"), *map(str, objects), "-o", str(out / LIBRARY),
+               "-lpthread", "-ldl", "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CompileError(f"linking {spec.describe()} (schedule {schedule}) failed:\n"
+                               f"{' '.join(cmd)}\n{res.stderr}")
+        for obj in objects:
+            obj.unlink()
+    else:
+        shutil.copy(_HERE / "driver.cpp", out / "driver.cpp")
+        shutil.copy(Path(hl.__file__).parent / "include" / "HalideRuntime.h",
+                    out / "HalideRuntime.h")
     manifest = {
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
@@ -250,9 +293,16 @@ def build(spec: Spec, out: Path) -> dict:
         "halide_version": halide_version(), "halstm_code": code_hash(),
         "entry_points": ENTRY_POINTS[spec.direction],
         "pipelines": [f"halstm_{k}" for k in kinds],
-        "library": LIBRARY, "sha256": _sha256(out / LIBRARY),
+        "emitted": sorted(emit),
         "compile_seconds": round(time.perf_counter() - start, 3),
     }
+    if link:
+        manifest |= {"library": LIBRARY, "sha256": _sha256(out / LIBRARY)}
+    else:
+        manifest |= {"library": None, "loadable_here": False,
+                     "driver_build": "c++ -O2 -std=c++17 -I. " + " ".join(flags) +
+                     " driver.cpp " + " ".join(f"{k}.a" for k in kinds) + " runtime.a"
+                     " (add -shared -fPIC -o libhalstm.so for a shared library)"}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / MANIFEST)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 
 # name -> (module, families it fits: "cpu" and/or "gpu")
-_MODULES = {"naive": ("naive", {"cpu"}), "cpu": ("cpu", {"cpu"})}
-_DEFAULT = {"cpu": "cpu"}
+_MODULES = {"naive": ("naive", {"cpu"}), "cpu": ("cpu", {"cpu"}), "cuda": ("cuda", {"gpu"})}
+_DEFAULT = {"cpu": "cpu", "gpu": "cuda"}
 
 
 def names() -> list[str]:
