@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -136,3 +137,115 @@ def bench_torch(cell, name, s, mode, device="cpu") -> Result | None:
     ms, runs = _median_ms(run)
     return Result(name, cell, mode, "torch" if device == "cpu" else f"torch-{device}", ms,
                   flops(cell, s, mode) / ms / 1e6, runs)
+
+
+def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd"),
+        progress=False):
+    """Measure every (shape, mode): peers first, then each schedule.
+    Returns (results, notes); a peer that is not installed is skipped with a note."""
+    from tqdm import tqdm
+    known = shapes()
+    notes, results = [], []
+    device = "cuda" if "cuda" in target.split("-") else "cpu"
+    jobs = [(n, m, impl) for n in names for m in modes for impl in [*peers, *scheds]]
+    bar = tqdm(jobs, disable=not progress, unit="run", file=sys.stderr)
+    for name, mode, impl in bar:
+        bar.set_description(f"{name} {mode} {impl or 'default'}")
+        s = known[name]
+        if impl == "numpy":
+            results.append(bench_numpy(cell, name, s, mode))
+        elif impl == "torch":
+            r = bench_torch(cell, name, s, mode, device)
+            if r is None:
+                if "torch is not installed; skipped" not in notes:
+                    notes.append("torch is not installed; skipped")
+            else:
+                results.append(r)
+        else:
+            results.append(bench_halstm(cell, name, s, impl, mode, target))
+    return results, notes
+
+
+def ratios(results) -> list[dict]:
+    """Rows with, for each halstm result, its time over each peer's (same
+    shape and mode): below 1 means halstm is faster."""
+    rows = []
+    peers = {(r.shape, r.mode, r.impl): r.ms for r in results if not r.impl.startswith("halstm")}
+    for r in results:
+        row = r.row()
+        if r.impl.startswith("halstm"):
+            for (shape, mode, impl), ms in peers.items():
+                if shape == r.shape and mode == r.mode:
+                    row[f"x_{impl}"] = r.ms / ms
+        rows.append(row)
+    return rows
+
+
+def table(results) -> str:
+    rows = ratios(results)
+    peer_cols = sorted({k for row in rows for k in row if k.startswith("x_")})
+    head = ["shape", "mode", "impl", "ms", "GFLOP/s", *[f"vs {c[2:]}" for c in peer_cols],
+            "max rel err"]
+    lines = [head]
+    for row in rows:
+        err = row["max_rel_err"]
+        lines.append([row["shape"], row["mode"], row["impl"], f"{row['ms']:.3f}",
+                      f"{row['gflops']:.1f}",
+                      *[f"{row[c]:.2f}x" if c in row else "" for c in peer_cols],
+                      f"{err:.1e}" if err is not None else ""])
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) if i >= 3 else str(c).ljust(w)
+                               for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def write_csv(results, path) -> None:
+    import csv
+    rows = ratios(results)
+    cols = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_json(results, path) -> None:
+    import platform
+    meta = {"machine": platform.machine(), "processor": platform.processor(),
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import halide as hl
+        meta["host_target"] = str(hl.get_host_target())
+    except ImportError:  # pragma: no cover
+        pass
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": ratios(results)}, f, indent=2)
+
+
+def plot(results, path) -> None:
+    """One panel per mode: median ms per shape (log scale), a bar per implementation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = list(dict.fromkeys(r.mode for r in results))
+    names = list(dict.fromkeys(r.shape for r in results))
+    impls = list(dict.fromkeys(r.impl for r in results))
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    width = 0.8 / len(impls)
+    for ax, mode in zip(axes[0], modes):
+        for k, impl in enumerate(impls):
+            xs, ys = [], []
+            for i, n in enumerate(names):
+                for r in results:
+                    if (r.shape, r.mode, r.impl) == (n, mode, impl):
+                        xs.append(i + k * width)
+                        ys.append(r.ms)
+            ax.bar(xs, ys, width, label=impl)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=20)
+        ax.set_yscale("log")
+        ax.set_ylabel("median ms (log)")
+        ax.set_title(f"{results[0].cell} {mode}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

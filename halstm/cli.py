@@ -1,7 +1,13 @@
-"""The `halstm` command line."""
+"""The `halstm` command line: targets, compile, inspect, bench, train, sample."""
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import click
+
+from . import aot, cells
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -11,13 +17,199 @@ def main():
     benchmark, and train a char-level language model."""
 
 
-def _register():
+def _halide_target(value: str) -> str:
+    import halide as hl
+    if not hl.Target.validate_target_string(value):
+        raise click.BadParameter(f"{value!r} is not a Halide target string "
+                                 f"(e.g. host, host-cuda-cuda_capability_80, arm-64-linux)")
+    return value
+
+
+def _target_option(f):
+    return click.option("--target", default="host", show_default=True,
+                        callback=lambda ctx, p, v: _halide_target(v),
+                        help="Halide target string: host, host-cuda, arm-64-linux, ...")(f)
+
+
+def _positive(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cuda_status() -> str:
+    """Whether a CUDA driver and GPU are usable here, in words."""
+    import ctypes
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no CUDA driver (libcuda.so.1 not found)"
+    if cuda.cuInit(0) != 0:
+        return "CUDA driver found, but cuInit failed (no usable GPU)"
+    n = ctypes.c_int()
+    cuda.cuDeviceGetCount(ctypes.byref(n))
+    return f"CUDA driver found, {n.value} GPU(s)" if n.value else "CUDA driver found, no GPU"
+
+
+@main.command()
+def targets():
+    """Show the host target, its features, GPU availability and schedules."""
+    import halide as hl
+    from halstm import schedules
+    host = str(hl.get_host_target())
+    arch, bits, os_, *features = host.split("-")
+    click.echo(f"host target:  {host}")
+    click.echo(f"architecture: {arch}-{bits}-{os_}")
+    click.echo(f"features:     {', '.join(features) or '(none)'}")
+    click.echo(f"cuda:         {_cuda_status()}")
+    click.echo("schedules:")
+    for name in schedules.names():
+        fams = ", ".join(sorted(schedules.families(name)))
+        default = [f for f in ("cpu", "gpu") if schedules.default_for(f) == name]
+        note = f"  (default for {', '.join(default)} targets)" if default else ""
+        click.echo(f"  {name:10s} {fams}{note}")
+
+
+@main.command()
+@click.option("--cell", type=click.Choice(cells.NAMES), default="lstm", show_default=True)
+@click.option("--input-size", "-i", type=int, required=True, callback=_positive)
+@click.option("--hidden-size", "-H", type=int, required=True, callback=_positive)
+@click.option("--layers", type=int, default=1, show_default=True, callback=_positive)
+@_target_option
+@click.option("--schedule", default=None, help="Schedule name (default: the target's best).")
+@click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output folder (default: ./<cell>_i<I>_h<H>).")
+@click.option("--emit", multiple=True, type=click.Choice(sorted(aot.EMIT)),
+              help="Also write this Halide output per pipeline (repeatable).")
+def compile(cell, input_size, hidden_size, layers, target, schedule, out, emit):
+    """Compile forward and backward kernels for a model into a folder.
+
+    For a target that runs here the folder holds loadable libraries
+    (halstm.load(DIR) runs them); for a cross target, static libraries,
+    headers and the driver source to build into a C or C++ program."""
+    from . import compiled
+    out = out or Path(f"{cell}_i{input_size}_h{hidden_size}")
+    try:
+        aot.Spec(cell, input_size, hidden_size, "fwd", target, schedule)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--schedule") from None
+    try:
+        out.parent.resolve().mkdir(parents=True, exist_ok=True)
+        probe = out.parent.resolve() / f".{out.name}.probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise click.BadParameter(f"cannot write to {out}: {e.strerror}", param_hint="--out")
+
+    def progress(name, m):
+        click.echo(f"  {name}: {m['compile_seconds']:.1f} s", err=True)
+
+    click.echo(f"compiling {cell} (input {input_size}, hidden {hidden_size}, {layers} "
+               f"layer(s)) for {target} ...", err=True)
+    try:
+        top = compiled.compile_model(cell, input_size, hidden_size, layers, target, schedule,
+                                     out, emit, progress)
+    except aot.CompileError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {out}/ (target {top['target']}, schedule {top['schedule']})")
+    if not top["loadable_here"]:
+        click.echo("this target cannot run here: each part holds static libraries (.a), "
+                   "headers (.h), the Halide runtime and driver.cpp for embedding in a C or "
+                   "C++ program; its manifest.json gives the build command")
+
+
+@main.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the raw manifests as JSON.")
+def inspect(folder, as_json):
+    """Describe a folder written by `halstm compile`."""
+    from . import compiled
+    try:
+        top = compiled.read(folder)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    parts = [compiled.read(folder / p["dir"]) for p in top.get("parts", [])]
+    if as_json:
+        click.echo(json.dumps({"model": top, "parts": parts}, indent=2))
+        return
+    for key in ("cell", "input_size", "hidden_size", "num_layers", "target", "schedule",
+                "halide_version", "loadable_here"):
+        click.echo(f"{key + ':':16s}{top.get(key)}")
+    for part, m in zip(top.get("parts", []), parts):
+        kind = m["library"] or "static libraries + driver.cpp"
+        click.echo(f"\n{part['dir']}: {m['direction']} input {m['input_size']}, panel "
+                   f"{m['panel']}, {kind}, compiled in {m['compile_seconds']:.1f} s")
+        click.echo(f"  pipelines: {', '.join(m['pipelines'])}")
+        for entry, args in m["entry_points"].items():
+            click.echo(f"  {entry}(" + ", ".join(args) + ")")
+        if m.get("driver_build"):
+            click.echo(f"  build: {m['driver_build']}")
+
+
+@main.command()
+@click.option("--shapes", default="small_128_b16", show_default=True,
+              help="Comma-separated shape names from the shared set, or 'all'.")
+@click.option("--cell", type=click.Choice(cells.NAMES), default="lstm", show_default=True)
+@click.option("--schedules", "schedule_list", default=None,
+              help="Comma-separated schedules (default: the target's default).")
+@_target_option
+@click.option("--peers", default="numpy,torch", show_default=True,
+              help="Comma-separated peers to time beside halstm: numpy, torch ('' for none).")
+@click.option("--fwd/--fwdbwd", "fwd_only", default=None,
+              help="Forward only, or forward+backward (default: both).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path))
+def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_path, plot_path):
+    """Time schedules against peers on the shared benchmark shapes.
+
+    Each halstm result is checked against the numpy reference before it is
+    timed; times are medians after a warm-up; ratios compare with peers
+    measured in the same run."""
+    from . import benchmark as B
+    known = B.shapes()
+    names = list(known) if shapes == "all" else [s.strip() for s in shapes.split(",") if s]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise click.BadParameter(f"unknown shape(s) {bad}; known: {', '.join(known)}",
+                                 param_hint="--shapes")
+    scheds = [s.strip() for s in schedule_list.split(",")] if schedule_list else [None]
+    for s in scheds:
+        try:
+            aot.Spec(cell, 1, 1, "fwd", target, s)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--schedules") from None
+    peer_list = [p.strip() for p in peers.split(",") if p.strip()]
+    bad = [p for p in peer_list if p not in B.PEERS]
+    if bad:
+        raise click.BadParameter(f"unknown peer(s) {bad}; known: {', '.join(B.PEERS)}",
+                                 param_hint="--peers")
+    modes = ["fwd", "fwdbwd"] if fwd_only is None else (["fwd"] if fwd_only else ["fwdbwd"])
+    try:
+        results, notes = B.run(names, cell, scheds, target, peer_list, modes, progress=True)
+    except (aot.CompileError, AssertionError) as e:
+        raise click.ClickException(str(e)) from None
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(B.table(results))
+    if csv_path:
+        B.write_csv(results, csv_path)
+    if json_path:
+        B.write_json(results, json_path)
+    if plot_path:
+        B.plot(results, plot_path)
+    for path in (csv_path, json_path, plot_path):
+        if path:
+            click.echo(f"wrote {path}", err=True)
+
+
+def _register_model_commands():
     from .model.commands import sample, train
     main.add_command(train)
     main.add_command(sample)
 
 
-_register()
+_register_model_commands()
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,15 @@ def _target(target):
     return target if isinstance(target, hl.Target) else hl.Target(target)
 
 
+def families(name: str) -> set[str]:
+    """The target families ('cpu', 'gpu') that schedule `name` fits."""
+    return set(_MODULES[name][1])
+
+
+def default_for(fam: str) -> str | None:
+    return _DEFAULT.get(fam)
+
+
 def resolve(target, name: str | None = None) -> str:
     """The schedule name to use: `name` checked against the target, or the
     target family's default."""

@@ -1,0 +1,88 @@
+"""A folder of compiled kernels for one model (`halstm compile --out DIR`):
+
+    DIR/manifest.json            cell, sizes, layers, target, schedule, parts
+    DIR/<direction>_k<K>/        one library (or, for a cross target, static
+                                 libraries, headers and driver.cpp) + manifest
+
+Written through a temporary folder renamed into place, so a failed or
+interrupted compile leaves DIR as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import aot
+
+MANIFEST = "manifest.json"
+
+
+def input_sizes(input_size: int, hidden_size: int, layers: int) -> list[int]:
+    """The distinct layer input sizes of a stack: layer 0 takes input_size,
+    the others hidden_size."""
+    return sorted({input_size} | ({hidden_size} if layers > 1 else set()))
+
+
+def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, emit=(),
+                  progress=None) -> dict:
+    """Build every library a model needs, both directions, into `out`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        parts = []
+        for direction in aot.DIRECTIONS:
+            for k in input_sizes(input_size, hidden_size, layers):
+                spec = aot.Spec(cell, k, hidden_size, direction, target, schedule)
+                name = f"{direction}_k{k}"
+                (tmp / name).mkdir()
+                m = aot.build(spec, tmp / name, emit)
+                parts.append({"dir": name, "direction": direction, "input_size": k,
+                              "library": m["library"], "compile_seconds": m["compile_seconds"]})
+                if progress:
+                    progress(name, m)
+        top = {"cell": cell, "input_size": input_size, "hidden_size": hidden_size,
+               "num_layers": layers, "target": m["target"], "target_requested": target,
+               "schedule": m["schedule"], "halide_version": m["halide_version"],
+               "loadable_here": m["library"] is not None, "parts": parts}
+        (tmp / MANIFEST).write_text(json.dumps(top, indent=2))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        return top
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read(path) -> dict:
+    """The top manifest of a compiled folder (or a single library's)."""
+    path = Path(path)
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no {MANIFEST}; not a folder written by "
+                                f"`halstm compile`") from None
+
+
+def load(path, seed=None):
+    """A halstm.LSTM or halstm.GRU running the kernels compiled into `path`."""
+    from .nn import GRU, LSTM
+    from .runtime import Library
+    path = Path(path)
+    top = read(path)
+    if not top.get("loadable_here"):
+        raise ValueError(f"{path}: compiled for {top['target']}, which cannot run here")
+    cls = {"lstm": LSTM, "gru": GRU}[top["cell"]]
+    m = cls(top["input_size"], top["hidden_size"], num_layers=top["num_layers"],
+            target=top["target_requested"], schedule=top["schedule"], seed=seed)
+    for part in top["parts"]:
+        lib = Library(path / part["dir"])
+        m._libs[(part["input_size"], part["direction"])] = lib
+    return m
