@@ -242,9 +242,10 @@ def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dic
     objects = []
     try:
         lowered = target.with_feature(hl.TargetFeature.NoRuntime)
-        panel = schedules.for_target(target, schedule).panel(target)
+        layout = schedules.for_target(target, schedule).layout(target)
+        panel = layout["panel"]
         for kind in kinds:
-            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, panel)
+            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, layout)
             schedules.apply(p, target, schedule)
             files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
             if link:
@@ -288,7 +289,7 @@ def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dic
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
-        "dxp_is_dhg": cell.dxp_is_dhg, "panel": panel,
+        "dxp_is_dhg": cell.dxp_is_dhg, "panel": panel, "layout": layout,
         "target": str(target), "target_requested": spec.target, "schedule": schedule,
         "halide_version": halide_version(), "halstm_code": code_hash(),
         "entry_points": ENTRY_POINTS[spec.direction],

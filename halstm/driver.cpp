@@ -190,18 +190,21 @@ int halstm_backward(int T, int B, const float *x, const float *w_ih, const float
         for (int s = 0; s < NS; s++)
             std::memcpy(dstate[s], dstate[s] + (int64_t)B * HP, sizeof(float) * B * HP);
     }
-    View vx(x, {{K, 1}, {B, K}, {T, B * K}});
-    View vhs(states[0], {{H, 1}, {B, H}, {T, B * H}});
-    View vdxp(dxp, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
-    View vdx(dx, {{KP, 1}, {B, KP}, {T, B * KP}});
+    // batch and time merged: N = T*B rows
+    const int N = T * B;
+    View vx(x, {{K, 1}, {N, K}});
+    View vhs(states[0], {{H, 1}, {N, H}});
+    View vdxp(dxp, {{H, 1}, {G, H}, {N, G * H}});
+    View vdx(dx, {{KP, 1}, {N, KP}});
     View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
     View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
 #if DXP_IS_DHG
-    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(),
+                        vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
 #else
-    View vdhg(dhg, {{H, 1}, {G, H}, {B, G * H}, {T, B * G * H}});
-    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
-                        vdb_hh.hb());
+    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vwq_ih.hb(), vdx.hb(),
+                        vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
 #endif
 }
 #endif  // HALSTM_BACKWARD

@@ -44,6 +44,8 @@ class Pipe:
     K: int
     H: int
     P: int = 1
+    dw_cols: int = 1     # weight-gradient tile: input units per tile (a panel of x or h)
+    dw_rows: int = 1     # ... and hidden units per tile (a panel of dxp)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -145,12 +147,15 @@ def _matmul(name, args, init, term):
     return acc, out
 
 
-def build(cell: Cell, kind: str, K: int, H: int, P: int = 1) -> Pipe:
-    """Build pipeline `kind` (one of KINDS) for `cell` with input size K,
-    weights packed in panels of P units."""
+def build(cell: Cell, kind: str, K: int, H: int, layout: dict | None = None) -> Pipe:
+    """Build pipeline `kind` (one of KINDS) for `cell` with input size K.
+    layout (from the schedule): panel (P), dw_cols, dw_rows: the packed
+    operand shapes; all 1 by default."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    p = Pipe(kind, cell, K, H, P)
+    layout = layout or {}
+    p = Pipe(kind, cell, K, H, layout.get("panel", 1), layout.get("dw_cols", 1),
+             layout.get("dw_rows", 1))
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -297,31 +302,66 @@ def _step_bwd(p: Pipe) -> None:
 
 
 def _grads(p: Pipe) -> None:
+    """Gradients over all steps, with batch and time merged into one axis
+    n = t*B + b of N rows (the driver passes 2-D views)."""
     cell, G, K, H, P = p.cell, p.G, p.K, p.H, p.P
-    i, j, k, gate, b, t = (p.vars[n] for n in ("i", "j", "k", "gate", "b", "t"))
-    x = _param("x", [K, None, None])                 # numpy (T, B, K)
-    hs = _param("hs", [H, None, None])               # numpy (T+1, B, H): h_{t-1} at [t]
-    dxp = _param("dxp", [H, G, None, None])          # numpy (T, B, G, H)
+    C, R = p.dw_cols, p.dw_rows
+    i, j, k, gate, n = (p.vars[v] for v in ("i", "j", "k", "gate", "t"))
+    x = _param("x", [K, None])                       # numpy (N, K)
+    hs = _param("hs", [H, None])                     # numpy (N, H): h_{t-1} for row t*B+b
+    dxp = _param("dxp", [H, G, None])                # numpy (N, G, H)
     shared = cell.dxp_is_dhg
-    dhg = dxp if shared else _param("dhg", [H, G, None, None])
+    dhg = dxp if shared else _param("dhg", [H, G, None])
     wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
-    B, T = x.dim(1).extent(), x.dim(2).extent()
-    rn = hl.RDom([(0, B), (0, T)], "r_bt")
+    N = x.dim(1).extent()
+    rn = hl.RDom([(0, N)], "r_n")
     rg = hl.RDom([(0, H), (0, G)], "r_jg")
-    dxp_in, w = _clamp_b(dxp, 2), _packed(wq_ih, i, P)
-    zero = hl.f32(0)
+    w = _packed(wq_ih, i, P)
     stages = {}
-    for name, args, term in [
-        ("dx", [i, b, t], lambda: w(rg.x, rg.y) * dxp_in[rg.x, rg.y, b, t]),       # (T, B, Kp)
-        ("dw_ih", [i, j, gate], lambda: dxp[j, gate, rn.x, rn.y] * x[i, rn.x, rn.y]),  # (G*H, K)
-        ("db_ih", [j, gate], lambda: dxp[j, gate, rn.x, rn.y]),                      # (G*H,)
-        ("dw_hh", [k, j, gate], lambda: dhg[j, gate, rn.x, rn.y] * hs[k, rn.x, rn.y]),  # (G*H, H)
-        ("db_hh", [j, gate], lambda: dhg[j, gate, rn.x, rn.y]),                      # (G*H,)
-    ]:
-        stages[name + "_acc"], stages[name] = _matmul(name, args, zero, term)
+    stages["dx_acc"], stages["dx"] = _matmul(                                    # (N, Kp)
+        "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * _clamp_b(dxp, 2)[rg.x, rg.y, n])
+    # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are
+    # first packed into panels contiguous along n (C input units, resp. R
+    # hidden units with all gates), so that a tile streams two dense blocks.
+    panels = {"x": _row_panels(x, K, C, "x_panels"), "hs": _row_panels(hs, H, C, "hs_panels"),
+              "dxp": _unit_panels(dxp, H, R, "dxp_panels")}
+    panels["dhg"] = panels["dxp"] if shared else _unit_panels(dhg, H, R, "dhg_panels")
+    for name, d, a, v in (("dw_ih", "dxp", "x", i), ("dw_hh", "dhg", "hs", k)):
+        acc = hl.Func(name + "_acc")
+        acc[v, j, gate] = hl.f32(0)
+        acc[v, j, gate] += (panels[d][j % R, gate, rn.x, j / R] *
+                            panels[a][v % C, rn.x, v / C])
+        tiles = hl.Func(name + "_tiles")          # whole tiles, past the edges
+        tiles[v, j, gate] = acc[v, j, gate]
+        out = hl.Func(name)
+        out[v, j, gate] = tiles[v, j, gate]
+        stages |= {name + "_acc": acc, name + "_tiles": tiles, name: out}
+    for name, d in (("db_ih", dxp), ("db_hh", dhg)):
+        stages[name + "_acc"], stages[name] = _matmul(name, [j, gate], hl.f32(0),
+                                                      lambda: d[j, gate, rn.x])
+    stages |= {"x_panels": panels["x"], "hs_panels": panels["hs"],
+               "dxp_panels": panels["dxp"], "dhg_panels": panels["dhg"]}
     p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + [wq_ih]
-    p.outputs = [stages[n] for n in ("dx", "dw_ih", "db_ih", "dw_hh", "db_hh")]
-    for f, ext in zip(p.outputs, ([p.Kp, None, None], [K, H, G], [H, G], [H, H, G], [H, G])):
+    p.outputs = [stages[v] for v in ("dx", "dw_ih", "db_ih", "dw_hh", "db_hh")]
+    for f, ext in zip(p.outputs, ([p.Kp, None], [K, H, G], [H, G], [H, H, G], [H, G])):
         _fix_output(f, ext)
     p.stages = stages
-    p.rdoms = {"bt": rn, "jg": rg}
+    p.rdoms = {"n": rn, "jg": rg}
+
+
+def _row_panels(a: hl.ImageParam, n: int, C: int, name: str) -> hl.Func:
+    """a(v, row) -> f(vi, row, vo) = a(vo*C + vi, row), zero past n."""
+    f = hl.Func(name)
+    vi, row, vo = hl.Var("vi"), hl.Var("row"), hl.Var("vo")
+    v = vo * C + vi
+    f[vi, row, vo] = hl.select(v < n, a[hl.min(v, n - 1), row], hl.f32(0))
+    return f
+
+
+def _unit_panels(d: hl.ImageParam, H: int, R: int, name: str) -> hl.Func:
+    """d(j, gate, row) -> f(ji, gate, row, jo) = d(jo*R + ji, gate, row)
+    (units past H repeat the last; their results are never stored)."""
+    f = hl.Func(name)
+    ji, gate, row, jo = hl.Var("ji"), hl.Var("gate"), hl.Var("row"), hl.Var("jo")
+    f[ji, gate, row, jo] = d[hl.min(jo * R + ji, H - 1), gate, row]
+    return f

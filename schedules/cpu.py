@@ -20,6 +20,15 @@ def panel(target: hl.Target) -> int:
     return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
 
 
+def layout(target: hl.Target) -> dict:
+    """Packed operand shapes: weight panels one vector wide; weight-gradient
+    tiles of 4 vectors x 6 units with AVX-512 (24 of 32 registers hold
+    accumulators), 2 vectors x 6 units otherwise (12 of 16)."""
+    P = panel(target)
+    wide = target.has_feature(hl.TargetFeature.AVX512)
+    return {"panel": P, "dw_cols": (4 if wide else 2) * P, "dw_rows": 6}
+
+
 def _vw(target, extent: int) -> int:
     return min(panel(target), extent)
 
@@ -148,17 +157,30 @@ def step_bwd(p, target):
 
 
 def grads(p, target):
-    v, K, H = p.vars, p.K, p.H
-    i, j, k, gate, b = (v[n] for n in ("i", "j", "k", "gate", "b"))
-    rg, rn = p.rdoms["jg"], p.rdoms["bt"]
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(b, 4, GUARD)], [rg.x, rg.y], par="io")
-    # weight gradients: a 4-vector x 6-row tile (24 accumulators) per (b, t)
-    # step reads 4 vectors of x (or h) and broadcasts 6 values of dxp
-    for w, vec, n in (("dw_ih", i, K), ("dw_hh", k, H)):
-        out = _tile(p.stage(w), p.stage(w + "_acc"), vec, min(4 * panel(target), n),
-                    [(j, min(6, H), SHIFT)], [rn.x, rn.y], vec_tail=SHIFT)
+    v, H = p.vars, p.H
+    i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
+    rg, rn = p.rdoms["jg"], p.rdoms["n"]
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 4, GUARD)], [rg.x, rg.y], par="io")
+    for name in ("x_panels", "hs_panels"):
+        f = p.stage(name)
+        vi, row, vo = f.args()
+        f.compute_root().vectorize(vi, min(p.dw_cols, 4 * p.P)).parallel(vo)
+    for f in {p.stage("dxp_panels").name(): p.stage("dxp_panels"),
+              p.stage("dhg_panels").name(): p.stage("dhg_panels")}.values():
+        ji, g, row, jo = f.args()
+        f.compute_root().unroll(ji).unroll(g).parallel(jo)
+    # Weight gradients: a dw_cols x dw_rows register tile per (panel, unit
+    # tile, gate); the input-panel loop outermost so that its panel stays in
+    # L2 while every unit tile streams past it. Measured 57.6 GF/s for
+    # dW_hh at deepbench_1024 (H=1024, N=1600) on the 2-core AVX-512 VM,
+    # where numpy's sgemm of the same size ran at 105 GF/s, both under load;
+    # unpacked operands ran at 15 GF/s.
+    for name, vec in (("dw_ih", i), ("dw_hh", v["k"])):
+        tiles = p.stage(name + "_tiles").compute_root()
+        _tile(tiles, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, ROUND)], [rn.x])
         jo = hl.Var("jo")
-        out.fuse(jo, gate, jo).parallel(jo)
+        tiles.fuse(jo, gate, jo).parallel(jo)
+        p.stage(name).vectorize(vec, _vw(target, p.K if vec is i else H))
     for bias in ("db_ih", "db_hh"):
-        _tile(p.stage(bias), p.stage(bias + "_acc"), j, _vw(target, H), [], [rn.x, rn.y],
+        _tile(p.stage(bias), p.stage(bias + "_acc"), j, _vw(target, H), [], [rn.x],
               par="gate", vec_tail=SHIFT)

@@ -8,9 +8,9 @@ serially inside each thread, over its own output element.
 import halide as hl
 
 
-def panel(target: hl.Target) -> int:
-    """Weight panel width: a warp's worth of units."""
-    return 32
+def layout(target: hl.Target) -> dict:
+    """Packed operand shapes: weight panels a warp's worth of units wide."""
+    return {"panel": 32, "dw_cols": 32, "dw_rows": 1}
 
 
 def _gpu(stage, args, name):

@@ -10,6 +10,6 @@ def _root(pipe, target):
 pack = proj = step = pack_bwd = step_bwd = grads = _root
 
 
-def panel(target) -> int:
-    """Weight panel width: 1, the plain transposed layout."""
-    return 1
+def layout(target) -> dict:
+    """Packed operand shapes: all 1, the plain (transposed) layouts."""
+    return {"panel": 1, "dw_cols": 1, "dw_rows": 1}

@@ -63,7 +63,7 @@ class Vocab:
             raise ValueError("vocab: expected at least two distinct characters in sorted order")
         self.chars = chars
         self._index = {c: i for i, c in enumerate(chars)}
-        self._table = None      # code point -> id, built on first encode
+        self._table = None
 
     @classmethod
     def from_text(cls, text: str) -> "Vocab":
@@ -84,14 +84,14 @@ class Vocab:
 
     def encode(self, text: str) -> np.ndarray:
         """text -> int32 ids; ValueError naming any characters outside the vocabulary."""
-        missing = self.missing(text)
-        if missing:
-            raise ValueError(f"characters not in the vocabulary: {missing!r}")
-        if self._table is None:
-            self._table = np.zeros(max(map(ord, self.chars)) + 1, np.int32)
+        if self._table is None:      # code point -> id, -1 for others (the last entry too)
+            self._table = np.full(max(map(ord, self.chars)) + 2, -1, np.int32)
             self._table[[ord(c) for c in self.chars]] = np.arange(len(self.chars))
         codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
-        return self._table[codes]
+        ids = self._table[np.minimum(codes, len(self._table) - 1)]
+        if len(ids) and ids.min() < 0:
+            raise ValueError(f"characters not in the vocabulary: {self.missing(text)!r}")
+        return ids
 
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in np.asarray(ids).ravel())
@@ -123,14 +123,15 @@ class Corpus:
                 f"batch-size {batch_size} needs at least {need} for training plus 5% "
                 f"({n_val}) for validation; give a longer text or smaller sizes")
         if vocab is None:
-            if len(set(text)) < 2:
+            chars = sorted(set(text))
+            if len(chars) < 2:
                 raise CorpusError(f"{source} has only one distinct character")
-            vocab = Vocab.from_text(text)
-        missing = vocab.missing(text)
-        if missing:
+            vocab = Vocab(chars)
+        try:
+            ids = vocab.encode(text)
+        except ValueError:
             raise CorpusError(f"{source} has characters outside the checkpoint's "
-                              f"vocabulary: {missing!r}")
-        ids = vocab.encode(text)
+                              f"vocabulary: {vocab.missing(text)!r}") from None
         split = len(text) - n_val
         return cls(vocab, ids[:split], ids[split:], source, fingerprint(text))
 

@@ -1,0 +1,318 @@
+"""The `halstm` command line: targets, compile, inspect, bench (train and
+sample are tested in test_model.py).
+
+Commands run in-process through click's CliRunner, plus one real call of the
+installed console script. Compiling is the slow part (each library 3-5 s),
+so each kind of folder is compiled once per module (fixtures below) at the
+sizes the other tests use (I=13, H=37): a host LSTM with 2 layers (4
+libraries), a CUDA one and a cross (arm-64-linux) one with 1 layer (2 each).
+"""
+import csv
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import halstm
+from halstm import reference as ref
+from halstm import schedules
+from halstm.cli import main as cli
+
+I, H, T, B, L = 13, 37, 7, 3, 2
+CUDA_TARGET = "host-cuda-cuda_capability_80"
+CROSS_TARGET = "arm-64-linux"
+
+
+def invoke(*args, ok=True):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def assert_usage_error(result, *needles, code=2):
+    """Exit code `code`, exactly one 'Error:' line naming every needle, and no traceback."""
+    assert result.exit_code == code, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def compile_folder(out, *args):
+    result = invoke("compile", "-i", I, "-H", H, "--out", out, *args)
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def host_dir(tmp_path_factory):
+    """lstm I=13 H=37, 2 layers, for this machine, with stmt and c_header emitted."""
+    out = tmp_path_factory.mktemp("cli") / "host"
+    return compile_folder(out, "--layers", L, "--emit", "stmt", "--emit", "c_header")
+
+
+@pytest.fixture(scope="module")
+def cuda_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "cuda"
+    return compile_folder(out, "--target", CUDA_TARGET)
+
+
+@pytest.fixture(scope="module")
+def cross_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "cross"
+    return compile_folder(out, "--target", CROSS_TARGET)
+
+
+def manifest(folder):
+    return json.loads((Path(folder) / "manifest.json").read_text())
+
+
+def parts(folder):
+    return [(p, Path(folder) / p["dir"]) for p in manifest(folder)["parts"]]
+
+
+# ---- the entry point and targets --------------------------------------------
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).parent / "halstm"
+    exe = str(exe) if exe.exists() else shutil.which("halstm")
+    assert exe, "the halstm console script is not installed"
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for command in ("targets", "compile", "inspect", "bench", "train", "sample"):
+        assert command in res.stdout
+
+
+def test_targets():
+    import halide as hl
+    out = invoke("targets").output
+    assert f"host target:  {hl.get_host_target()}" in out
+    lines = out.splitlines()
+    listed = lines[lines.index("schedules:") + 1:]
+    for name in schedules.names():
+        row = next((r for r in listed if r.split()[0] == name), None)
+        assert row is not None, f"schedule {name} not listed:\n{out}"
+        for fam in schedules.families(name):
+            assert fam in row
+        if schedules.default_for("cpu") == name:
+            assert "default for cpu" in row
+    assert "cuda:" in out
+
+
+# ---- compile for this machine -----------------------------------------------
+
+def test_compile_host_manifest(host_dir):
+    out, result = host_dir
+    assert f"wrote {out}" in result.output
+    assert "cannot run here" not in result.output
+    top = manifest(out)
+    assert (top["cell"], top["input_size"], top["hidden_size"], top["num_layers"]) == \
+        ("lstm", I, H, L)
+    assert top["loadable_here"] is True and top["schedule"] == schedules.default_for("cpu")
+    got = sorted((p["direction"], p["input_size"]) for p in top["parts"])
+    assert got == [("bwd", I), ("bwd", H), ("fwd", I), ("fwd", H)]
+    for p, d in parts(out):
+        assert p["library"], p
+        lib = d / p["library"]
+        assert lib.is_file() and lib.read_bytes()[:4] == b"\x7fELF"
+        assert manifest(d)["direction"] == p["direction"]
+    assert not [f for f in out.parent.iterdir() if f.name.startswith(".")], "temporaries left"
+
+
+def test_load_compiled_folder_matches_reference(host_dir):
+    out, _ = host_dir
+    m = halstm.load(out, seed=5)
+    assert isinstance(m, halstm.LSTM) and m.num_layers == L
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    y, (h_n, c_n) = m(x)
+    grads = m.backward(dy)
+
+    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
+    ry, (rh, rc), cache = ref.forward("lstm", params, x.astype(np.float64))
+    rgrads = ref.backward("lstm", cache, dy.astype(np.float64))
+    for name, got, want in [("y", y, ry), ("h_n", h_n, rh), ("c_n", c_n, rc),
+                            *((k, grads[k], rgrads[k]) for k in rgrads)]:
+        scale = np.abs(want).max()
+        err = np.abs(got - want).max()
+        assert err <= 1e-4 * scale + 1e-7, f"{name}: {err:.3g} vs {scale:.3g}"
+    # the folder's libraries ran, not freshly compiled ones
+    assert {str(lib.path.parent) for lib in m._libs.values()} == {str(d) for _, d in parts(out)}
+
+
+def test_compile_emit(host_dir):
+    out, _ = host_dir
+    for p, d in parts(out):
+        m = manifest(d)
+        assert m["emitted"] == ["c_header", "stmt"]
+        for pipeline in m["pipelines"]:
+            kind = pipeline.removeprefix("halstm_")
+            assert (d / f"{kind}.stmt").stat().st_size > 0
+            assert pipeline in (d / f"{kind}.h").read_text()
+
+
+def test_inspect(host_dir):
+    out, _ = host_dir
+    text = invoke("inspect", out).output
+    assert "cell:           lstm" in text
+    assert f"input_size:     {I}" in text and f"hidden_size:    {H}" in text
+    assert f"num_layers:     {L}" in text
+    for p, _ in parts(out):
+        assert p["dir"] in text
+    assert "halstm_forward(" in text and "halstm_backward(" in text
+
+
+def test_inspect_json(host_dir):
+    out, _ = host_dir
+    data = json.loads(invoke("inspect", "--json", out).output)
+    assert data["model"] == manifest(out)
+    assert [p["direction"] for p in data["parts"]] == \
+        [p["direction"] for p in data["model"]["parts"]]
+    assert all("entry_points" in p for p in data["parts"])
+
+
+# ---- compile for other targets ----------------------------------------------
+
+def test_compile_cuda(cuda_dir):
+    out, result = cuda_dir
+    top = manifest(out)
+    assert top["schedule"] == schedules.default_for("gpu")
+    assert "cuda" in top["target"].split("-") and top["loadable_here"] is True
+    assert sorted(p["direction"] for p in top["parts"]) == ["bwd", "fwd"]
+    for p, d in parts(out):
+        assert p["library"], p
+        assert (d / p["library"]).read_bytes()[:4] == b"\x7fELF"
+
+
+def test_compile_cross(cross_dir):
+    out, result = cross_dir
+    assert "cannot run here" in result.output
+    top = manifest(out)
+    assert top["loadable_here"] is False and top["target"] == CROSS_TARGET
+    assert sorted(p["direction"] for p in top["parts"]) == ["bwd", "fwd"]
+    for p, d in parts(out):
+        m = manifest(d)
+        assert p["library"] is None and m["library"] is None
+        for pipeline in m["pipelines"]:
+            kind = pipeline.removeprefix("halstm_")
+            assert (d / f"{kind}.a").is_file() and (d / f"{kind}.h").is_file()
+        for f in ("runtime.a", "driver.cpp", "HalideRuntime.h"):
+            assert (d / f).is_file(), f
+        assert not list(d.glob("*.so"))
+    with pytest.raises(ValueError, match="cannot run here"):
+        halstm.load(out)
+    text = invoke("inspect", out).output
+    assert "static libraries + driver.cpp" in text and "build: " in text
+
+
+@pytest.mark.skipif(not shutil.which(os.environ.get("CXX", "c++")), reason="no C++ compiler")
+def test_cross_driver_compiles_with_its_manifest_flags(cross_dir, tmp_path):
+    """driver.cpp + the defines of "driver_build" compile to an object file
+    (with the host compiler; the .a link step needs the cross toolchain)."""
+    out, _ = cross_dir
+    for p, d in parts(out):
+        cmd = shlex.split(manifest(d)["driver_build"].split(" (")[0])
+        cmd = cmd[:cmd.index("driver.cpp") + 1]           # drop the .a files
+        assert any(a.startswith("-DHALSTM_") for a in cmd) and "-I." in cmd
+        cmd[0] = os.environ.get("CXX", cmd[0])
+        obj = tmp_path / f"{p['dir']}.o"
+        res = subprocess.run(cmd + ["-c", "-o", str(obj)], cwd=d, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+        assert obj.stat().st_size > 0
+
+
+# ---- bench ------------------------------------------------------------------
+
+def test_bench_end_to_end(tmp_path):
+    paths = {k: tmp_path / f"bench.{k}" for k in ("csv", "json", "png")}
+    result = invoke("bench", "--shapes", "small_128_b16", "--fwd", "--peers", "numpy",
+                    "--csv", paths["csv"], "--json", paths["json"], "--plot", paths["png"])
+    assert "halstm:" in result.stdout and "numpy" in result.stdout
+    assert "fwdbwd" not in result.stdout
+    with open(paths["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["impl"] for r in rows) == ["halstm:default", "numpy"]
+    assert all(r["shape"] == "small_128_b16" and r["mode"] == "fwd" and float(r["ms"]) > 0
+               for r in rows)
+    halstm_row = next(r for r in rows if r["impl"].startswith("halstm"))
+    assert float(halstm_row["max_rel_err"]) < 1e-3 and float(halstm_row["x_numpy"]) > 0
+    data = json.loads(paths["json"].read_text())
+    assert len(data["results"]) == 2 and "host_target" in data["meta"]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- bad arguments: exit code 2, one clear line, no traceback ----------------
+
+@pytest.fixture
+def a_file(tmp_path):
+    f = tmp_path / "regular_file"
+    f.write_text("")
+    return f
+
+
+SIZES = ["-i", I, "-H", H]
+
+BAD = {
+    "unknown cell": (["compile", "--cell", "rnn", *SIZES], ["--cell", "rnn"]),
+    "zero input size": (["compile", "-i", 0, "-H", H], ["--input-size", "0"]),
+    "negative input size": (["compile", "--input-size=-3", "-H", H], ["--input-size", "-3"]),
+    "zero hidden size": (["compile", "-i", I, "-H", 0], ["--hidden-size", "0"]),
+    "negative hidden size": (["compile", "-i", I, "--hidden-size=-1"], ["--hidden-size"]),
+    "zero layers": (["compile", *SIZES, "--layers", 0], ["--layers"]),
+    "non-integer size": (["compile", "-i", "1.5", "-H", H], ["--input-size"]),
+    "bad target": (["compile", *SIZES, "--target", "x86-65-nonsense"],
+                   ["--target", "x86-65-nonsense"]),
+    "unknown schedule": (["compile", *SIZES, "--schedule", "fastest"],
+                         ["--schedule", "fastest", *schedules.names()]),
+    "gpu schedule for host": (["compile", *SIZES, "--schedule", "cuda"], ["--schedule", "cuda"]),
+    "cpu schedule for cuda": (["compile", *SIZES, "--target", CUDA_TARGET, "--schedule", "cpu"],
+                              ["--schedule", "'cpu'"]),
+    "unknown emit": (["compile", *SIZES, "--emit", "pdf"], ["--emit", "pdf"]),
+    "bench unknown cell": (["bench", "--cell", "rnn"], ["--cell"]),
+    "bench unknown shape": (["bench", "--shapes", "small_128_b16,huge"],
+                            ["--shapes", "huge", "small_128_b16"]),
+    "bench unknown schedule": (["bench", "--schedules", "cpu,fastest"],
+                               ["--schedules", "fastest"]),
+    "bench unknown peer": (["bench", "--peers", "numpy,jax"], ["--peers", "jax", "numpy"]),
+    "bench bad target": (["bench", "--target", "nonsense"], ["--target", "nonsense"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_arguments(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                   # a compile would write ./lstm_i13_h37
+    args, needles = BAD[case]
+    assert_usage_error(invoke(*args, ok=False), *needles)
+    assert not list(tmp_path.iterdir()), "a bad command wrote something"
+
+
+@pytest.mark.parametrize("sub", ["out", "deeper/out"])
+def test_compile_unwritable_out(a_file, sub):
+    out = a_file / sub                            # a path under a regular file
+    assert_usage_error(invoke("compile", *SIZES, "--out", out, ok=False), "--out", str(out))
+    assert a_file.is_file()
+
+
+def test_compile_out_is_a_file(a_file):
+    assert_usage_error(invoke("compile", *SIZES, "--out", a_file, ok=False), "--out")
+
+
+def test_inspect_folder_without_manifest(tmp_path):
+    line = assert_usage_error(invoke("inspect", tmp_path, ok=False), "manifest.json", code=1)
+    assert str(tmp_path) in line
+
+
+def test_inspect_missing_folder(tmp_path):
+    assert_usage_error(invoke("inspect", tmp_path / "nope", ok=False), "nope")

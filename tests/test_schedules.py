@@ -1,0 +1,181 @@
+"""Every schedule in the registry against the numpy reference, and the registry itself.
+
+CPU schedules (family "cpu") run forward and backward for both cells and
+must match halstm.reference; GPU schedules (family "gpu") must at least
+compile for a CUDA target (no GPU needed). Schedules are found through
+schedules.names() / schedules.families(), so a new one is tested without
+editing this file.
+
+Sizes are those of test_modules.py (I=13, H=37, L=2: input sizes 13 and 37)
+so the default schedule's kernels are shared through the session cache; each
+other CPU schedule costs 8 kernels ({lstm, gru} x {fwd, bwd} x {13, 37}),
+shared by every batch size below.
+"""
+import numpy as np
+import pytest
+
+import halstm
+from halstm import aot, schedules
+from halstm import reference as ref
+
+I, H, T, L = 13, 37, 7, 2
+RTOL = 1e-4
+CLASSES = {"lstm": halstm.LSTM, "gru": halstm.GRU}
+STATES = {"lstm": ("h", "c"), "gru": ("h",)}
+CUDA_TARGET = "host-cuda-cuda_capability_80"
+
+CPU = [n for n in schedules.names() if "cpu" in schedules.families(n)]
+GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
+KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads")
+
+# The cpu schedule specializes batch < 4 (no batch tile) and batch >= 4
+# (4-row batch tiles): B=1 and 3 take the first, 4 a whole tile, 5 a tile
+# plus a tail of one row.
+BATCHES = (1, 3, 4, 5)
+
+
+def assert_close(name, got, want, rtol=RTOL):
+    """|got - want| <= rtol * max|want| everywhere (plus a tiny floor)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    scale = float(np.abs(want).max())
+    err = float(np.abs(got.astype(np.float64) - want).max())
+    assert err <= rtol * scale + 1e-7, f"{name}: max abs err {err:.3g} vs max abs {scale:.3g}"
+
+
+def test_registry_is_not_empty():
+    """The discovery above must find the schedules known today (else every
+    parametrized test below would silently run for nothing)."""
+    assert {"cpu", "naive"} <= set(CPU)
+    assert "cuda" in GPU
+    for name in schedules.names():
+        assert schedules.families(name) and schedules.families(name) <= {"cpu", "gpu"}, name
+
+
+# ---- CPU schedules against the reference ------------------------------------
+
+@pytest.mark.parametrize("B", BATCHES)
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("schedule", CPU)
+def test_cpu_schedule_matches_reference(schedule, cell, B):
+    rng = np.random.default_rng(100 * B + len(cell))
+    ns = len(STATES[cell])
+    m = CLASSES[cell](I, H, num_layers=L, schedule=schedule, seed=3)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    hx = [0.5 * rng.standard_normal((L, B, H)).astype(np.float32) for _ in range(ns)]
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in range(ns)]
+
+    if cell == "lstm":
+        y, finals = m(x, tuple(hx))
+    else:
+        y, h_n = m(x, hx[0])
+        finals = (h_n,)
+    grads = m.backward(dy, *dfinal)
+
+    # the kernels that ran are this schedule's
+    assert m._libs, "no kernels were loaded"
+    for (k, direction), lib in m._libs.items():
+        assert lib.manifest["schedule"] == schedule, (k, direction)
+    assert {d for _, d in m._libs} == {"fwd", "bwd"}
+
+    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
+    h64 = [a.astype(np.float64) for a in hx]
+    d64 = [a.astype(np.float64) for a in dfinal]
+    if cell == "lstm":
+        ry, (rh, rc), cache = ref.forward(cell, params, x.astype(np.float64), tuple(h64))
+        rfinals = (rh, rc)
+        rgrads = ref.backward(cell, cache, dy.astype(np.float64), d64[0], d64[1])
+    else:
+        ry, rh, cache = ref.forward(cell, params, x.astype(np.float64), h64[0])
+        rfinals = (rh,)
+        rgrads = ref.backward(cell, cache, dy.astype(np.float64), d64[0], None)
+
+    assert_close("y", y, ry)
+    for s, f, rf in zip(STATES[cell], finals, rfinals):
+        assert_close(f"{s}_n", f, rf)
+    assert set(grads) == set(rgrads)
+    for k in rgrads:
+        assert grads[k].dtype == np.float32, k
+        assert_close(k, grads[k], rgrads[k])
+
+
+# ---- GPU schedules compile --------------------------------------------------
+
+@pytest.mark.parametrize("direction", aot.DIRECTIONS)
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("schedule", GPU)
+def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, tmp_path):
+    spec = aot.Spec(cell, I, H, direction, CUDA_TARGET, schedule)
+    m = aot.build(spec, tmp_path)
+    assert (tmp_path / aot.MANIFEST).is_file()
+    assert m["schedule"] == schedule
+    assert "cuda" in m["target"].split("-") and "cuda_capability_80" in m["target"].split("-")
+    assert m["library"], m                      # this CPU can load host-cuda code
+    lib = tmp_path / m["library"]
+    assert lib.suffix == ".so" and lib.read_bytes()[:4] == b"\x7fELF"
+
+
+# ---- the registry -----------------------------------------------------------
+
+@pytest.mark.parametrize("target,default", [
+    ("host", "cpu"), ("arm-64-linux", "cpu"), ("host-cuda", "cuda"), (CUDA_TARGET, "cuda"),
+])
+def test_default_schedule(target, default):
+    assert schedules.resolve(target) == default
+    assert schedules.for_target(target).__name__ == f"halstm.schedules.{default}"
+    assert aot.Spec("lstm", I, H, "fwd", target).schedule == default
+
+
+def test_default_schedule_of_a_halide_target_object():
+    import halide as hl
+    assert schedules.resolve(hl.Target("host")) == "cpu"
+    assert schedules.resolve(hl.Target(CUDA_TARGET)) == "cuda"
+
+
+def test_defaults_fit_their_family():
+    assert schedules.default_for("cpu") in CPU
+    assert schedules.default_for("gpu") in GPU
+
+
+@pytest.mark.parametrize("name", schedules.names())
+def test_every_schedule_module_covers_every_pipeline_kind(name):
+    fam = sorted(schedules.families(name))[0]
+    mod = schedules.for_target("host" if fam == "cpu" else "host-cuda", name)
+    for kind in KINDS:
+        assert callable(getattr(mod, kind, None)), f"{name} lacks {kind}"
+
+
+@pytest.mark.parametrize("target", ["host-cuda", CUDA_TARGET])
+@pytest.mark.parametrize("name", CPU)
+def test_cpu_schedule_for_cuda_target_raises(name, target):
+    with pytest.raises(ValueError, match=repr(name)):
+        schedules.resolve(target, name)
+    with pytest.raises(ValueError, match=repr(name)):
+        aot.Spec("lstm", I, H, "fwd", target, name)
+    with pytest.raises(ValueError, match=repr(name)):
+        halstm.GRU(I, H, target=target, schedule=name)
+
+
+@pytest.mark.parametrize("target", ["host", "arm-64-linux"])
+@pytest.mark.parametrize("name", GPU)
+def test_gpu_schedule_for_cpu_target_raises(name, target):
+    with pytest.raises(ValueError, match=repr(name)):
+        schedules.resolve(target, name)
+    with pytest.raises(ValueError, match=repr(name)):
+        aot.Spec("lstm", I, H, "fwd", target, name)
+    with pytest.raises(ValueError, match=repr(name)):
+        halstm.LSTM(I, H, target=target, schedule=name)
+
+
+@pytest.mark.parametrize("target", ["host", CUDA_TARGET])
+def test_unknown_schedule_raises_listing_known_ones(target):
+    for call in (lambda: schedules.resolve(target, "fastest"),
+                 lambda: schedules.for_target(target, "fastest"),
+                 lambda: aot.Spec("lstm", I, H, "fwd", target, "fastest")):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = str(info.value)
+        assert "fastest" in msg
+        for known in schedules.names():
+            assert repr(known) in msg or known in msg, (known, msg)
