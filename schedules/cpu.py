@@ -33,23 +33,26 @@ def _vw(target, extent: int) -> int:
     return min(panel(target), extent)
 
 
-def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None):
-    """Register-tile out(vec, ...): vec split by vec_w and vectorized; each
-    (var, factor, tail) in cols split (factor None: the whole small axis)
-    and unrolled; acc computed per tile with `reduce` (RVars) outside the
-    tile loops; `par`: the name of an outer loop to run in parallel.
+def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None, panels=1):
+    """Register-tile out(vec, ...): vec split by vec_w * panels, each
+    vec_w-wide panel vectorized and the panels unrolled; each (var, factor,
+    tail) in cols split (factor None: the whole small axis) and unrolled;
+    acc computed per tile with `reduce` (RVars) outside the tile loops;
+    `par`: the name of an outer loop to run in parallel.
 
     A col whose tail is GUARD has a runtime extent: the tiled schedule is
     specialized to extent >= factor (with ShiftInwards, so every tile is
     full and its accumulators have a constant size), and smaller extents
-    get a tile of 1 along it. `small`: (condition, vec_w) to use a wider
-    vector tile and no batch tiling when condition holds (tiny batches)."""
+    get a tile of 1 along it. `small`: (condition, panels) for a tile of
+    that many panels and no batch tiling where condition holds (tiny
+    batches, where a batch tile would waste FMAs)."""
     runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
     tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
-    untiled = [(v, 1, ROUND) if tail is GUARD else (v, f, tail) for v, f, tail in cols]
+    untiled = [(v, 1, ROUND) if tail in (GUARD, ROUND) and f else (v, f, tail)
+               for v, f, tail in cols]
     if small is not None:
-        cond, small_w = small
-        _loops(out.specialize(cond), out, vec, small_w, untiled, par, vec_tail)
+        cond, small_panels = small
+        _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, par, vec_tail)
     if runtime:
         dims = {a.name(): d for d, a in enumerate(out.args())}
         buf = out.output_buffer()
@@ -57,29 +60,30 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
         for v, f in runtime:
             c = buf.dim(dims[v.name()]).extent() >= f
             cond = c if cond is None else (cond & c)
-        _loops(out.specialize(cond), out, vec, vec_w, tiled_cols, par, vec_tail)
-        _loops(out, out, vec, vec_w, untiled, par, vec_tail)
+        _loops(out.specialize(cond), out, vec, vec_w, panels, tiled_cols, par, vec_tail)
+        _loops(out, out, vec, vec_w, panels, untiled, par, vec_tail)
     else:
-        _loops(out, out, vec, vec_w, tiled_cols, par, vec_tail)
+        _loops(out, out, vec, vec_w, panels, tiled_cols, par, vec_tail)
     # per tile: inside the innermost tile loop (all specializations name it alike)
     innermost = next((hl.Var(v.name() + "o") for v, f, _ in cols if f is not None),
                      hl.Var(vec.name() + "o"))
-    acc.compute_at(out, innermost).vectorize(vec)
-    tile_vars = [vec] + [c[0] for c in cols]
-    for v in tile_vars[1:]:
-        acc.unroll(v)
-    upd = acc.update()
-    upd.reorder(*(tile_vars + list(reduce))).vectorize(vec)
-    for v in tile_vars[1:]:
-        upd.unroll(v)
+    acc.compute_at(out, innermost)
+    tile_vars = [c[0] for c in cols]
+    vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
+    for stage in (acc, acc.update()):
+        stage.split(vec, vp, vv, vec_w, ROUND).vectorize(vv).unroll(vp)
+        for v in tile_vars:
+            stage.unroll(v)
+    acc.update().reorder(*([vv, vp] + tile_vars + list(reduce)))
     return out
 
 
-def _loops(stage, func, vec, vec_w, cols, par, vec_tail):
+def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail):
     """The loop nest of one (specialization of a) tiled stage."""
     vo, vi = hl.Var(vec.name() + "o"), hl.Var(vec.name() + "i")
-    stage.split(vec, vo, vi, vec_w, vec_tail)
-    inner, outer = [vi], []
+    vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
+    stage.split(vec, vo, vi, vec_w * panels, vec_tail).split(vi, vp, vv, vec_w)
+    inner, outer = [vv, vp], []
     for v, f, tail in cols:
         if f is None:
             inner.append(v)
@@ -93,11 +97,30 @@ def _loops(stage, func, vec, vec_w, cols, par, vec_tail):
     # the weight-panel loop outermost: a panel stays in cache across the
     # batch tiles and time steps that use it
     outer += rest + [vo]
-    stage.reorder(*(inner + outer)).vectorize(vi)
+    stage.reorder(*(inner + outer)).vectorize(vv)
     for i in inner[1:]:
         stage.unroll(i)
     if par is not None:
         stage.parallel({v.name(): v for v in outer}[par])
+
+
+def _panels(extent: int, P: int, want: int) -> int:
+    """Panels per tile: at most `want`, dividing the extent's panel count."""
+    n = max(1, min(want, extent // P))
+    while (extent // P) % n:
+        n -= 1
+    return n
+
+
+def _pointwise(f, vw, batch, min_parallel=8):
+    """A pointwise stage f(j, [gate,] b): vectorize units, unroll gates, and
+    run batch rows in parallel where there are enough of them."""
+    args = f.args()
+    f.vectorize(args[0], vw)
+    if len(args) == 3:
+        f.unroll(args[1])
+    f.specialize(batch >= min_parallel).parallel(args[-1])
+    return f
 
 
 def _pack(f, target):
@@ -132,35 +155,38 @@ def step(p, target):
     batch = p.param("h_prev").dim(1).extent()
     # batches under 4: no batch tile (B=1 would waste 3/4 of the FMAs)
     _tile(hg, hg_acc, j, p.P, [(v["gate"], None, None), (b, 4, ROUND)],
-          [p.rdoms["k"].x], par="jo" if H >= 256 else None, small=(batch < 4, p.P))
+          [p.rdoms["k"].x], par="jo" if H >= 256 else None,
+          small=(batch < 4, _panels(p.Hp, p.P, 2)))
     vw = _vw(target, H)
-    act = p.stage("saved")                      # the cell's gate activations
-    act.compute_root().vectorize(j, vw).unroll(act.args()[1])
-    out = p.stage("saved_out")
-    out.vectorize(j, vw).unroll(out.args()[1])
+    _pointwise(p.stage("saved").compute_root(), vw, batch)   # the gate activations
+    _pointwise(p.stage("saved_out"), vw, batch)
     for s in p.cell.states:                     # new states: inlined into their copies
-        p.stage(f"new_{s}_out").vectorize(j, vw)
+        _pointwise(p.stage(f"new_{s}_out"), vw, batch)
 
 
 def step_bwd(p, target):
     v, H = p.vars, p.H
     j, k, b = v["j"], v["k"], v["b"]
+    batch = p.param("saved").dim(2).extent()
+    vw = _vw(target, H)
     names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
     for name in names:
-        for f in (p.stage(name).compute_root(), p.stage(name + "_out")):
-            f.vectorize(f.args()[0], _vw(target, H)).unroll(f.args()[1])
+        _pointwise(p.stage(name).compute_root(), vw, batch)
+        _pointwise(p.stage(name + "_out"), vw, batch)
     r = p.rdoms["jg"]
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
-          [(b, 4, GUARD)], [r.x, r.y], par="ko" if H >= 256 else None)
+          [(b, 4, GUARD)], [r.x, r.y], par="ko" if H >= 256 else None,
+          panels=_panels(p.Hp, p.P, 2))
     for s in p.cell.states[1:]:
-        p.stage("dprev_" + s).vectorize(j, _vw(target, H))
+        _pointwise(p.stage("dprev_" + s), vw, batch)
 
 
 def grads(p, target):
     v, H = p.vars, p.H
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 4, GUARD)], [rg.x, rg.y], par="io")
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y], par="io",
+          panels=_panels(p.Kp, p.P, 2))
     for name in ("x_panels", "hs_panels"):
         f = p.stage(name)
         vi, row, vo = f.args()
