@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from . import aot, cells
+from .runtime import KernelError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -94,6 +95,10 @@ def compile(cell, input_size, hidden_size, layers, target, schedule, out, emit):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--schedule") from None
     try:
+        compiled.check_out(out)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--out") from None
+    try:
         out.parent.resolve().mkdir(parents=True, exist_ok=True)
         probe = out.parent.resolve() / f".{out.name}.probe"
         probe.write_text("")
@@ -126,9 +131,9 @@ def inspect(folder, as_json):
     from . import compiled
     try:
         top = compiled.read(folder)
-    except (FileNotFoundError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    parts = [compiled.read(folder / p["dir"]) for p in top.get("parts", [])]
+        parts = [compiled.read(folder / p["dir"]) for p in top.get("parts", [])]
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(f"{folder}: {e}") from None
     if as_json:
         click.echo(json.dumps({"model": top, "parts": parts}, indent=2))
         return
@@ -187,7 +192,7 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     modes = ["fwd", "fwdbwd"] if fwd_only is None else (["fwd"] if fwd_only else ["fwdbwd"])
     try:
         results, notes = B.run(names, cell, scheds, target, peer_list, modes, progress=True)
-    except (aot.CompileError, AssertionError) as e:
+    except (aot.CompileError, KernelError, AssertionError) as e:
         raise click.ClickException(str(e)) from None
     for note in notes:
         click.echo(f"note: {note}", err=True)

@@ -30,6 +30,7 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
                   progress=None) -> dict:
     """Build every library a model needs, both directions, into `out`."""
     out = Path(out)
+    check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -61,14 +62,35 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_out(out: Path) -> None:
+    """Refuse an output folder that compiling would wrongly replace: one
+    holding other files, or the current folder or one above it."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder")
+    resolved, cwd = out.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise ValueError(f"{out} is the current folder or contains it; name a new folder")
+    if any(out.iterdir()):
+        try:
+            read(out)
+        except (FileNotFoundError, ValueError):
+            raise ValueError(f"{out} exists and was not written by `halstm compile`; "
+                             f"name a new or empty folder") from None
+
+
 def read(path) -> dict:
     """The top manifest of a compiled folder (or a single library's)."""
-    path = Path(path)
+    path = Path(path) / MANIFEST
     try:
-        return json.loads((path / MANIFEST).read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no {MANIFEST}; not a folder written by "
+        raise FileNotFoundError(f"{path.parent}: no {MANIFEST}; not a folder written by "
                                 f"`halstm compile`") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not a valid manifest ({e})") from None
 
 
 def load(path, seed=None):

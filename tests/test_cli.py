@@ -318,7 +318,7 @@ def test_inspect_missing_folder(tmp_path):
     assert_usage_error(invoke("inspect", tmp_path / "nope", ok=False), "nope")
 
 
-# ---- known bugs (xfail strict: they start passing when fixed) ----------------
+# ---- folder handling and failures: clean errors, nothing lost ----------------
 
 def _fake_build(spec, out, emit=(), require_loadable=False):
     """Stands in for aot.build where only compile_model's folder handling is tested."""
@@ -328,9 +328,6 @@ def _fake_build(spec, out, emit=(), require_loadable=False):
     return m
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: compile_model replaces an existing --out folder "
-                   "wholesale (rename + rmtree) even when it was not written by `halstm compile`,"
-                   " deleting the user's files in it")
 def test_compile_keeps_files_of_an_unrelated_out_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(halstm.aot, "build", _fake_build)
     out = tmp_path / "project"
@@ -341,9 +338,6 @@ def test_compile_keeps_files_of_an_unrelated_out_folder(tmp_path, monkeypatch):
     assert (out / "notes.txt").is_file(), "compile deleted a file it did not write"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `halstm compile --out .` compiles everything, then "
-                   "fails renaming '.' with a raw OSError traceback (EBUSY) and leaves a "
-                   "'..old-*' folder behind")
 def test_compile_out_current_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(halstm.aot, "build", _fake_build)
     monkeypatch.chdir(tmp_path)
@@ -353,9 +347,6 @@ def test_compile_out_current_folder(tmp_path, monkeypatch):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("..")]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `halstm inspect` reads the part manifests outside "
-                   "its try block: a compiled folder missing a part folder gives a "
-                   "FileNotFoundError traceback")
 def test_inspect_folder_with_missing_part(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(
         {"cell": "lstm", "input_size": I, "hidden_size": H, "num_layers": 1,
@@ -363,16 +354,11 @@ def test_inspect_folder_with_missing_part(tmp_path):
     assert_usage_error(invoke("inspect", tmp_path, ok=False), "fwd_k13", code=1)
 
 
-@pytest.mark.xfail(strict=True, reason="minor: a corrupt manifest.json gives only the JSON "
-                   "decoder's message ('Expecting property name ...'), naming no file")
 def test_inspect_corrupt_manifest_names_the_file(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     assert_usage_error(invoke("inspect", tmp_path, ok=False), "manifest.json", code=1)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `halstm bench` catches CompileError and "
-                   "AssertionError only; a KernelError (e.g. --target host-cuda on a machine "
-                   "without a GPU: 'CUDA API not found: cuInit') ends in a traceback")
 def test_bench_kernel_error_is_one_line(monkeypatch):
     import halstm.benchmark
 

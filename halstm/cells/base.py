@@ -16,8 +16,24 @@ from __future__ import annotations
 import halide as hl
 
 
+# Halide lowers exp and tanh of float vectors to one libm call per lane;
+# fast_exp is a vectorized polynomial (about 2 ulp), valid while its result
+# stays a normal float, hence the clamp to +-80. Measured: the LSTM backward
+# step's pointwise stage took 7.9 ms of a 20 ms step at deepbench_1024 with
+# libm tanh.
+
+def _exp(e):
+    return hl.fast_exp(hl.clamp(e, -80.0, 80.0))
+
+
 def sigmoid(e):
-    return 1.0 / (1.0 + hl.exp(-e))
+    return 1.0 / (1.0 + _exp(-e))
+
+
+def tanh(e):
+    """tanh through one fast exp: 1 - 2 / (1 + exp(2e)); absolute error
+    about 1e-7 (relative error grows near 0, where the result is tiny)."""
+    return 1.0 - 2.0 / (1.0 + _exp(2.0 * e))
 
 
 class Cell:

@@ -6,7 +6,7 @@
 """
 import halide as hl
 
-from .base import Cell, gate_func, sigmoid
+from .base import Cell, gate_func, sigmoid, tanh
 
 
 class GRUCell(Cell):
@@ -18,7 +18,7 @@ class GRUCell(Cell):
     def forward(self, xp, hg, prev, j, b):
         r = sigmoid(xp[j, 0, b] + hg[j, 0, b])
         z = sigmoid(xp[j, 1, b] + hg[j, 1, b])
-        n = hl.tanh(xp[j, 2, b] + r * hg[j, 2, b])
+        n = tanh(xp[j, 2, b] + r * hg[j, 2, b])
         saved = gate_func("gru_saved", [r, z, n, hg[j, 2, b]], j, b)
         h = hl.Func("gru_h")
         z_, n_ = saved[j, 1, b], saved[j, 2, b]

@@ -5,7 +5,7 @@
 """
 import halide as hl
 
-from .base import Cell, gate_func, sigmoid
+from .base import Cell, gate_func, sigmoid, tanh
 
 
 class LSTMCell(Cell):
@@ -20,16 +20,16 @@ class LSTMCell(Cell):
             return xp[j, k, b] + hg[j, k, b]
 
         act = gate_func("lstm_act", [sigmoid(pre(0)), sigmoid(pre(1)),
-                                     hl.tanh(pre(2)), sigmoid(pre(3))], j, b)
+                                     tanh(pre(2)), sigmoid(pre(3))], j, b)
         c = hl.Func("lstm_c")
         c[j, b] = act[j, 1, b] * prev["c"][j, b] + act[j, 0, b] * act[j, 2, b]
         h = hl.Func("lstm_h")
-        h[j, b] = act[j, 3, b] * hl.tanh(c[j, b])
+        h[j, b] = act[j, 3, b] * tanh(c[j, b])
         return act, {"h": h, "c": c}
 
     def backward(self, saved, prev, new, dnew, j, b):
         i, f, g, o = (saved[j, k, b] for k in range(4))
-        tc = hl.tanh(new["c"][j, b])
+        tc = tanh(new["c"][j, b])
         dh = dnew["h"][j, b]
         dc = hl.Func("lstm_dc")                       # total dL/dc_t
         dc[j, b] = dnew["c"][j, b] + dh * o * (1 - tc * tc)
