@@ -51,6 +51,7 @@ class Pipe:
     stages: dict = field(default_factory=dict)   # name -> Func
     vars: dict = field(default_factory=dict)     # name -> Var
     rdoms: dict = field(default_factory=dict)    # name -> RDom
+    shapes: dict = field(default_factory=dict)   # input/output name -> extents (None: runtime)
 
     @property
     def G(self) -> int:
@@ -92,7 +93,11 @@ def _param(name: str, extents, strides=None) -> hl.ImageParam:
     strides: explicit strides overriding the dense ones (None entries free)."""
     p = hl.ImageParam(hl.Float(32), len(extents), name)
     _constrain(p, extents, strides)
+    _SHAPES[name] = list(extents)
     return p
+
+
+_SHAPES: dict = {}   # extents of the buffers of the pipeline being built
 
 
 def _constrain(buf, extents, strides=None) -> None:
@@ -112,6 +117,7 @@ def _constrain(buf, extents, strides=None) -> None:
 def _fix_output(f: hl.Func, extents, strides=None) -> None:
     """Constrain an output buffer like _param constrains an input."""
     _constrain(f.output_buffer(), extents, strides)
+    _SHAPES[f.name()] = list(extents)
 
 
 def _output(f: hl.Func) -> hl.Func:
@@ -157,7 +163,9 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: dict | None = None) -> 
     p = Pipe(kind, cell, K, H, layout.get("panel", 1), layout.get("dw_cols", 1),
              layout.get("dw_rows", 1))
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
+    _SHAPES.clear()
     globals()["_" + kind](p)
+    p.shapes = dict(_SHAPES)
     return p
 
 

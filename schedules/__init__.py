@@ -5,7 +5,7 @@ Every schedule module defines the same functions, one per pipeline kind
 scheduling the pipe's stages by name. Installed as `halstm.schedules`.
 
     from halstm import schedules
-    schedules.names()                       # ['cpu', 'naive']
+    schedules.names()                       # ['cpu', 'cuda', 'naive', 'auto:Adams2019', ...]
     schedules.for_target("host")            # the default module for a target
     schedules.apply(pipe, target, "naive")  # schedule one pipe in place
 """
@@ -18,8 +18,16 @@ _MODULES = {"naive": ("naive", {"cpu"}), "cpu": ("cpu", {"cpu"}), "cuda": ("cuda
 _DEFAULT = {"cpu": "cpu", "gpu": "cuda"}
 
 
+def _auto_names() -> dict:
+    """auto:<autoscheduler> -> families it runs on (see auto.py)."""
+    cpu, gpu = ("Adams2019", "Li2018", "Mullapudi2016"), ("Anderson2021", "Li2018",
+                                                             "Mullapudi2016")
+    return {f"auto:{n}": {f for f, ns in (("cpu", cpu), ("gpu", gpu)) if n in ns}
+            for n in sorted(set(cpu) | set(gpu))}
+
+
 def names() -> list[str]:
-    return sorted(_MODULES)
+    return sorted(_MODULES) + sorted(_auto_names())
 
 
 GPU_FEATURES = {"cuda", "opencl", "metal", "d3d12compute", "vulkan", "webgpu"}
@@ -38,7 +46,7 @@ def _target(target):
 
 def families(name: str) -> set[str]:
     """The target families ('cpu', 'gpu') that schedule `name` fits."""
-    return set(_MODULES[name][1])
+    return set(_MODULES[name][1]) if name in _MODULES else _auto_names()[name]
 
 
 def default_for(fam: str) -> str | None:
@@ -54,17 +62,20 @@ def resolve(target, name: str | None = None) -> str:
             raise ValueError(f"schedule: no schedule for {fam} targets yet "
                              f"(target {target}); available: {names()}")
         return _DEFAULT[fam]
-    if name not in _MODULES:
+    if name not in names():
         raise ValueError(f"schedule: expected one of {names()}, got {name!r}")
-    if fam not in _MODULES[name][1]:
+    if fam not in families(name):
         raise ValueError(f"schedule: {name!r} does not fit {fam} target {target}")
     return name
 
 
 def for_target(target, name: str | None = None):
     """The schedule module for `target` (by name, or the family default)."""
-    mod, _ = _MODULES[resolve(target, name)]
-    return importlib.import_module(f"{__name__}.{mod}")
+    name = resolve(target, name)
+    if name.startswith("auto:"):
+        auto = importlib.import_module(f"{__name__}.auto")
+        return auto.Auto(name[len("auto:"):], family(target))
+    return importlib.import_module(f"{__name__}.{_MODULES[name][0]}")
 
 
 def apply(pipe, target, name: str | None = None) -> None:

@@ -200,7 +200,7 @@ def test_corrupt_entry_is_detected_and_replaced(own_cache, pristine, monkeypatch
 
     calls = []
 
-    def fake_build(spec, out):
+    def fake_build(spec, out, emit=(), require_loadable=False):
         calls.append((spec, out))
         assert out.parent == own_cache and out.name.startswith(".tmp-")
         for f in pristine.iterdir():

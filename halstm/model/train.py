@@ -67,6 +67,7 @@ class Trainer:
         self.step = 0
         self.history = {k: [] for k in HISTORY}
         self.timer = Timer()
+        self.train_seconds, self.train_chars = 0.0, 0      # of the last run()
         self._val = None
 
     # ---- checkpoints -------------------------------------------------------
@@ -182,12 +183,15 @@ class Trainer:
         cfg = self.config
         until = cfg.steps if until is None else min(until, cfg.steps)
         interrupted = threading.Event()
-        old_handler = None
+        previous = None                       # the SIGINT handler to put back, once replaced
         if handle_sigint and threading.current_thread() is threading.main_thread():
             def on_sigint(signum, frame):
                 interrupted.set()
-                signal.signal(signal.SIGINT, old_handler)   # a second Ctrl-C aborts
-            old_handler = signal.signal(signal.SIGINT, on_sigint)
+                signal.signal(signal.SIGINT, previous)   # a second Ctrl-C aborts
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is None:                  # installed from C: restore the default
+                previous = signal.SIG_DFL
+            signal.signal(signal.SIGINT, on_sigint)
         bar = _progress(cfg.steps, self.step, progress)
         chars = cfg.seq_len * cfg.batch_size
         window = collections.deque(maxlen=20)
@@ -219,8 +223,8 @@ class Trainer:
                     bar.set_postfix_str(f"loss {loss:.3f}  val {'-' if val is None else f'{val:.3f}'}"
                                         f"  {speed} chars/s", refresh=False)
         finally:
-            if old_handler is not None and signal.getsignal(signal.SIGINT) is not old_handler:
-                signal.signal(signal.SIGINT, old_handler)
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             if bar is not None:
                 bar.close()
         if out is not None:
@@ -232,7 +236,7 @@ class Trainer:
     def chars_per_second(self) -> float | None:
         """Training throughput of the last run() (its first step, which may
         compile kernels, and validation excluded)."""
-        return self.train_chars / self.train_seconds if getattr(self, "train_seconds", 0) else None
+        return self.train_chars / self.train_seconds if self.train_seconds else None
 
 
 def _progress(total, initial, enabled):

@@ -1,0 +1,68 @@
+"""Halide's autoschedulers as named schedules: auto:<name>.
+
+CPU targets: Adams2019, Li2018, Mullapudi2016; CUDA targets: Anderson2021,
+Li2018, Mullapudi2016. Each pipeline is scheduled whole by the
+autoscheduler, with estimates from the layer's sizes (K, H fixed). The
+runtime axes (batch, sequence length) are estimated at 1: the
+autoschedulers split outputs with ShiftInwards by factors drawn from the
+estimates, and such a schedule fails on any smaller extent (seen: T=5
+against an estimate of 50, "x is accessed at -20"); one library must serve
+every T and B. The packed
+operand layouts are those of the hand-written family schedule, so that a
+comparison is between schedules of the same algorithm.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import halide as hl
+
+CPU = ("Adams2019", "Li2018", "Mullapudi2016")
+GPU = ("Anderson2021", "Li2018", "Mullapudi2016")
+B_EST, T_EST = 1, 1       # runtime axes: batch, sequence length (rows N = B*T)
+GPU_EST = (32, 50)        # GPU tiles guard their edges; Anderson2021 fails on extents of 1
+
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> None:
+    hl.load_plugin(f"{hl.install_dir()}/lib64/libautoschedule_{name.lower()}.so")
+
+
+class Auto:
+    """A schedule module-alike running one autoscheduler."""
+
+    def __init__(self, name: str, family: str):
+        self.name, self.family = name, family
+
+    def layout(self, target):
+        from . import cpu, cuda
+        return (cuda if self.family == "gpu" else cpu).layout(target)
+
+    def __getattr__(self, kind):
+        if kind in ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads"):
+            return self._apply
+        raise AttributeError(kind)
+
+    def _apply(self, p, target):
+        _estimate(p, *(GPU_EST if self.family == "gpu" else (B_EST, T_EST)))
+        _load(self.name)
+        params = {"parallelism": "2"} if self.family == "cpu" else {}
+        if self.name == "Anderson2021":
+            params = {"parallelism": "132"}
+        p.pipeline().apply_autoscheduler(target, hl.AutoschedulerParams(self.name, params))
+
+
+def _estimate(p, b_est=B_EST, t_est=T_EST) -> None:
+    """Estimates for every input and output: fixed extents as they are;
+    runtime ones: the batch, or T in the projection, or rows N = B*T."""
+    rows = {"step": [b_est], "step_bwd": [b_est], "proj": [b_est, t_est],
+            "grads": [b_est * t_est]}.get(p.kind, [])
+    for q in p.inputs:
+        q.set_estimates(_extents(p.shapes[q.name()], rows))
+    for f in p.outputs:
+        f.set_estimates(_extents(p.shapes[f.name()], rows))
+
+
+def _extents(shape, rows):
+    runtime = iter(rows)
+    return [(0, e if e is not None else next(runtime)) for e in shape]
