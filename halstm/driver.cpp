@@ -105,9 +105,10 @@ int halstm_forward(int T, int B, const float *x, const float *w_ih, const float 
     View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
     int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
     if (rc) return rc;
-    View vx(x, {{K, 1}, {B, K}, {T, B * K}});
+    // batch and time merged: N = T*B rows
+    View vx(x, {{K, 1}, {T * B, K}});
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
-    View vxp(xp, {{HP, 1}, {G, HP}, {B, G * HP}, {T, B * G * HP}});
+    View vxp(xp, {{HP, 1}, {G, HP}, {T * B, G * HP}});
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
     for (int t = 0; t < T && rc == 0; t++) {
         View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});

@@ -209,19 +209,22 @@ def _packed(w, j, P):
 
 
 def _proj(p: Pipe) -> None:
-    j, gate, b, t = (p.vars[n] for n in ("j", "gate", "b", "t"))
+    """Input projection of every step, batch and time merged into rows
+    n = t*B + b (the driver passes 2-D views), so that row tiles fill up
+    whatever the batch."""
+    j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
     G, K, H, P = p.G, p.K, p.H, p.P
-    x = _param("x", [K, None, None])                  # numpy (T, B, K)
+    x = _param("x", [K, None])                        # numpy (N, K)
     wp_ih = _param("wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
     b_ih = _param("b_ih", [H, G])                     # numpy (G, H)
     r = hl.RDom([(0, K)], "r_i")
     xin, w = _clamp_b(x, 1), _packed(wp_ih, j, P)
     # xp rows past H (padding) hold only a bias and are never read.
-    xp_acc, xp = _matmul("xp", [j, gate, b, t], b_ih[hl.min(j, H - 1), gate],
-                         lambda: w(gate, r.x) * xin[r.x, b, t])
+    xp_acc, xp = _matmul("xp", [j, gate, n], b_ih[hl.min(j, H - 1), gate],
+                         lambda: w(gate, r.x) * xin[r.x, n])
     p.inputs = [x, wp_ih, b_ih]
     p.outputs = [xp]
-    _fix_output(xp, [p.Hp, G, None, None])            # numpy (T, B, G, Hp)
+    _fix_output(xp, [p.Hp, G, None])                  # numpy (N, G, Hp)
     p.stages = {"xp_acc": xp_acc, "xp": xp}
     p.rdoms = {"i": r}
 

@@ -55,7 +55,7 @@ class Auto:
 def _estimate(p, b_est=B_EST, t_est=T_EST) -> None:
     """Estimates for every input and output: fixed extents as they are;
     runtime ones: the batch, or T in the projection, or rows N = B*T."""
-    rows = {"step": [b_est], "step_bwd": [b_est], "proj": [b_est, t_est],
+    rows = {"step": [b_est], "step_bwd": [b_est], "proj": [b_est * t_est],
             "grads": [b_est * t_est]}.get(p.kind, [])
     for q in p.inputs:
         q.set_estimates(_extents(p.shapes[q.name()], rows))

@@ -43,16 +43,16 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
     A col whose tail is GUARD has a runtime extent: the tiled schedule is
     specialized to extent >= factor (with ShiftInwards, so every tile is
     full and its accumulators have a constant size), and smaller extents
-    get a tile of 1 along it. `small`: (condition, panels) for a tile of
-    that many panels and no batch tiling where condition holds (tiny
+    get a tile of 1 along it. `small`: (condition, panels, par) for a tile
+    of that many panels and no batch tiling where condition holds (tiny
     batches, where a batch tile would waste FMAs)."""
     runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
     tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
     untiled = [(v, 1, ROUND) if tail in (GUARD, ROUND) and f else (v, f, tail)
                for v, f, tail in cols]
     if small is not None:
-        cond, small_panels = small
-        _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, par, vec_tail)
+        cond, small_panels, small_par = small
+        _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, small_par, vec_tail)
     if runtime:
         dims = {a.name(): d for d, a in enumerate(out.args())}
         buf = out.output_buffer()
@@ -112,14 +112,21 @@ def _panels(extent: int, P: int, want: int) -> int:
     return n
 
 
-def _pointwise(f, vw, batch, min_parallel=8):
+# Work below which a stage stays on one thread: waking the pool costs more.
+# Measured at latency_256_b1 (one 256x1024 product a step): forking the
+# step GEMM and three pointwise stages cost more than the step's math.
+PARALLEL_MACS = 1 << 20
+PARALLEL_ELEMENTS = 1 << 15
+
+
+def _pointwise(f, vw, batch, units):
     """A pointwise stage f(j, [gate,] b): vectorize units, unroll gates, and
-    run batch rows in parallel where there are enough of them."""
+    run batch rows in parallel where there are enough elements."""
     args = f.args()
     f.vectorize(args[0], vw)
     if len(args) == 3:
         f.unroll(args[1])
-    f.specialize(batch >= min_parallel).parallel(args[-1])
+    f.specialize(batch * units >= PARALLEL_ELEMENTS).parallel(args[-1])
     return f
 
 
@@ -142,7 +149,7 @@ def pack_bwd(p, target):
 def proj(p, target):
     v = p.vars
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"], p.P,
-          [(v["gate"], None, None), (v["b"], 4, GUARD)], [p.rdoms["i"].x], par="jo")
+          [(v["gate"], None, None), (v["t"], 4, GUARD)], [p.rdoms["i"].x], par="jo")
 
 
 def step(p, target):
@@ -154,14 +161,15 @@ def step(p, target):
     # where a fork would cost more than the step.
     batch = p.param("h_prev").dim(1).extent()
     # batches under 4: no batch tile (B=1 would waste 3/4 of the FMAs)
+    macs = p.G * H * H
     _tile(hg, hg_acc, j, p.P, [(v["gate"], None, None), (b, 4, ROUND)],
-          [p.rdoms["k"].x], par="jo" if H >= 256 else None,
-          small=(batch < 4, _panels(p.Hp, p.P, 2)))
+          [p.rdoms["k"].x], par="jo" if 4 * macs >= PARALLEL_MACS else None,
+          small=(batch < 4, _panels(p.Hp, p.P, 2), "jo" if macs >= PARALLEL_MACS else None))
     vw = _vw(target, H)
-    _pointwise(p.stage("saved").compute_root(), vw, batch)   # the gate activations
-    _pointwise(p.stage("saved_out"), vw, batch)
+    _pointwise(p.stage("saved").compute_root(), vw, batch, p.G * H)   # gate activations
+    _pointwise(p.stage("saved_out"), vw, batch, p.G * H)
     for s in p.cell.states:                     # new states: inlined into their copies
-        _pointwise(p.stage(f"new_{s}_out"), vw, batch)
+        _pointwise(p.stage(f"new_{s}_out"), vw, batch, H)
 
 
 def step_bwd(p, target):
@@ -171,14 +179,14 @@ def step_bwd(p, target):
     vw = _vw(target, H)
     names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
     for name in names:
-        _pointwise(p.stage(name).compute_root(), vw, batch)
-        _pointwise(p.stage(name + "_out"), vw, batch)
+        _pointwise(p.stage(name).compute_root(), vw, batch, p.G * H)
+        _pointwise(p.stage(name + "_out"), vw, batch, p.G * H)
     r = p.rdoms["jg"]
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
-          [(b, 4, GUARD)], [r.x, r.y], par="ko" if H >= 256 else None,
+          [(b, 4, GUARD)], [r.x, r.y], par="ko" if 4 * p.G * H * H >= PARALLEL_MACS else None,
           panels=_panels(p.Hp, p.P, 2))
     for s in p.cell.states[1:]:
-        _pointwise(p.stage("dprev_" + s), vw, batch)
+        _pointwise(p.stage("dprev_" + s), vw, batch, H)
 
 
 def grads(p, target):
