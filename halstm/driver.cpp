@@ -85,12 +85,16 @@ void halstm_set_num_threads(int n) { halide_set_num_threads(n); }
 #ifdef HALSTM_FORWARD
 int halstm_pack(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+// inputs xp, wp_hh, b_hh, prev[NS]; outputs new[NS], saved channels[S]
+static_assert(S == 4, "the driver passes four saved channels; extend it for other cells");
 #if NS == 1
 int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
-                halide_buffer_t *, halide_buffer_t *);
+                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
+                halide_buffer_t *);
 #else
 int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
-                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
+                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
 
 // x (T, B, K); w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
@@ -112,13 +116,17 @@ int halstm_forward(int T, int B, const float *x, const float *w_ih, const float 
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
     for (int t = 0; t < T && rc == 0; t++) {
         View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
-        View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
+        const float *saved_t = saved + (int64_t)t * B * S * H;
+        View s0(saved_t, {{H, 1}, {B, S * H}}), s1(saved_t + H, {{H, 1}, {B, S * H}});
+        View s2(saved_t + 2 * H, {{H, 1}, {B, S * H}}), s3(saved_t + 3 * H, {{H, 1}, {B, S * H}});
         View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
 #if NS == 1
-        rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), saved_t.hb(), h1.hb());
+        rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), h1.hb(), s0.hb(), s1.hb(),
+                         s2.hb(), s3.hb());
 #else
         View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
-        rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(), saved_t.hb(), h1.hb(), c1.hb());
+        rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(),
+                         s0.hb(), s1.hb(), s2.hb(), s3.hb());
 #endif
     }
     return rc;

@@ -100,7 +100,9 @@ def _param(name: str, extents, strides=None) -> hl.ImageParam:
 _SHAPES: dict = {}   # extents of the buffers of the pipeline being built
 
 
-def _constrain(buf, extents, strides=None) -> None:
+def _constrain(buf, extents, strides=None, bounds=True) -> None:
+    """Set strides (dense unless given) and, with bounds, the fixed extents.
+    (A Tuple's outputs after the first share the first's bounds.)"""
     stride = 1
     for d, e in enumerate(extents):
         if strides is not None and strides[d] is not None:
@@ -110,7 +112,8 @@ def _constrain(buf, extents, strides=None) -> None:
         if e is None:
             stride = None
         else:
-            buf.dim(d).set_bounds(0, e)
+            if bounds:
+                buf.dim(d).set_bounds(0, e)
             stride = stride * e if stride is not None else None
 
 
@@ -128,6 +131,16 @@ def _output(f: hl.Func) -> hl.Func:
     out = hl.Func(f.name() + "_out")
     out[f.args()] = f[f.args()]
     return out
+
+
+def _clamp(p: hl.ImageParam, dims) -> hl.Func:
+    """p with the indices of `dims` clamped into range."""
+    f = hl.Func(p.name() + "_in")
+    args = [hl.Var(f"a{d}") for d in range(p.dimensions())]
+    idx = [hl.clamp(a, 0, p.dim(d).extent() - 1) if d in dims else a
+           for d, a in enumerate(args)]
+    f[args] = p[idx]
+    return f
 
 
 def _clamp_b(p: hl.ImageParam, bdim: int) -> hl.Func:
@@ -230,26 +243,35 @@ def _proj(p: Pipe) -> None:
 
 
 def _step(p: Pipe) -> None:
+    """One time step. Its outputs are one Func over (j, b) whose Tuple holds
+    the new states and the saved channels, so that a schedule can compute
+    the recurrent product, the cell and every store in one loop nest."""
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
+    S = len(cell.saved)
     xp = _param("xp", [p.Hp, G, None])               # numpy (B, G, Hp): xp[t]
     wp_hh = _param("wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     b_hh = _param("b_hh", [H, G])                    # numpy (G, H)
     prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}  # (B, H)
-    prev_in = {s: _clamp_b(q, 1) for s, q in prev.items()}
+    # unit and batch reads clamped: a tile may overrun H (up to Hp) and B
+    prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
     w = _packed(wp_hh, j, P)
     hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
                          lambda: w(gate, r.x) * prev_in["h"][r.x, b])
-    saved, new = cell.forward(_clamp_b(xp, 2), hg, prev_in, j, b)
+    saved, new = cell.forward(_clamp(xp, (2,)), hg, prev_in, j, b)
+    out = hl.Func("step_out")
+    out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
+                         [saved[j, c, b] for c in range(S)])
     p.inputs = [xp, wp_hh, b_hh] + [prev[s] for s in cell.states]
-    outs = {"saved": saved, **{"new_" + s: new[s] for s in cell.states}}
-    p.stages = {"hg_acc": hg_acc, "hg": hg, **outs}
-    p.stages |= {n + "_out": _output(f) for n, f in outs.items()}
-    p.outputs = [p.stages[n + "_out"] for n in outs]          # (B, S, H), (B, H)...
-    _fix_output(p.outputs[0], [H, len(cell.saved), None])
-    for f in p.outputs[1:]:
-        _fix_output(f, [H, None])
+    p.outputs = [out]
+    # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
+    # of saved[t] (B, S, H), so a row stride of S*H
+    for n, q in enumerate(out.output_buffers()):
+        _constrain(q, [H, None], None if n < len(cell.states) else [1, S * H], bounds=n == 0)
+    p.shapes["step_out"] = [H, None]
+    p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
+                **{"new_" + s: new[s] for s in cell.states}}
     p.rdoms = {"k": r}
 
 

@@ -55,7 +55,7 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
         _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, small_par, vec_tail)
     if runtime:
         dims = {a.name(): d for d, a in enumerate(out.args())}
-        buf = out.output_buffer()
+        buf = out.output_buffers()[0]
         cond = None
         for v, f in runtime:
             c = buf.dim(dims[v.name()]).extent() >= f
@@ -153,23 +153,25 @@ def proj(p, target):
 
 
 def step(p, target):
-    v, H = p.vars, p.H
-    j, b = v["j"], v["b"]
-    hg, hg_acc = p.stage("hg"), p.stage("hg_acc")
-    hg.compute_root()
-    # Large steps go parallel over unit panels; small ones stay on one thread,
-    # where a fork would cost more than the step.
+    """The whole step in one loop nest over tiles of the output: per tile
+    (P units x 4 batch rows, all gates), the recurrent product in registers,
+    then the cell on it, then the stores of new states and saved gates."""
+    v, H, P = p.vars, p.H, p.P
+    j, b, gate = v["j"], v["b"], v["gate"]
+    out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
     batch = p.param("h_prev").dim(1).extent()
-    # batches under 4: no batch tile (B=1 would waste 3/4 of the FMAs)
     macs = p.G * H * H
-    _tile(hg, hg_acc, j, p.P, [(v["gate"], None, None), (b, 4, ROUND)],
-          [p.rdoms["k"].x], par="jo" if 4 * macs >= PARALLEL_MACS else None,
-          small=(batch < 4, _panels(p.Hp, p.P, 2), "jo" if macs >= PARALLEL_MACS else None))
-    vw = _vw(target, H)
-    _pointwise(p.stage("saved").compute_root(), vw, batch, p.G * H)   # gate activations
-    _pointwise(p.stage("saved_out"), vw, batch, p.G * H)
-    for s in p.cell.states:                     # new states: inlined into their copies
-        _pointwise(p.stage(f"new_{s}_out"), vw, batch, H)
+    # units past H (when P does not divide H) are computed and not stored
+    j_tail = ROUND if H % P == 0 else GUARD
+    _tile(out, acc, j, P, [(b, 4, GUARD)], [p.rdoms["k"].x],
+          par="jo" if 4 * macs >= PARALLEL_MACS else None, vec_tail=j_tail,
+          small=(batch < 4, 1, "jo" if macs >= PARALLEL_MACS else None))
+    at = hl.Var("bo")                  # the innermost tile loop (see _tile)
+    for f in (acc, act):
+        f.bound_extent(j, P)           # whole, aligned panels: constant-size tiles
+    acc.unroll(gate)
+    acc.update().unroll(gate)
+    act.compute_at(out, at).vectorize(j, P).unroll(act.args()[1]).unroll(b)
 
 
 def step_bwd(p, target):
