@@ -269,7 +269,7 @@ def _step(p: Pipe) -> None:
     # of saved[t] (B, S, H), so a row stride of S*H
     for n, q in enumerate(out.output_buffers()):
         _constrain(q, [H, None], None if n < len(cell.states) else [1, S * H], bounds=n == 0)
-    p.shapes["step_out"] = [H, None]
+    _SHAPES[out.name()] = [H, None]
     p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
                 **{"new_" + s: new[s] for s in cell.states}}
     p.rdoms = {"k": r}
