@@ -209,6 +209,33 @@ def loadable_here(target) -> bool:
 
 
 def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dict:
+    """Compile spec's pipelines into `out` (see _build). An autoscheduled
+    build runs in a child process: Halide's autoscheduler plugins can crash
+    the process (auto:Anderson2021 died of SIGFPE on a projection), and a
+    crash must become a CompileError, not the end of the caller."""
+    if spec.schedule and spec.schedule.startswith("auto:"):
+        return _build_in_child(spec, Path(out), tuple(emit), require_loadable)
+    return _build(spec, Path(out), emit, require_loadable)
+
+
+def _build_in_child(spec: Spec, out: Path, emit, require_loadable) -> dict:
+    import signal
+    import sys
+    args = json.dumps([asdict(spec), str(out), list(emit), require_loadable])
+    code = ("import json, sys; from halstm import aot; s, o, e, r = json.loads(sys.argv[1]); "
+            "aot._build(aot.Spec(**s), aot.Path(o), e, r)")
+    res = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True)
+    if res.returncode != 0:
+        if res.returncode < 0:
+            why = f"the compiler crashed ({signal.Signals(-res.returncode).name})"
+        else:
+            lines = res.stderr.strip().splitlines()
+            why = "\n".join(lines[-12:])
+        raise CompileError(f"Halide failed to compile {spec.describe()}: {why}")
+    return json.loads((out / MANIFEST).read_text())
+
+
+def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dict:
     """Compile spec's pipelines into `out` and write out/manifest.json last
     (so that a manifest means a finished build). Where the target runs on
     this machine, pipelines, runtime and driver are linked into
@@ -242,11 +269,12 @@ def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dic
     objects = []
     try:
         lowered = target.with_feature(hl.TargetFeature.NoRuntime)
-        layout = schedules.for_target(target, schedule).layout(target)
+        module = schedules.for_target(target, schedule)
+        layout = module.layout(target)
         panel = layout["panel"]
         for kind in kinds:
             p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, layout)
-            schedules.apply(p, target, schedule)
+            getattr(module, kind)(p, target)
             files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
             if link:
                 files[hl.OutputFileType.object] = str(out / f"{kind}.o")
@@ -295,6 +323,7 @@ def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dic
         "entry_points": ENTRY_POINTS[spec.direction],
         "pipelines": [f"halstm_{k}" for k in kinds],
         "emitted": sorted(emit),
+        "schedule_notes": list(getattr(module, "notes", [])),
         "compile_seconds": round(time.perf_counter() - start, 3),
     }
     if link:

@@ -124,9 +124,8 @@ class CharLM:
             logits = y2 @ w.T
             logits += self.head["bias"]
             t = targets.ravel()
-            loss = float(_log_softmax_nll(logits, t, grad=True).mean(dtype=np.float64))
+            loss = float(_log_softmax_nll(logits, t, grad=1.0 / n).mean(dtype=np.float64))
             dlogits = logits                       # overwritten with d(mean loss)/d logits
-            dlogits *= 1.0 / n
             grads = {"head.weight": dlogits.T @ y2, "head.bias": dlogits.sum(axis=0)}
             dy = (dlogits @ w).reshape(y.shape)
         with timer("rnn backward"):
@@ -136,20 +135,20 @@ class CharLM:
         return loss, {k: grads[k] for k in self.parameters()}, state
 
 
-def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray, grad: bool = False) -> np.ndarray:
-    """Per-row -log softmax(logits)[target] (float32, length N). With grad,
-    logits (N, V) is overwritten with softmax(logits) - one_hot(targets),
-    the gradient of the summed loss."""
+def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray, grad: float | None = None) -> np.ndarray:
+    """Per-row -log softmax(logits)[target] (float32, length N). With grad
+    (a scale), logits (N, V) is overwritten with grad * (softmax(logits) -
+    one_hot(targets)), the gradient of grad * the summed loss."""
     rows = np.arange(len(targets))
-    z = logits if grad else logits.copy()
+    z = logits if grad is not None else logits.copy()
     z -= z.max(axis=1, keepdims=True)
     picked = z[rows, targets]
     np.exp(z, out=z)
     total = z.sum(axis=1)
     nll = np.log(total) - picked
-    if grad:
-        z /= total[:, None]
-        z[rows, targets] -= 1.0
+    if grad is not None:
+        z *= (np.float32(grad) / total)[:, None]
+        z[rows, targets] -= np.float32(grad)
     return nll
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,19 +54,29 @@ def save(path, ckpt: Checkpoint) -> None:
     arrays.update({f"opt/{k}": v for k, v in ckpt.optimizer.items()})
     arrays.update({f"state/{i}": s for i, s in enumerate(ckpt.state)})
     arrays.update({f"history/{k}": np.asarray(v) for k, v in ckpt.history.items()})
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
+
+
+@contextmanager
+def atomic_write(path):
+    """A binary file object whose contents replace path only once the block
+    succeeds: a temporary file beside it, synced, then renamed over it (with
+    the permissions a new file would get); on error path is untouched and
+    the temporary file removed."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            yield f
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -90,6 +90,8 @@ def train(ctx, text, out, resume, plot, quiet, **options):
     _writable_folder(out, "--out")
     if plot is not None:
         _writable_folder(plot, "--plot")
+        if plot.suffix.lower() != ".png":
+            raise click.ClickException(f"--plot {plot}: expected a .png file name")
     try:
         raw, source = data.load(text)
     except CorpusError as e:

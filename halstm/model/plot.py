@@ -1,11 +1,9 @@
 """Loss curves as a PNG (matplotlib, headless)."""
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 import numpy as np
+
+from .checkpoint import atomic_write
 
 
 def smooth(values, window: int = 50) -> np.ndarray:
@@ -42,15 +40,8 @@ def plot_curves(curves: dict, path, title: str = "char-level LM") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix or ".png",
-                               dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_write(path) as f:
+            fig.savefig(f, dpi=120, format="png")
     finally:
         plt.close(fig)
