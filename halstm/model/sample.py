@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from . import _blas
 from .charlm import CharLM
 from .data import Vocab
 
@@ -27,7 +27,7 @@ def generate(model: CharLM, vocab: Vocab, prime: str, length: int,
     state = model.zero_state(1)
     out = []
     for _ in range(length):
-        with _blas.single_threaded():
+        with threadpool_limits(1, user_api="blas"):
             y, state = model.hidden(ids, state)
             logits = model.logits(y[-1:]).astype(np.float64)[0]
         if temperature == 0:

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from . import _blas
 from . import checkpoint as ckpt_mod
 from . import optim
 from .charlm import CharLM
@@ -134,7 +134,7 @@ class Trainer:
         x, y, new_epoch = self.streams.batch()
         if new_epoch:
             self.state = self.model.zero_state(self.config.batch_size)
-        with _blas.single_threaded():
+        with threadpool_limits(1, user_api="blas"):
             loss, grads, self.state = self.model.loss_and_grads(x, y, self.state, timer)
         with timer("optimizer"):
             optim.clip_grad_norm(grads, self.config.clip)
@@ -162,7 +162,7 @@ class Trainer:
         x, y = self._val_streams()
         state = self.model.zero_state(x.shape[1])
         total, T = 0.0, self.config.seq_len
-        with _blas.single_threaded():
+        with threadpool_limits(1, user_api="blas"):
             for t in range(0, x.shape[0], T):
                 if stop is not None and stop():
                     return None
