@@ -15,6 +15,14 @@ GUARD = hl.TailStrategy.GuardWithIf
 ROUND = hl.TailStrategy.RoundUp
 
 
+# Batch (or merged time x batch) rows per register tile of the products
+# whose tiles hold every gate of one panel: 4 gates x 4 rows = 16
+# accumulators. 6 rows (24 accumulators) measured no better in a noisy hour
+# (deepbench_1024 forward 211 against 226 ms, small_128_b16 worse: B=16
+# computes 18 rows), so 4 stays.
+ROWS = 4
+
+
 def panel(target: hl.Target) -> int:
     """One native float vector: the width of a weight panel."""
     return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
@@ -149,7 +157,7 @@ def pack_bwd(p, target):
 def proj(p, target):
     v = p.vars
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"], p.P,
-          [(v["gate"], None, None), (v["t"], 4, GUARD)], [p.rdoms["i"].x], par="jo")
+          [(v["gate"], None, None), (v["t"], ROWS, GUARD)], [p.rdoms["i"].x], par="jo")
 
 
 def step(p, target):
@@ -163,9 +171,10 @@ def step(p, target):
     macs = p.G * H * H
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
-    _tile(out, acc, j, P, [(b, 4, GUARD)], [p.rdoms["k"].x],
-          par="jo" if 4 * macs >= PARALLEL_MACS else None, vec_tail=j_tail,
-          small=(batch < 4, 1, "jo" if macs >= PARALLEL_MACS else None))
+    rows = ROWS
+    _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x],
+          par="jo" if rows * macs >= PARALLEL_MACS else None, vec_tail=j_tail,
+          small=(batch < rows, 1, "jo" if macs >= PARALLEL_MACS else None))
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
     for f in (acc, act):
         f.bound_extent(j, P)           # whole, aligned panels: constant-size tiles
