@@ -134,22 +134,12 @@ def _output(f: hl.Func) -> hl.Func:
 
 
 def _clamp(p: hl.ImageParam, dims) -> hl.Func:
-    """p with the indices of `dims` clamped into range."""
+    """p with the indices of `dims` clamped into range, so that a schedule
+    may round batch (or unit) loops up without reading out of bounds."""
     f = hl.Func(p.name() + "_in")
     args = [hl.Var(f"a{d}") for d in range(p.dimensions())]
     idx = [hl.clamp(a, 0, p.dim(d).extent() - 1) if d in dims else a
            for d, a in enumerate(args)]
-    f[args] = p[idx]
-    return f
-
-
-def _clamp_b(p: hl.ImageParam, bdim: int) -> hl.Func:
-    """p with its batch index clamped into range, so that a schedule may
-    round batch loops up without reading out of bounds."""
-    f = hl.Func(p.name() + "_in")
-    args = [hl.Var(f"a{d}") for d in range(p.dimensions())]
-    idx = list(args)
-    idx[bdim] = hl.clamp(args[bdim], 0, p.dim(bdim).extent() - 1)
     f[args] = p[idx]
     return f
 
@@ -231,7 +221,7 @@ def _proj(p: Pipe) -> None:
     wp_ih = _param("wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
     b_ih = _param("b_ih", [H, G])                     # numpy (G, H)
     r = hl.RDom([(0, K)], "r_i")
-    xin, w = _clamp_b(x, 1), _packed(wp_ih, j, P)
+    xin, w = _clamp(x, (1,)), _packed(wp_ih, j, P)
     # xp rows past H (padding) hold only a bias and are never read.
     xp_acc, xp = _matmul("xp", [j, gate, n], b_ih[hl.min(j, H - 1), gate],
                          lambda: w(gate, r.x) * xin[r.x, n])
@@ -304,12 +294,12 @@ def _step_bwd(p: Pipe) -> None:
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
-        dn = _clamp_b(dnext[s], 1)
-        f[j, b] = dn[j, b] + (_clamp_b(dy, 1)[j, b] if s == "h" else 0.0)
+        dn = _clamp(dnext[s], (1,))
+        f[j, b] = dn[j, b] + (_clamp(dy, (1,))[j, b] if s == "h" else 0.0)
         dnew[s] = f
-    dxp, dhg, dprev = cell.backward(_clamp_b(saved, 2),
-                                    {s: _clamp_b(q, 1) for s, q in prev.items()},
-                                    {s: _clamp_b(q, 1) for s, q in new.items()},
+    dxp, dhg, dprev = cell.backward(_clamp(saved, (2,)),
+                                    {s: _clamp(q, (1,)) for s, q in prev.items()},
+                                    {s: _clamp(q, (1,)) for s, q in new.items()},
                                     dnew, j, b)
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     w = _packed(wq_hh, k, P)
@@ -352,7 +342,7 @@ def _grads(p: Pipe) -> None:
     w = _packed(wq_ih, i, P)
     stages = {}
     stages["dx_acc"], stages["dx"] = _matmul(                                    # (N, Kp)
-        "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * _clamp_b(dxp, 2)[rg.x, rg.y, n])
+        "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * _clamp(dxp, (2,))[rg.x, rg.y, n])
     # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are
     # first packed into panels contiguous along n (C input units, resp. R
     # hidden units with all gates), so that a tile streams two dense blocks.
