@@ -172,12 +172,17 @@ def step(p, target):
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
     rows = ROWS
+    # Batches under ROWS: one row per tile, and two panels (8 accumulators,
+    # enough to hide the FMA latency) where H allows whole aligned tiles.
+    aligned = H % P == 0
+    small_panels = _panels(p.Hp, P, 2) if aligned else 1
     _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x],
           par="jo" if rows * macs >= PARALLEL_MACS else None, vec_tail=j_tail,
-          small=(batch < rows, 1, "jo" if macs >= PARALLEL_MACS else None))
+          small=(batch < rows, small_panels, "jo" if macs >= PARALLEL_MACS else None))
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
-    for f in (acc, act):
-        f.bound_extent(j, P)           # whole, aligned panels: constant-size tiles
+    if not aligned:                    # whole panels at the guarded edge too
+        for f in (acc, act):
+            f.bound_extent(j, P)
     acc.unroll(gate)
     acc.update().unroll(gate)
     act.compute_at(out, at).vectorize(j, P).unroll(act.args()[1]).unroll(b)
