@@ -18,12 +18,15 @@ _MODULES = {"naive": ("naive", {"cpu"}), "cpu": ("cpu", {"cpu"}), "cuda": ("cuda
 _DEFAULT = {"cpu": "cpu", "gpu": "cuda"}
 
 
+# Halide's autoschedulers per family, run as auto:<name> (see auto.py)
+AUTOSCHEDULERS = {"cpu": ("Adams2019", "Li2018", "Mullapudi2016"),
+                  "gpu": ("Anderson2021", "Li2018", "Mullapudi2016")}
+
+
 def _auto_names() -> dict:
-    """auto:<autoscheduler> -> families it runs on (see auto.py)."""
-    cpu, gpu = ("Adams2019", "Li2018", "Mullapudi2016"), ("Anderson2021", "Li2018",
-                                                             "Mullapudi2016")
-    return {f"auto:{n}": {f for f, ns in (("cpu", cpu), ("gpu", gpu)) if n in ns}
-            for n in sorted(set(cpu) | set(gpu))}
+    """auto:<autoscheduler> -> families it runs on."""
+    return {f"auto:{n}": {f for f, ns in AUTOSCHEDULERS.items() if n in ns}
+            for ns in AUTOSCHEDULERS.values() for n in ns}
 
 
 def names() -> list[str]:
@@ -37,11 +40,6 @@ def family(target) -> str:
     """'gpu' for a target (string or halide.Target) with a GPU API feature,
     else 'cpu'. Reads the string: needs no halide import."""
     return "gpu" if GPU_FEATURES & set(str(target).split("-")) else "cpu"
-
-
-def _target(target):
-    import halide as hl
-    return target if isinstance(target, hl.Target) else hl.Target(target)
 
 
 def families(name: str) -> set[str]:
@@ -79,4 +77,8 @@ def for_target(target, name: str | None = None):
 
 
 def apply(pipe, target, name: str | None = None) -> None:
-    getattr(for_target(target, name), pipe.kind)(pipe, _target(target))
+    """Schedule one pipe in place (target: a string or a halide.Target)."""
+    import halide as hl
+    if not isinstance(target, hl.Target):
+        target = hl.Target(target)
+    getattr(for_target(target, name), pipe.kind)(pipe, target)

@@ -17,8 +17,6 @@ from functools import lru_cache
 
 import halide as hl
 
-CPU = ("Adams2019", "Li2018", "Mullapudi2016")
-GPU = ("Anderson2021", "Li2018", "Mullapudi2016")
 B_EST, T_EST = 1, 1       # runtime axes: batch, sequence length (rows N = B*T)
 GPU_EST = (32, 50)        # GPU tiles guard their edges; Anderson2021 fails on extents of 1
 
