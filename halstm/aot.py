@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -45,7 +46,7 @@ ENTRY_POINTS = {
     "bwd": {"halstm_backward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
-        "inout dstate[NS] (2, B, HP)", "ws wq_ih (KP/P, G, H, P)", "ws wq_hh (HP/P, G, H, P)",
+        "inout dstate[NS] (2, B, HP): in [0], out [T & 1]", "ws wq_ih (KP/P, G, H, P)", "ws wq_hh (HP/P, G, H, P)",
         "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
         "out dx (T, B, KP)", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
         "out dw_hh (G*H, H)", "out db_hh (G*H,)"]},
@@ -121,8 +122,22 @@ def host_fingerprint() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:16]
 
 
+@lru_cache(maxsize=None)
 def halide_version() -> str:
-    return importlib.metadata.version("halide")
+    """Halide's version, from the package metadata or, for a Halide copied
+    without it (the GPU machines' bundle), from its CMake package files."""
+    try:
+        return importlib.metadata.version("halide")
+    except importlib.metadata.PackageNotFoundError:
+        import re
+        spec = importlib.util.find_spec("halide")
+        if spec is None or not spec.origin:
+            raise
+        cfg = Path(spec.origin).parent / "lib64/cmake/Halide/HalideConfigVersion.cmake"
+        m = re.search(r'set\(PACKAGE_VERSION "([^"]+)"\)', cfg.read_text())
+        if m is None:
+            raise
+        return m.group(1)
 
 
 def cache_key(spec: Spec) -> str:
@@ -297,6 +312,9 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
                "K": spec.input_size, "H": spec.hidden_size, "P": panel,
                "DXP_IS_DHG": int(cell.dxp_is_dhg),
                "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
+    cuda = target.has_feature(hl.TargetFeature.CUDA)
+    if cuda:                 # the driver passes device pointers (see driver.cpp)
+        defines["HALSTM_CUDA"] = 1
     flags = [f"-D{k}={v}" for k, v in defines.items()]
     if link:
         cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
@@ -318,6 +336,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         "hidden_size": spec.hidden_size, "direction": spec.direction,
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
         "dxp_is_dhg": cell.dxp_is_dhg, "panel": panel, "layout": layout,
+        "device": "cuda" if cuda else "cpu",
         "target": str(target), "target_requested": spec.target, "schedule": schedule,
         "halide_version": halide_version(), "halstm_code": code_hash(),
         "entry_points": ENTRY_POINTS[spec.direction],

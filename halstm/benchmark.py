@@ -19,7 +19,7 @@ from . import reference
 from .nn import GRU, LSTM
 
 MODULES = {"lstm": LSTM, "gru": GRU}
-PEERS = ("numpy", "torch")
+PEERS = ("numpy", "torch", "torch_tf32")   # torch_tf32: cuDNN with TF32 on (GPU context)
 
 
 def shapes() -> dict[str, dict]:
@@ -80,19 +80,23 @@ def bench_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=1
     x, dy = _inputs(cell, s)
     err = None
     if check:
-        y = m(x)[0]
-        params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
+        y = np.asarray(m(x)[0])
+        params = {k: np.asarray(v).astype(np.float64) for k, v in m.state_dict().items()}
         ref = reference.forward(cell, params, x.astype(np.float64))
         err = _rel(y, ref[0])
         if mode == "fwdbwd":
             g = m.backward(dy)
             rg = reference.backward(cell, ref[-1], dy.astype(np.float64))
-            err = max(err, *(_rel(g[k], rg[k]) for k in rg))
+            err = max(err, *(_rel(np.asarray(g[k]), rg[k]) for k in rg))
         if not err < tol:
             raise AssertionError(f"{cell} {name} schedule {schedule}: max relative error "
                                  f"{err:.2e} vs the reference exceeds {tol:g}")
-    fn = (lambda: m(x)) if mode == "fwd" else (lambda: (m(x), m.backward(dy)))
-    ms, runs = _median_ms(fn)
+    sync = lambda: None
+    if m.on_gpu:        # time the kernels on device-resident data, not host copies
+        from . import cuda
+        x, dy, sync = cuda.DeviceArray.from_numpy(x), cuda.DeviceArray.from_numpy(dy), cuda.synchronize
+    step = (lambda: m(x)) if mode == "fwd" else (lambda: (m(x), m.backward(dy)))
+    ms, runs = _median_ms(lambda: (step(), sync()))
     return Result(name, cell, mode, f"halstm:{schedule or 'default'}", ms,
                   flops(cell, s, mode) / ms / 1e6, runs, err)
 
@@ -111,13 +115,15 @@ def bench_numpy(cell, name, s, mode) -> Result:
     return Result(name, cell, mode, "numpy", ms, flops(cell, s, mode) / ms / 1e6, runs)
 
 
-def bench_torch(cell, name, s, mode, device="cpu") -> Result | None:
+def bench_torch(cell, name, s, mode, device="cpu", tf32=False) -> Result | None:
     try:
         import torch
     except ImportError:
         return None
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+    if device != "cpu" and not torch.cuda.is_available():
+        return None
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell]
     m = cls(s["I"], s["H"], num_layers=s["L"]).to(device)
     x_np, dy_np = _inputs(cell, s)
@@ -135,8 +141,9 @@ def bench_torch(cell, name, s, mode, device="cpu") -> Result | None:
             y.backward(dy)
         sync()
     ms, runs = _median_ms(run)
-    return Result(name, cell, mode, "torch" if device == "cpu" else f"torch-{device}", ms,
-                  flops(cell, s, mode) / ms / 1e6, runs)
+    impl = "torch" if device == "cpu" else f"torch-{device}" + ("-tf32" if tf32 else "")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    return Result(name, cell, mode, impl, ms, flops(cell, s, mode) / ms / 1e6, runs)
 
 
 def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd"),
@@ -154,11 +161,14 @@ def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd")
         s = known[name]
         if impl == "numpy":
             results.append(bench_numpy(cell, name, s, mode))
-        elif impl == "torch":
-            r = bench_torch(cell, name, s, mode, device)
+        elif impl in ("torch", "torch_tf32"):
+            if impl == "torch_tf32" and device == "cpu":
+                continue                 # TF32 is a GPU mode
+            r = bench_torch(cell, name, s, mode, device, tf32=impl == "torch_tf32")
             if r is None:
-                if "torch is not installed; skipped" not in notes:
-                    notes.append("torch is not installed; skipped")
+                why = f"torch{' with CUDA' if device == 'cuda' else ''} is not installed; skipped"
+                if why not in notes:
+                    notes.append(why)
             else:
                 results.append(r)
         else:

@@ -159,7 +159,8 @@ def inspect(folder, as_json):
               help="Comma-separated schedules (default: the target's default).")
 @_target_option
 @click.option("--peers", default="numpy,torch", show_default=True,
-              help="Comma-separated peers to time beside halstm: numpy, torch ('' for none).")
+              help="Comma-separated peers to time beside halstm: numpy, torch, torch_tf32 "
+                   "(cuDNN with TF32, GPU targets only); '' for none.")
 @click.option("--fwd/--fwdbwd", "fwd_only", default=None,
               help="Forward only, or forward+backward (default: both).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))

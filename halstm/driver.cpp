@@ -8,8 +8,14 @@
 //   H hidden size, P weight panel width, DXP_IS_DHG (backward: the cell's
 //   dxp and dhg coincide). HP and KP are H and K rounded up to P.
 // Arrays are C-contiguous float32 with numpy shapes given below; a Halide view
-// lists the same axes innermost first.
+// lists the same axes innermost first. With -DHALSTM_CUDA every array pointer
+// is a CUDA device pointer (in the context given to halstm_cuda_init) and the
+// views carry it as their device allocation: nothing is copied to or from
+// the host.
 #include <HalideRuntime.h>
+#ifdef HALSTM_CUDA
+#include <HalideRuntimeCuda.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -28,7 +34,12 @@ struct View {
     // dims: (extent, stride) pairs, innermost first.
     View(const float *host, std::initializer_list<std::pair<int, int>> dims) {
         std::memset(this, 0, sizeof(*this));
+#ifdef HALSTM_CUDA
+        buf.device = (uint64_t)(uintptr_t)host;
+        buf.device_interface = halide_cuda_device_interface();
+#else
         buf.host = (uint8_t *)host;
+#endif
         buf.type.code = halide_type_float;
         buf.type.bits = 32;
         buf.type.lanes = 1;
@@ -81,6 +92,26 @@ void halide_error(void *, const char *msg) {
 const char *halstm_last_error(void) { return g_error; }
 
 void halstm_set_num_threads(int n) { halide_set_num_threads(n); }
+
+#ifdef HALSTM_CUDA
+static void *g_context = nullptr;
+
+static int acquire_context(void *, void **ctx, bool) {
+    *ctx = g_context;
+    return g_context ? 0 : halide_error_code_device_interface_no_device;
+}
+static int release_context(void *) { return 0; }
+
+// Run every kernel in `context` (the caller's: device 0's primary context,
+// shared with PyTorch and CuPy) and keep device allocations of intermediate
+// stages between calls instead of freeing them every time step.
+int halstm_cuda_init(void *context) {
+    g_context = context;
+    halide_set_cuda_acquire_context(acquire_context);
+    halide_set_cuda_release_context(release_context);
+    return halide_reuse_device_allocations(nullptr, true);
+}
+#endif
 
 #ifdef HALSTM_FORWARD
 int halstm_pack(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
@@ -154,8 +185,8 @@ int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 
 // x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); saved (T, B, S, H) and
 // states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
-// dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry
-// and dL/d(initial state) on return, [1] is scratch.
+// dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
+// on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
 // workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
 //   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG)
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
@@ -195,10 +226,7 @@ int halstm_backward(int T, int B, const float *x, const float *w_ih, const float
 #endif
     }
     if (rc) return rc;
-    if (T & 1) {  // the result sits in the scratch half
-        for (int s = 0; s < NS; s++)
-            std::memcpy(dstate[s], dstate[s] + (int64_t)B * HP, sizeof(float) * B * HP);
-    }
+    // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows
     const int N = T * B;
     View vx(x, {{K, 1}, {N, K}});

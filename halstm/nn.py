@@ -7,13 +7,20 @@
 
 Kernels are compiled on first use (forward on the first call, backward on
 the first backward) and cached on disk (see halstm.aot).
+
+On a CUDA target (target="host-cuda") the parameters live on the GPU as
+halstm.cuda.DeviceArrays (state_dict() returns them; load_state_dict
+uploads), and so does everything between forward and backward. Results
+come back where the input came from: numpy in, numpy out (one upload and
+one download per call); a DeviceArray or a CUDA DLPack array (PyTorch,
+CuPy) in, DeviceArrays out, with no host round trip.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import aot
-from .runtime import Library, f32
+from . import aot, cuda
+from .runtime import Library, _Device, _Host, f32
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
@@ -24,7 +31,17 @@ def _positive_int(name, v):
     return int(v)
 
 
-def _float_array(name, a) -> np.ndarray:
+def _on_device(a) -> bool:
+    return isinstance(a, cuda.DeviceArray) or cuda._is_cuda_dlpack(a)
+
+
+def _float_array(name, a):
+    """a as a floating-point numpy array, or as a DeviceArray if it is on the GPU."""
+    if _on_device(a):
+        try:
+            return cuda.asarray(a)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from None
     a = np.asarray(a)
     if not np.issubdtype(a.dtype, np.floating):
         raise TypeError(f"{name}: expected a floating-point array, got dtype {a.dtype}")
@@ -47,14 +64,17 @@ class _RNN:
         self.bias, self.batch_first = bool(bias), bool(batch_first)
         self.target, self.schedule = target, schedule
         aot.Spec(self.cell, self.input_size, self.hidden_size, "fwd", target, schedule)
+        self.on_gpu = "cuda" in str(target).split("-")
+        self._mem = _Device() if self.on_gpu else _Host()
         G, H = self.n_gates, self.hidden_size
         rng = np.random.default_rng(seed)
         bound = 1.0 / np.sqrt(H)       # PyTorch: uniform(-1/sqrt(H), 1/sqrt(H))
-        self._params: dict[str, np.ndarray] = {}
+        self._params: dict = {}
         for layer in range(self.num_layers):
             for name, shape in self._param_shapes(layer).items():
-                self._params[name] = rng.uniform(-bound, bound, shape).astype(np.float32)
-        self._zero_bias = np.zeros(G * H, np.float32)
+                self._params[name] = self._array(
+                    rng.uniform(-bound, bound, shape).astype(np.float32))
+        self._zero_bias = self._array(np.zeros(G * H, np.float32))
         self._libs: dict = {}
         self._tape = None
 
@@ -67,9 +87,20 @@ class _RNN:
             shapes |= {f"bias_ih_l{layer}": (G * H,), f"bias_hh_l{layer}": (G * H,)}
         return shapes
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """The parameters by PyTorch's names: the module's own arrays, so an
-        in-place update (an optimizer step) acts on the module."""
+    def _array(self, a):
+        """a (numpy or device) as an array of this module's kind, copied."""
+        if self.on_gpu:
+            return cuda.asarray(a).copy() if _on_device(a) else cuda.DeviceArray.from_numpy(a)
+        return np.array(a, dtype=np.float32, order="C")
+
+    def _result(self, a, host: bool):
+        """An internal array handed to the caller: numpy if host, else as is."""
+        return a.numpy() if host and self.on_gpu else a
+
+    def state_dict(self) -> dict:
+        """The parameters by PyTorch's names: the module's own arrays (numpy,
+        or DeviceArrays on a CUDA target), so an in-place update (an
+        optimizer step) acts on the module."""
         return dict(self._params)
 
     def load_state_dict(self, state_dict, strict: bool = True) -> None:
@@ -87,7 +118,10 @@ class _RNN:
             _check_shape(f"state_dict[{k!r}]", a, expected[k])
             new[k] = a
         for k, a in new.items():
-            np.copyto(self._params[k], a, casting="unsafe")
+            if self.on_gpu:
+                self._params[k].copy_from(a if isinstance(a, cuda.DeviceArray) else f32(a))
+            else:
+                np.copyto(self._params[k], np.asarray(a), casting="unsafe")
         self._tape = None
 
     # ---- kernels ----------------------------------------------------------
@@ -115,8 +149,10 @@ class _RNN:
 
     # ---- forward / backward ----------------------------------------------
     def _input(self, x):
-        """x as a (T, B, I) float32 array, and whether it came unbatched."""
+        """x as a fresh (T, B, I) array of this module's kind, whether it came
+        unbatched, and whether it came from the host."""
         x = _float_array("input", x)
+        host = isinstance(x, np.ndarray)
         layout = "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"
         if x.ndim not in (2, 3):
             raise ValueError(f"input: expected a 3-D array {layout} or a 2-D unbatched "
@@ -125,24 +161,37 @@ class _RNN:
             raise ValueError(f"input: expected {layout} or unbatched (T, input_size), with "
                              f"input_size={self.input_size} and no empty axis, got shape {x.shape}")
         unbatched = x.ndim == 2
-        if unbatched:
-            x = x[:, None, :]
-        elif self.batch_first:
-            x = x.transpose(1, 0, 2)
         # a copy: backward reads it, and the caller may change theirs meanwhile
-        return np.array(x, dtype=np.float32, order="C"), unbatched
+        return self._seq_in(x, unbatched), unbatched, host
+
+    def _seq_in(self, a, unbatched):
+        """A caller's sequence (batch_first / unbatched as given) as a new (T, B, n) array."""
+        if unbatched:
+            return self._array(a).reshape(a.shape[0], 1, a.shape[1])
+        if self.batch_first:
+            return self._mem.swap01(a) if self.on_gpu else self._array(a.transpose(1, 0, 2))
+        return self._array(a)
+
+    def _seq_out(self, y, host):
+        """(T, B, n) internal -> the caller's layout, as a new array."""
+        unbatched = self._tape[1]
+        if unbatched:
+            y = y.reshape(y.shape[0], y.shape[2])
+        elif self.batch_first:
+            y = self._mem.swap01(y) if self.on_gpu else y.transpose(1, 0, 2)
+        return self._result(y, host) if self.on_gpu else np.array(y, order="C")
 
     def _initial(self, name, a, B, unbatched):
         L, H = self.num_layers, self.hidden_size
         if a is None:
-            return np.zeros((L, B, H), np.float32)
+            return self._mem.zeros((L, B, H))
         a = _float_array(name, a)
         _check_shape(name, a, (L, H) if unbatched else (L, B, H))
-        return f32(a.reshape(L, B, H))
+        return self._array(a).reshape(L, B, H)
 
     def _forward(self, x, init):
         """Run every layer; init: per state an (L, B, H) array."""
-        x, unbatched = self._input(x)
+        x, unbatched, host = self._input(x)
         B = x.shape[1]
         init = [self._initial(n, a, B, unbatched) for n, a in init]
         tape, inp = [], x
@@ -153,15 +202,14 @@ class _RNN:
             tape.append((inp, states, saved))
             inp = states[0][1:]                      # this layer's h over time (T, B, H)
         self._tape = (tape, unbatched)
-        finals = [np.stack([t[1][s][-1] for t in tape]) for s in range(len(init))]
-        return self._out_seq(inp), [f[:, 0] if unbatched else f for f in finals]
-
-    def _out_seq(self, y):
-        """(T, B, H) internal -> the caller's layout, as a new array."""
-        unbatched = self._tape[1]
-        if unbatched:
-            return y[:, 0].copy()
-        return np.ascontiguousarray(y.transpose(1, 0, 2)) if self.batch_first else y.copy()
+        finals = []
+        for s in range(len(init)):
+            f = self._mem.empty((self.num_layers, B, self.hidden_size))
+            for layer, t in enumerate(tape):
+                f[layer] = t[1][s][-1]
+            f = f.reshape(self.num_layers, self.hidden_size) if unbatched else f
+            finals.append(self._result(f, host))
+        return self._seq_out(inp, host), finals
 
     def _backward(self, dy, dfinal):
         if self._tape is None:
@@ -172,11 +220,11 @@ class _RNN:
         L = self.num_layers
         shape = (T, H) if unbatched else ((B, T, H) if self.batch_first else (T, B, H))
         dy = _float_array("dy", dy)
+        host = isinstance(dy, np.ndarray)
         _check_shape("dy", dy, shape)
-        dy = dy.reshape(T, 1, H) if unbatched else (dy.transpose(1, 0, 2) if self.batch_first else dy)
-        dy = f32(dy)
+        dy = self._seq_in(dy, unbatched)
         dfinal = [self._initial(n, a, B, unbatched) for n, a in dfinal]
-        grads, dinit = {}, [np.empty((L, B, H), np.float32) for _ in dfinal]
+        grads, dinit = {}, [self._mem.empty((L, B, H)) for _ in dfinal]
         for layer in reversed(range(L)):
             inp, states, saved = tape[layer]
             w_ih, _, w_hh, _ = self._layer_weights(layer)
@@ -187,12 +235,11 @@ class _RNN:
                 grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
             for d, s in zip(dinit, self._state_names):
                 d[layer] = g[f"d{s}0"]
-            dy = f32(g["dx"])
-        grads = {k: grads[k] for k in self._params}          # state_dict order
-        x_grad = dy[:, 0] if unbatched else (dy.transpose(1, 0, 2) if self.batch_first else dy)
-        grads["input"] = np.ascontiguousarray(x_grad)
+            dy = g["dx"]
+        grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
+        grads["input"] = self._seq_out(dy, host)
         for d, s in zip(dinit, self._state_names):
-            grads[f"{s}0"] = d[:, 0].copy() if unbatched else d
+            grads[f"{s}0"] = self._result(d.reshape(L, H) if unbatched else d, host)
         return grads
 
 

@@ -41,8 +41,58 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def _ptrs(arrays) -> ctypes.Array:
-    return (_P * len(arrays))(*[_ptr(a) for a in arrays])
+class _Host:
+    """Arrays of a CPU library: numpy."""
+
+    empty, ptr = staticmethod(empty), staticmethod(_ptr)
+
+    @staticmethod
+    def zeros(shape):
+        a = empty(shape)
+        a[...] = 0
+        return a
+
+    @staticmethod
+    def put_leading(dst, src):
+        """dst (R, W)[:, :w] = src (R, w)."""
+        dst[:, :src.shape[-1]] = src
+
+    @staticmethod
+    def leading(a, w):
+        """A contiguous copy of a[..., :w]."""
+        return np.ascontiguousarray(a[..., :w])
+
+
+class _Device:
+    """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
+
+    def __init__(self):
+        from . import cuda
+        self.cuda = cuda
+        self.empty, self.zeros = cuda.empty, cuda.zeros
+
+    @staticmethod
+    def ptr(a) -> int:
+        return a.ptr
+
+    def put_leading(self, dst, src):
+        W, w = dst.shape[-1], src.shape[-1]
+        self.cuda.copy_2d(dst, W, src, w, w, src.size // max(w, 1))
+
+    def swap01(self, a):
+        """A new (B, A, n) array from a (A, B, n): batch_first <-> time first."""
+        a = self.cuda.asarray(a)
+        A, B, n = a.shape
+        out = self.cuda.empty((B, A, n))
+        for i in range(A):   # out[:, i] = a[i]
+            self.cuda.copy_2d(out, A * n, a, n, n, B, dst_offset=i * n, src_offset=i * B * n)
+        return out
+
+    def leading(self, a, w):
+        W = a.shape[-1]
+        out = self.cuda.empty(a.shape[:-1] + (w,))
+        self.cuda.copy_2d(out, w, a, W, w, a.size // max(W, 1))
+        return out
 
 
 class Library:
@@ -61,6 +111,15 @@ class Library:
         self.Hp, self.Kp = -(-self.H // P) * P, -(-self.K // P) * P
         self._lib = ctypes.CDLL(str(path))
         self._lib.halstm_last_error.restype = ctypes.c_char_p
+        self.device = manifest.get("device", "cpu")
+        if self.device == "cuda":   # arguments are device arrays (halstm.cuda)
+            self.mem = _Device()
+            self._lib.halstm_cuda_init.argtypes = [_P]
+            rc = self._lib.halstm_cuda_init(self.mem.cuda.driver().context)
+            if rc:
+                raise KernelError(f"halstm_cuda_init failed with code {rc}")
+        else:                       # numpy arrays
+            self.mem = _Host()
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 10
@@ -80,49 +139,55 @@ class Library:
                               f"({self.manifest['target']}, schedule "
                               f"{self.manifest['schedule']}) failed with code {rc}: {msg}")
 
+    def _ptrs(self, arrays) -> ctypes.Array:
+        return (_P * len(arrays))(*[self.mem.ptr(a) for a in arrays])
+
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array per state. Returns (states, saved): states
-        each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H)."""
+        each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H).
+        Arrays are numpy for a CPU library, DeviceArrays for a CUDA one."""
         T, B, K = x.shape
-        G, H, S = self.G, self.H, self.S
+        G, H, S, mem = self.G, self.H, self.S, self.mem
         if K != self.K:
             raise ValueError(f"x: expected (T, B, {self.K}), got {x.shape}")
         states = []
         for s0 in init:
-            st = empty((T + 1, B, H))
+            st = mem.empty((T + 1, B, H))
             st[0] = s0
             states.append(st)
-        saved = empty((T, B, S, H))
+        saved = mem.empty((T, B, S, H))
         Hp, P = self.Hp, self.P
-        ws = [empty((Hp // P, K, G, P)), empty((Hp // P, H, G, P)), empty((T, B, G, Hp))]
-        self._call(T, B, _ptr(x), _ptr(w_ih), _ptr(b_ih), _ptr(w_hh), _ptr(b_hh),
-                   *map(_ptr, ws), _ptr(saved), _ptrs(states))
+        ws = [mem.empty((Hp // P, K, G, P)), mem.empty((Hp // P, H, G, P)),
+              mem.empty((T, B, G, Hp))]
+        self._call(T, B, *map(mem.ptr, (x, w_ih, b_ih, w_hh, b_hh, *ws, saved)),
+                   self._ptrs(states))
         return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal):
         """BPTT of one layer. dfinal: one (B, H) gradient per final state.
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H)."""
         T, B, K = x.shape
-        G, H, Hp, Kp, P = self.G, self.H, self.Hp, self.Kp, self.P
+        G, H, Hp, Kp, P, mem = self.G, self.H, self.Hp, self.Kp, self.P, self.mem
         if K != self.K or dy.shape != (T, B, H):
             raise ValueError(f"x, dy: expected (T, B, {self.K}) and (T, B, {H}), "
                              f"got {x.shape} and {dy.shape}")
         dstate = []
         for d in dfinal:
-            a = empty((2, B, Hp))
-            a[0, :, :H] = d
+            a = mem.zeros((2, B, Hp))
+            mem.put_leading(a[0], d)
             dstate.append(a)
-        ws = [empty((Kp // P, G, H, P)), empty((Hp // P, G, H, P))]
-        dxp = empty((T, B, G, H))
-        dhg = dxp if self.manifest["dxp_is_dhg"] else empty((T, B, G, H))
-        out = {"dx": empty((T, B, Kp)), "dw_ih": empty((G * H, K)), "db_ih": empty(G * H),
-               "dw_hh": empty((G * H, H)), "db_hh": empty(G * H)}
-        self._call(T, B, _ptr(x), _ptr(w_ih), _ptr(w_hh), _ptr(saved), _ptrs(states),
-                   _ptr(dy), _ptrs(dstate), *map(_ptr, ws), _ptr(dxp), _ptr(dhg),
-                   *map(_ptr, out.values()))
+        ws = [mem.empty((Kp // P, G, H, P)), mem.empty((Hp // P, G, H, P))]
+        dxp = mem.empty((T, B, G, H))
+        dhg = dxp if self.manifest["dxp_is_dhg"] else mem.empty((T, B, G, H))
+        out = {"dx": mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
+               "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
+               "db_hh": mem.empty(G * H)}
+        self._call(T, B, *map(mem.ptr, (x, w_ih, w_hh, saved)), self._ptrs(states),
+                   mem.ptr(dy), self._ptrs(dstate), *map(mem.ptr, (*ws, dxp, dhg)),
+                   *map(mem.ptr, out.values()))
         if Kp != K:
-            out["dx"] = out["dx"][:, :, :K]
-        for s, a in zip(self.states, dstate):
-            out[f"d{s}0"] = a[0, :, :H].copy()
+            out["dx"] = mem.leading(out["dx"], K)
+        for s, a in zip(self.states, dstate):   # the driver leaves them in row T & 1
+            out[f"d{s}0"] = mem.leading(a[T & 1], H)
         return out

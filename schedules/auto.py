@@ -10,6 +10,12 @@ against an estimate of 50, "x is accessed at -20"); one library must serve
 every T and B. The packed
 operand layouts are those of the hand-written family schedule, so that a
 comparison is between schedules of the same algorithm.
+
+On CUDA targets the weight-packing pipelines (pack, pack_bwd: layout
+copies, run once per call) use the hand-written cuda schedule: Mullapudi2016
+left them on the host, which device-resident buffers cannot serve ("The host
+pointer of Input buffer w_hh is null"). Departures are listed in `notes`
+and in each library's manifest.
 """
 from __future__ import annotations
 
@@ -18,7 +24,14 @@ from functools import lru_cache
 import halide as hl
 
 B_EST, T_EST = 1, 1       # runtime axes: batch, sequence length (rows N = B*T)
-GPU_EST = (32, 50)        # GPU tiles guard their edges; Anderson2021 fails on extents of 1
+# Anderson2021 cannot schedule these pipelines itself (Halide 21); Li2018 does:
+#   step:  its cost model dies of SIGFPE on the step's Tuple output;
+#   grads: at estimates of 1 it emits an invalid GPU loop nest ("Funcs cannot
+#          be scheduled in between GPU block loops"); at estimates of
+#          B=32, T=50 the schedule failed at run time on smaller batches
+#          ("Input buffer dxp is accessed at -43", seen on an H100).
+ANDERSON_FALLBACK = {"step": "SIGFPE in its cost model on the step's Tuple output",
+                     "grads": "an invalid GPU loop nest at estimates of 1"}
 
 
 @lru_cache(maxsize=None)
@@ -43,13 +56,16 @@ class Auto:
         raise AttributeError(kind)
 
     def _apply(self, p, target):
-        _estimate(p, *(GPU_EST if self.family == "gpu" else (B_EST, T_EST)))
+        if self.family == "gpu" and p.kind in ("pack", "pack_bwd"):
+            from . import cuda
+            self.notes.append(f"{p.kind} pipeline: the hand-written cuda schedule")
+            return getattr(cuda, p.kind)(p, target)
+        _estimate(p, B_EST, T_EST)
         name = self.name
-        if name == "Anderson2021" and p.kind == "step":
-            # Its cost model dies of SIGFPE on the step's Tuple output
-            # (Halide 21): that one pipeline is scheduled by Li2018.
+        if name == "Anderson2021" and p.kind in ANDERSON_FALLBACK:
             name = "Li2018"
-            self.notes.append("step pipeline scheduled by Li2018: Anderson2021 crashes on it")
+            self.notes.append(f"{p.kind} pipeline scheduled by Li2018: Anderson2021 gives "
+                              f"{ANDERSON_FALLBACK[p.kind]}")
         _load(name)
         params = {"parallelism": "2"} if self.family == "cpu" else {}
         if name == "Anderson2021":

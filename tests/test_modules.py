@@ -54,7 +54,7 @@ def backward(module, cell, dy, dfinal=None):
 def ref_run(cell, module, x, hx, dy, dfinal):
     """Reference forward + backward in float64 with the module's parameters.
     Everything in (T, B, C) / (L, B, H) layout."""
-    params = {k: v.astype(np.float64) for k, v in module.state_dict().items()}
+    params = {k: np.asarray(v).astype(np.float64) for k, v in module.state_dict().items()}
     x = x.astype(np.float64)
     if hx is not None:
         hx = [a.astype(np.float64) for a in hx]
@@ -90,11 +90,17 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_matches_reference(cell, case):
+    check_case(cell, case)
+
+
+def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
+    """One CASES entry against the reference. put: how the caller's arrays
+    are handed to the module (tests/gpu passes device arrays through it)."""
     c = dict(T=T, B=B, L=L, batch_first=False, unbatched=False, hx=False, dstate=False,
              bias=True) | CASES[case]
     Tc, Bc, Lc, bf, unb = c["T"], (1 if c["unbatched"] else c["B"]), c["L"], c["batch_first"], c["unbatched"]
     rng = np.random.default_rng(list(CASES).index(case))
-    m = make(cell, Lc, bias=c["bias"], batch_first=bf, seed=7)
+    m = make(cell, Lc, bias=c["bias"], batch_first=bf, seed=7, target=target, schedule=schedule)
     ns = len(STATES[cell])
 
     # Problem in the reference's (T, B, C) / (L, B, H) layout...
@@ -106,15 +112,15 @@ def test_matches_reference(cell, case):
     # ... and in the module's layout.
     def seq_in(a):
         if unb:
-            return np.ascontiguousarray(a[:, 0])
-        return np.ascontiguousarray(a.transpose(1, 0, 2)) if bf else a
+            return put(np.ascontiguousarray(a[:, 0]))
+        return put(np.ascontiguousarray(a.transpose(1, 0, 2)) if bf else a)
 
     def seq_out(a):
         if unb:
             return a[:, None]
         return a.transpose(1, 0, 2) if bf else a
 
-    st_in = (lambda a: np.ascontiguousarray(a[:, 0])) if unb else (lambda a: a)
+    st_in = (lambda a: put(np.ascontiguousarray(a[:, 0]))) if unb else put
     st_out = (lambda a: a[:, None]) if unb else (lambda a: a)
 
     m_hx = None
@@ -124,6 +130,8 @@ def test_matches_reference(cell, case):
     m_dfinal = [st_in(a) for a in dfinal] if dfinal is not None else None
     grads = backward(m, cell, seq_in(dy), m_dfinal)
 
+    y, finals = np.asarray(y), [np.asarray(f) for f in finals]
+    grads = {k: np.asarray(g) for k, g in grads.items()}
     # Shapes as the caller sees them.
     y_shape = (Tc, H) if unb else ((Bc, Tc, H) if bf else (Tc, Bc, H))
     st_shape = (Lc, H) if unb else (Lc, Bc, H)
@@ -146,7 +154,7 @@ def test_matches_reference(cell, case):
             assert g.shape == sd[k].shape, k
             assert_close(k, g, rgrads[k])
         elif k == "input":
-            assert g.shape == seq_in(x).shape, k
+            assert g.shape == np.asarray(seq_in(x)).shape, k
             assert_close(k, seq_out(g), rgrads[k])
         else:
             assert g.shape == st_shape, k

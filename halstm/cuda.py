@@ -1,0 +1,376 @@
+"""GPU memory for halstm's CUDA libraries: the CUDA driver API through
+ctypes, and DeviceArray, a float32 array that lives on the GPU.
+
+    a = halstm.cuda.DeviceArray.from_numpy(x)     # upload once
+    y = a.numpy()                                 # copy back when asked
+    b = halstm.cuda.asarray(torch_cuda_tensor)    # DLPack: no host round trip
+
+Everything runs on device 0 in its primary context (the one PyTorch and
+CuPy use), on the legacy default stream, so that halstm's kernels, these
+copies and a peer library's work are ordered with one another. Errors from
+the driver raise CudaError with the driver's own name and message. No
+halide import: a process that only runs cached libraries stays light.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+
+import numpy as np
+
+_U64, _SZ, _P, _I = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+
+
+class CudaError(RuntimeError):
+    """The CUDA driver reported an error (or there is no usable driver/GPU)."""
+
+
+class _Driver:
+    """libcuda loaded once; device 0's primary context retained."""
+
+    def __init__(self):
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise CudaError(f"no CUDA driver: cannot load libcuda.so.1 ({e})") from None
+        self.check(self.lib.cuInit(0), "cuInit")
+        count = _I()
+        self.check(self.lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        if count.value < 1:
+            raise CudaError("the CUDA driver sees no GPU")
+        self.device = _I()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(self.device), 0), "cuDeviceGet")
+        self.context = _P()
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), self.device),
+                   "cuDevicePrimaryCtxRetain")
+        name = ctypes.create_string_buffer(256)
+        self.check(self.lib.cuDeviceGetName(name, 256, self.device), "cuDeviceGetName")
+        self.name = name.value.decode()
+        for fn in ("cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemcpyDtoD_v2"):
+            getattr(self.lib, fn).argtypes = [_U64 if "DtoH" not in fn else _P,
+                                              _P if "HtoD" in fn else _U64, _SZ]
+        self.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(_U64), _SZ]
+        self.lib.cuMemFree_v2.argtypes = [_U64]
+        self.lib.cuMemsetD8_v2.argtypes = [_U64, ctypes.c_ubyte, _SZ]
+        self.lib.cuMemcpy2D_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)]
+        self._current = threading.local()
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name, text = ctypes.c_char_p(), ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            self.lib.cuGetErrorString(rc, ctypes.byref(text))
+            raise CudaError(f"{what} failed: {(name.value or b'?').decode()} "
+                            f"({(text.value or b'unknown error').decode()}, code {rc})")
+
+    def call(self, fn: str, *args) -> None:
+        """Call a driver function with device 0's primary context current."""
+        if getattr(self._current, "set", False) is False:
+            self.check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+            self._current.set = True
+        self.check(getattr(self.lib, fn)(*args), fn)
+
+
+_driver: _Driver | None = None
+_driver_error: CudaError | None = None
+_lock = threading.Lock()
+
+
+def driver() -> _Driver:
+    """The loaded driver; raises CudaError (the same one every time) if there is none."""
+    global _driver, _driver_error
+    with _lock:
+        if _driver is None and _driver_error is None:
+            try:
+                _driver = _Driver()
+            except CudaError as e:
+                _driver_error = e
+        if _driver_error is not None:
+            raise CudaError(str(_driver_error))
+        return _driver
+
+
+def available() -> bool:
+    """Whether a CUDA driver and a GPU are usable here."""
+    try:
+        driver()
+        return True
+    except CudaError:
+        return False
+
+
+def synchronize() -> None:
+    driver().call("cuCtxSynchronize")
+
+
+def mem_info() -> tuple[int, int]:
+    """(free, total) bytes of device memory."""
+    free, total = _SZ(), _SZ()
+    driver().call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+    return free.value, total.value
+
+
+class _Allocation:
+    """One cuMemAlloc, freed when the last array viewing it goes away."""
+
+    def __init__(self, nbytes: int):
+        self.ptr = _U64()
+        driver().call("cuMemAlloc_v2", ctypes.byref(self.ptr), max(int(nbytes), 1))
+        self.ptr = self.ptr.value
+        self._finalizer = weakref.finalize(self, _free, self.ptr)
+
+
+def _free(ptr: int) -> None:
+    try:
+        driver().call("cuMemFree_v2", _U64(ptr))
+    except CudaError:       # a broken context at exit: nothing more to do
+        pass
+
+
+class DeviceArray:
+    """A C-contiguous float32 array in GPU memory.
+
+    Supports what halstm needs and a user expects to pass around: shape,
+    indexing and slicing along the first axis (views), reshape, copy,
+    assignment from numpy or device arrays, .numpy() (a host copy), and
+    DLPack both ways (halstm.cuda.asarray(obj) takes any CUDA DLPack array;
+    torch.from_dlpack(a) / cupy.from_dlpack(a) take this one)."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, ptr: int, shape, owner):
+        self.ptr, self.shape, self._owner = int(ptr), tuple(int(s) for s in shape), owner
+
+    # ---- creation ---------------------------------------------------------
+    @classmethod
+    def empty(cls, shape) -> "DeviceArray":
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        alloc = _Allocation(4 * int(np.prod(shape, dtype=np.int64)))
+        return cls(alloc.ptr, shape, alloc)
+
+    @classmethod
+    def zeros(cls, shape) -> "DeviceArray":
+        a = cls.empty(shape)
+        driver().call("cuMemsetD8_v2", _U64(a.ptr), 0, a.nbytes)
+        return a
+
+    @classmethod
+    def from_numpy(cls, a) -> "DeviceArray":
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        d = cls.empty(a.shape)
+        driver().call("cuMemcpyHtoD_v2", _U64(d.ptr), a.ctypes.data, a.nbytes)
+        return d
+
+    # ---- numpy-like surface -----------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype=float32, ptr=0x{self.ptr:x})"
+
+    def numpy(self) -> np.ndarray:
+        out = np.empty(self.shape, np.float32)
+        if out.nbytes:
+            driver().call("cuMemcpyDtoH_v2", out.ctypes.data, _U64(self.ptr), out.nbytes)
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def reshape(self, *shape) -> "DeviceArray":
+        shape = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        shape = list(shape)
+        if shape.count(-1) == 1:
+            rest = int(np.prod([s for s in shape if s != -1]))
+            shape[shape.index(-1)] = self.size // max(rest, 1)
+        if int(np.prod(shape)) != self.size:
+            raise ValueError(f"reshape: cannot view {self.shape} as {tuple(shape)}")
+        return DeviceArray(self.ptr, shape, self)
+
+    def _rows(self, key) -> tuple[int, int]:
+        """(first, count) of the rows along axis 0 that key selects."""
+        n = self.shape[0]
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (n if key < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"index {key} is out of bounds for axis 0 with size {n}")
+            return i, 1
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step != 1:
+                raise IndexError("DeviceArray supports only contiguous slices (step 1)")
+            return start, max(stop - start, 0)
+        raise IndexError(f"DeviceArray supports an int or a slice on axis 0, got {key!r}")
+
+    def __getitem__(self, key) -> "DeviceArray":
+        first, count = self._rows(key)
+        row = self.nbytes // max(self.shape[0], 1)
+        shape = self.shape[1:] if isinstance(key, (int, np.integer)) else (count,) + self.shape[1:]
+        return DeviceArray(self.ptr + first * row, shape, self)
+
+    def __setitem__(self, key, value) -> None:
+        self[key].copy_from(value)
+
+    def copy_from(self, src) -> None:
+        """Overwrite with src (numpy array, DeviceArray or CUDA DLPack array)
+        of this shape."""
+        if not isinstance(src, DeviceArray) and not _is_cuda_dlpack(src):
+            src = np.ascontiguousarray(src, dtype=np.float32)
+            if src.shape != self.shape:
+                raise ValueError(f"copy: expected shape {self.shape}, got {src.shape}")
+            driver().call("cuMemcpyHtoD_v2", _U64(self.ptr), src.ctypes.data, src.nbytes)
+            return
+        src = asarray(src)
+        if src.shape != self.shape:
+            raise ValueError(f"copy: expected shape {self.shape}, got {src.shape}")
+        if self.nbytes:
+            driver().call("cuMemcpyDtoD_v2", _U64(self.ptr), _U64(src.ptr), self.nbytes)
+
+    def copy(self) -> "DeviceArray":
+        out = DeviceArray.empty(self.shape)
+        out.copy_from(self)
+        return out
+
+    # ---- DLPack export ----------------------------------------------------
+    def __dlpack_device__(self):
+        return (_KDL_CUDA, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return _export(self)
+
+
+def empty(shape) -> DeviceArray:
+    return DeviceArray.empty(shape)
+
+
+def zeros(shape) -> DeviceArray:
+    return DeviceArray.zeros(shape)
+
+
+def copy_2d(dst: DeviceArray, dst_pitch: int, src: DeviceArray, src_pitch: int,
+            width: int, height: int, dst_offset: int = 0, src_offset: int = 0) -> None:
+    """Copy `height` rows of `width` floats between strided device layouts
+    (pitches and offsets in floats)."""
+    if width == 0 or height == 0:
+        return
+    m = _Memcpy2D(srcMemoryType=2, srcDevice=src.ptr + 4 * src_offset, srcPitch=4 * src_pitch,
+                  dstMemoryType=2, dstDevice=dst.ptr + 4 * dst_offset, dstPitch=4 * dst_pitch,
+                  WidthInBytes=4 * width, Height=height)
+    driver().call("cuMemcpy2D_v2", ctypes.byref(m))
+
+
+class _Memcpy2D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", _SZ), ("srcY", _SZ), ("srcMemoryType", _I), ("srcHost", _P),
+                ("srcDevice", _U64), ("srcArray", _P), ("srcPitch", _SZ),
+                ("dstXInBytes", _SZ), ("dstY", _SZ), ("dstMemoryType", _I), ("dstHost", _P),
+                ("dstDevice", _U64), ("dstArray", _P), ("dstPitch", _SZ),
+                ("WidthInBytes", _SZ), ("Height", _SZ)]
+
+
+# ---- DLPack (https://dmlc.github.io/dlpack/latest/c_api.html) -------------
+_KDL_CUDA, _KDL_CUDA_MANAGED, _KDL_FLOAT = 2, 13, 2
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", _I), ("device_id", _I)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", _P), ("device", _DLDevice), ("ndim", _I), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", _U64)]
+
+
+_Deleter = ctypes.CFUNCTYPE(None, _P)
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", _P), ("deleter", _Deleter)]
+
+
+_api = ctypes.pythonapi
+_api.PyCapsule_GetPointer.restype = _P
+_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [_P, ctypes.c_char_p, _P]
+_api.PyCapsule_IsValid.restype = _I
+_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _is_cuda_dlpack(obj) -> bool:
+    try:
+        return obj.__dlpack_device__()[0] in (_KDL_CUDA, _KDL_CUDA_MANAGED)
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def asarray(obj) -> DeviceArray:
+    """obj as a DeviceArray: a DeviceArray itself, a view of a CUDA DLPack
+    array (CuPy, a PyTorch CUDA tensor; C-contiguous float32 on device 0;
+    the source is kept alive), or an upload of anything numpy takes."""
+    if isinstance(obj, DeviceArray):
+        return obj
+    if not _is_cuda_dlpack(obj):
+        return DeviceArray.from_numpy(obj)
+    capsule = obj.__dlpack__()
+    if not _api.PyCapsule_IsValid(capsule, b"dltensor"):
+        raise TypeError(f"{type(obj).__name__}.__dlpack__ returned no usable 'dltensor' capsule")
+    t = _DLManagedTensor.from_address(_api.PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
+    shape = tuple(t.shape[d] for d in range(t.ndim))
+    what = type(obj).__name__
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (_KDL_FLOAT, 32, 1):
+        raise TypeError(f"{what}: expected float32, got DLPack dtype code {t.dtype.code}, "
+                        f"{t.dtype.bits} bits")
+    if t.device.device_id != 0:
+        raise ValueError(f"{what}: expected an array on CUDA device 0, got device "
+                         f"{t.device.device_id}")
+    if t.strides:
+        dense, stride = True, 1
+        for d in reversed(range(t.ndim)):
+            if shape[d] != 1 and t.strides[d] != stride:
+                dense = False
+            stride *= shape[d]
+        if not dense:
+            raise ValueError(f"{what}: expected a C-contiguous array, got strides "
+                             f"{tuple(t.strides[d] for d in range(t.ndim))} for shape {shape}")
+    return DeviceArray((t.data or 0) + t.byte_offset, shape, (obj, capsule))
+
+
+_exported: dict[int, tuple] = {}   # DLManagedTensor address -> what keeps it valid
+
+
+@_Deleter
+def _release(managed: int) -> None:
+    _exported.pop(managed, None)
+
+
+def _export(a: DeviceArray):
+    """A 'dltensor' capsule viewing a; the consumer's deleter call releases it."""
+    shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
+    m = _DLManagedTensor()
+    m.dl_tensor = _DLTensor(data=a.ptr, device=_DLDevice(_KDL_CUDA, 0), ndim=a.ndim,
+                            dtype=_DLDataType(_KDL_FLOAT, 32, 1), shape=shape, strides=None,
+                            byte_offset=0)
+    m.deleter = _release
+    addr = ctypes.addressof(m)
+    _exported[addr] = (m, shape, a)
+    return _api.PyCapsule_New(addr, b"dltensor", None)
