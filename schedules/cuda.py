@@ -1,36 +1,150 @@
-"""CUDA schedules: every stage its own kernel, tiled over blocks and threads.
+"""Hand-written CUDA schedules.
 
-A correct baseline that compiles for any CUDA capability; making it fast
-(shared-memory GEMM tiles, a fused per-step kernel, the whole time loop in
-one kernel for small sizes) is the CUDA issue's work. Reductions run
-serially inside each thread, over its own output element.
+Every product is a register-tiled GEMM: blocks of one warp, a lane per
+output unit along the packed axis (weight panels are a warp wide, so the
+32 lanes read one coalesced 128-byte row of a panel per reduction step),
+and per lane a tile of every gate x a few batch rows (or time x batch
+rows) held in registers, the reduction loop outside the tile. The other
+operand's values are the same for every lane of a warp: broadcast loads.
+The forward step is one kernel: product, cell and every store. Pointwise
+and packing stages are one kernel each, every axis on the grid.
 """
 import halide as hl
+
+LANES = 32                      # a warp; also the weight panel width
+SHIFT = hl.TailStrategy.ShiftInwards
+GUARD = hl.TailStrategy.GuardWithIf
 
 
 def layout(target: hl.Target) -> dict:
     """Packed operand shapes: weight panels a warp's worth of units wide."""
-    return {"panel": 32, "dw_cols": 32, "dw_rows": 1}
+    return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1}
 
 
-def _gpu(stage, args, name):
-    """gpu_tile a (Func or update Stage) over its first one or two pure vars."""
-    if len(args) >= 2:
-        bx, by, tx, ty = (hl.Var(f"{name}_{n}") for n in ("bx", "by", "tx", "ty"))
-        stage.gpu_tile(args[0], args[1], bx, by, tx, ty, 32, 8, hl.TailStrategy.GuardWithIf)
+def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD):
+    """Register-tile out(lane, ...): lane split across a warp's threads,
+    blocks over the tiles. cols: (var, factor, runtime) per other axis of
+    out, in-thread and unrolled; factor None takes the whole (small, fixed)
+    axis. A runtime axis (batch, rows) is tiled by `factor` with
+    ShiftInwards where its extent allows (every tile full, so the
+    accumulators have constant size) and by 1 elsewhere; a fixed axis is
+    guarded at its edge. acc is computed per thread, reduction outermost."""
+    runtime = [(v, f) for v, f, rt in cols if rt]
+    assert len(runtime) <= 1, "one runtime axis per tile"
+    if runtime:
+        v, f = runtime[0]
+        dims = {a.name(): d for d, a in enumerate(out.args())}
+        extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
+        _loops(out.specialize(extent >= f), out, lane, cols, lane_tail, f)
+        _loops(out, out, lane, cols, lane_tail, 1)
     else:
-        bx, tx = hl.Var(f"{name}_bx"), hl.Var(f"{name}_tx")
-        stage.gpu_tile(args[0], bx, tx, 128, hl.TailStrategy.GuardWithIf)
+        _loops(out, out, lane, cols, lane_tail, None)
+    acc.compute_at(out, hl.Var(lane.name() + "i"))
+    tile_vars = [v for v, f, rt in cols]
+    for v, f, rt in cols:
+        if f is not None and not rt:
+            acc.bound_extent(v, f)      # a guarded edge tile still computes f
+    for stage in (acc, acc.update()):
+        for v in tile_vars:
+            stage.unroll(v)
+    acc.update().reorder(*([lane] + tile_vars + list(reduce)))
+    return out
 
 
-def _kernels(p, target):
-    unique = {f.name(): f for f in p.stages.values()}   # a Func may have two stage names
-    for name, f in unique.items():
-        f.compute_root()
-        args = f.args()
-        _gpu(f, args, name)
-        for u in range(f.num_update_definitions()):
-            _gpu(f.update(u), args, f"{name}_u{u}")
+def _loops(stage, func, lane, cols, lane_tail, runtime_factor):
+    lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
+    stage.split(lane, lo, li, LANES, lane_tail)
+    inner, blocks = [], [lo]
+    for v, f, rt in cols:
+        if f is None:
+            inner.append(v)
+            continue
+        o, i = hl.Var(v.name() + "o"), hl.Var(v.name() + "i")
+        stage.split(v, o, i, runtime_factor if rt else f, SHIFT if rt else GUARD)
+        inner.append(i)
+        blocks.append(o)
+    tiled = {lane.name()} | {c[0].name() for c in cols}
+    assert all(a.name() in tiled for a in func.args()), "every axis of out is tiled"
+    stage.reorder(*(inner + [li] + blocks)).gpu_threads(li).gpu_blocks(*blocks)
+    for i in inner:
+        stage.unroll(i)
 
 
-pack = proj = step = pack_bwd = step_bwd = grads = _kernels
+def _grid(f):
+    """A pointwise or copy stage as one kernel: its first axis across 32
+    threads, every other axis fused onto the grid's second dimension."""
+    args = f.args()
+    xo, xi, yo, yi = (hl.Var(f"{f.name()}_{n}") for n in ("xo", "xi", "yo", "yi"))
+    if len(args) == 1:
+        f.gpu_tile(args[0], xo, xi, 128, GUARD)
+        return f
+    y = args[1]
+    for a in args[2:]:
+        f.fuse(y, a, y)
+    f.gpu_tile(args[0], y, xo, yo, xi, yi, LANES, 4, GUARD)
+    return f
+
+
+def pack(p, target):
+    for name in ("wp_ih", "wp_hh"):
+        _grid(p.stage(name))
+
+
+def pack_bwd(p, target):
+    for name in ("wq_ih", "wq_hh"):
+        _grid(p.stage(name))
+
+
+# Rows per thread of the projection and gradient GEMMs (N = T*B rows).
+ROWS = 16
+
+
+def _batch_rows(H: int) -> int:
+    """Batch rows per thread of a step: fewer at small H, so that the few
+    unit panels still spread over enough blocks."""
+    return 8 if H >= 512 else 4
+
+
+def proj(p, target):
+    v = p.vars
+    _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
+          [(v["gate"], None, False), (v["t"], ROWS, True)], [p.rdoms["i"].x])
+
+
+def step(p, target):
+    """One kernel per step: per thread, every gate of one unit for a few
+    batch rows in registers, then the cell and the stores."""
+    v = p.vars
+    _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], _batch_rows(p.H), True)],
+          [p.rdoms["k"].x])
+    acc = p.stage("hg_acc")
+    acc.unroll(v["gate"])
+    acc.update().unroll(v["gate"])
+    acc.update().reorder(v["j"], v["gate"], v["b"], p.rdoms["k"].x)
+
+
+def step_bwd(p, target):
+    v = p.vars
+    names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
+    for name in names:
+        _grid(p.stage(name).compute_root())
+        _grid(p.stage(name + "_out"))
+    r = p.rdoms["jg"]
+    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
+          [(v["b"], _batch_rows(p.H), True)], [r.x, r.y])
+    for s in p.cell.states[1:]:
+        _grid(p.stage("dprev_" + s))
+
+
+def grads(p, target):
+    v = p.vars
+    i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
+    rg, rn = p.rdoms["jg"], p.rdoms["n"]
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, ROWS, True)], [rg.x, rg.y])
+    # Weight gradients: lanes over input units, per thread 4 hidden units x
+    # every gate; the panels stages are inlined (plain reads on a GPU).
+    for name, vec in (("dw_ih", i), ("dw_hh", v["k"])):
+        _tile(p.stage(name), p.stage(name + "_acc"), vec,
+              [(j, 4, False), (gate, None, False)], [rn.x])
+    for bias in ("db_ih", "db_hh"):
+        _tile(p.stage(bias), p.stage(bias + "_acc"), j, [(gate, None, False)], [rn.x])
