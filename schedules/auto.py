@@ -1,7 +1,7 @@
 """Halide's autoschedulers as named schedules: auto:<name>.
 
 CPU targets: Adams2019, Li2018, Mullapudi2016; CUDA targets: Anderson2021,
-Li2018, Mullapudi2016. Each pipeline is scheduled whole by the
+Li2018 (see schedules/__init__.py for why not Mullapudi2016). Each pipeline is scheduled whole by the
 autoscheduler, with estimates from the layer's sizes (K, H fixed). The
 runtime axes (batch, sequence length) are estimated at 1: the
 autoschedulers split outputs with ShiftInwards by factors drawn from the
@@ -12,9 +12,9 @@ operand layouts are those of the hand-written family schedule, so that a
 comparison is between schedules of the same algorithm.
 
 On CUDA targets the weight-packing pipelines (pack, pack_bwd: layout
-copies, run once per call) use the hand-written cuda schedule: Mullapudi2016
-left them on the host, which device-resident buffers cannot serve ("The host
-pointer of Input buffer w_hh is null"). Departures are listed in `notes`
+copies, run once per call) use the hand-written cuda schedule: an
+autoscheduler may leave them on the host, which device-resident buffers
+cannot serve. Departures are listed in `notes`
 and in each library's manifest.
 """
 from __future__ import annotations

@@ -21,14 +21,22 @@ def layout(target: hl.Target) -> dict:
     return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1}
 
 
-def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD):
+def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), slices=1):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
     out, in-thread and unrolled; factor None takes the whole (small, fixed)
     axis. A runtime axis (batch, rows) is tiled by `factor` with
     ShiftInwards where its extent allows (every tile full, so the
     accumulators have constant size) and by 1 elsewhere; a fixed axis is
-    guarded at its edge. acc is computed per thread, reduction outermost."""
+    guarded at its edge. acc is computed per thread, reduction outermost,
+    its innermost reduction axis unrolled by `unroll` so that the loads of
+    several steps are in flight at once (without it, each step waited for
+    its loads: 49 us a step at latency_256_b1 on an H100). acc_only: axes
+    of acc that out lacks (the step's gates), also in-thread and unrolled.
+    slices > 1 (it must divide the reduction's extent): the reduction is
+    split across that many warps of the block (rfactor), whose partial
+    tiles meet in shared memory; for the per-step products, whose few
+    tiles would otherwise leave most of the GPU idle."""
     runtime = [(v, f) for v, f, rt in cols if rt]
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
@@ -40,15 +48,50 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD):
     else:
         _loops(out, out, lane, cols, lane_tail, None)
     acc.compute_at(out, hl.Var(lane.name() + "i"))
-    tile_vars = [v for v, f, rt in cols]
+    tile_vars = [v for v, f, rt in cols] + list(acc_only)
     for v, f, rt in cols:
         if f is not None and not rt:
             acc.bound_extent(v, f)      # a guarded edge tile still computes f
     for stage in (acc, acc.update()):
         for v in tile_vars:
             stage.unroll(v)
-    acc.update().reorder(*([lane] + tile_vars + list(reduce)))
+    ro, ri = hl.RVar(acc.name() + "_ro"), hl.RVar(acc.name() + "_ri")
+    if slices == 1:
+        acc.update().split(reduce[0], ro, ri, unroll, GUARD).unroll(ri)
+        acc.update().reorder(*([lane] + tile_vars + [ri, ro] + list(reduce[1:])))
+        return out
+    # partial[lane, tile..., u] = the sum over slice u of the reduction
+    u = hl.Var(acc.name() + "_u")
+    upd = acc.update().split(reduce[0], ro, ri, _const(reduce[0].extent()) // slices)
+    partial = upd.rfactor(ro, u)
+    acc.update().reorder(*([lane] + tile_vars + [ro])).unroll(ro)
+    partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES)
+    kio, kii = hl.RVar(acc.name() + "_kio"), hl.RVar(acc.name() + "_kii")
+    partial.reorder(*(tile_vars + [lane, u])).gpu_threads(lane, u)
+    pu = partial.update()
+    pu.split(ri, kio, kii, unroll, GUARD).unroll(kii)
+    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u])).gpu_threads(lane, u)
+    for stage in (partial, pu):
+        for v in tile_vars:
+            stage.unroll(v)
     return out
+
+
+def _const(e) -> int:
+    """The value of a constant integer Expr (an RDom extent)."""
+    import re
+    m = re.fullmatch(r"<halide.Expr of type int32: (-?\d+)>", str(e))
+    if m is None:
+        raise ValueError(f"expected a constant extent, got {e}")
+    return int(m.group(1))
+
+
+def _slices(extent: int, want: int) -> int:
+    """The largest of want, want/2, ..., 1 that divides extent."""
+    n = want
+    while n > 1 and extent % n:
+        n //= 2
+    return n
 
 
 def _loops(stage, func, lane, cols, lane_tail, runtime_factor):
@@ -71,17 +114,15 @@ def _loops(stage, func, lane, cols, lane_tail, runtime_factor):
 
 
 def _grid(f):
-    """A pointwise or copy stage as one kernel: its first axis across 32
-    threads, every other axis fused onto the grid's second dimension."""
+    """A pointwise or copy stage as one kernel: every axis fused into one
+    (the first innermost, so that neighbouring threads touch neighbouring
+    elements), 128 threads a block. One grid axis: the second and third
+    allow only 65535 blocks (the packing of large_2048's weights needs 131072)."""
     args = f.args()
-    xo, xi, yo, yi = (hl.Var(f"{f.name()}_{n}") for n in ("xo", "xi", "yo", "yi"))
-    if len(args) == 1:
-        f.gpu_tile(args[0], xo, xi, 128, GUARD)
-        return f
-    y = args[1]
-    for a in args[2:]:
-        f.fuse(y, a, y)
-    f.gpu_tile(args[0], y, xo, yo, xi, yi, LANES, 4, GUARD)
+    x = args[0]
+    for a in args[1:]:
+        f.fuse(x, a, x)
+    f.gpu_tile(x, hl.Var(f"{f.name()}_xo"), hl.Var(f"{f.name()}_xi"), 128, GUARD)
     return f
 
 
@@ -97,6 +138,8 @@ def pack_bwd(p, target):
 
 # Rows per thread of the projection and gradient GEMMs (N = T*B rows).
 ROWS = 16
+# Warps that share one tile's reduction in the per-step products.
+SLICES = 8
 
 
 def _batch_rows(H: int) -> int:
@@ -116,11 +159,7 @@ def step(p, target):
     batch rows in registers, then the cell and the stores."""
     v = p.vars
     _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], _batch_rows(p.H), True)],
-          [p.rdoms["k"].x])
-    acc = p.stage("hg_acc")
-    acc.unroll(v["gate"])
-    acc.update().unroll(v["gate"])
-    acc.update().reorder(v["j"], v["gate"], v["b"], p.rdoms["k"].x)
+          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=_slices(p.H, SLICES))
 
 
 def step_bwd(p, target):
@@ -131,7 +170,7 @@ def step_bwd(p, target):
         _grid(p.stage(name + "_out"))
     r = p.rdoms["jg"]
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
-          [(v["b"], _batch_rows(p.H), True)], [r.x, r.y])
+          [(v["b"], _batch_rows(p.H), True)], [r.x, r.y], unroll=8, slices=_slices(p.H, SLICES))
     for s in p.cell.states[1:]:
         _grid(p.stage("dprev_" + s))
 

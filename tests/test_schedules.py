@@ -26,7 +26,7 @@ CUDA_TARGET = "host-cuda-cuda_capability_80"
 
 CPU = [n for n in schedules.names() if "cpu" in schedules.families(n)]
 GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
-CPU_ONLY = [n for n in CPU if n not in GPU]      # auto:Li2018 and auto:Mullapudi2016 fit both
+CPU_ONLY = [n for n in CPU if n not in GPU]      # auto:Li2018 fits both
 GPU_ONLY = [n for n in GPU if n not in CPU]
 KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads")
 
