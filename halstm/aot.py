@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -315,6 +316,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     if cuda:                 # the driver passes device pointers (see driver.cpp)
         defines["HALSTM_CUDA"] = 1
+        defines["HALSTM_CUDA_MAX_REGISTERS"] = f'"{layout.get("max_registers", 64)}"'
     flags = [f"-D{k}={v}" for k, v in defines.items()]
     if link:
         cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
@@ -349,7 +351,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         manifest |= {"library": LIBRARY, "sha256": _sha256(out / LIBRARY)}
     else:
         manifest |= {"library": None, "loadable_here": False,
-                     "driver_build": "c++ -O2 -std=c++17 -I. " + " ".join(flags) +
+                     "driver_build": "c++ -O2 -std=c++17 -I. " + " ".join(map(shlex.quote, flags)) +
                      " driver.cpp " + " ".join(f"{k}.a" for k in kinds) + " runtime.a"
                      " (add -shared -fPIC -o libhalstm.so for a shared library)"}
     tmp = out / (MANIFEST + ".tmp")

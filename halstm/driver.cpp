@@ -18,6 +18,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 
@@ -105,7 +106,14 @@ static int release_context(void *) { return 0; }
 // Run every kernel in `context` (the caller's: device 0's primary context,
 // shared with PyTorch and CuPy) and keep device allocations of intermediate
 // stages between calls instead of freeing them every time step.
+//
+// Halide's CUDA runtime JIT-compiles each pipeline's PTX with at most 64
+// registers a thread unless HL_CUDA_JIT_MAX_REGISTERS says otherwise; the
+// cuda schedule's register tiles need more (at 64, the projection's 64
+// accumulators spilled: 8.9 ms against 1.6 ms for the same-sized dx GEMM
+// with 16, deepbench_1024 on an H100). A value the user set is kept.
 int halstm_cuda_init(void *context) {
+    setenv("HL_CUDA_JIT_MAX_REGISTERS", HALSTM_CUDA_MAX_REGISTERS, 0);
     g_context = context;
     halide_set_cuda_acquire_context(acquire_context);
     halide_set_cuda_release_context(release_context);

@@ -17,8 +17,11 @@ GUARD = hl.TailStrategy.GuardWithIf
 
 
 def layout(target: hl.Target) -> dict:
-    """Packed operand shapes: weight panels a warp's worth of units wide."""
-    return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1}
+    """Packed operand shapes: weight panels a warp's worth of units wide;
+    registers a thread may use (the JIT's limit, set by the driver): the
+    tiles below hold up to 64 accumulators, and 256-thread blocks of 128
+    registers still fit an SM's 65536."""
+    return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128}
 
 
 def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), slices=1):
