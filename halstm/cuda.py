@@ -112,21 +112,63 @@ def mem_info() -> tuple[int, int]:
     return free.value, total.value
 
 
+class _Pool:
+    """Device memory blocks kept for reuse, by size (rounded up to 512
+    bytes; 2 MiB above 1 MiB), as PyTorch's caching allocator does:
+    cuMemFree waits for the whole device and cuMemAlloc costs tens of
+    microseconds, and every forward call allocates its states and
+    workspaces. A block returns to the pool when its last array goes away;
+    an allocation that fails empties the pool and tries once more."""
+
+    def __init__(self):
+        self.free: dict[int, list[int]] = {}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def size(nbytes: int) -> int:
+        step = 2 << 20 if nbytes > 1 << 20 else 512
+        return max(-(-int(nbytes) // step) * step, step)
+
+    def take(self, nbytes: int) -> int:
+        size = self.size(nbytes)
+        with self.lock:
+            blocks = self.free.get(size)
+            if blocks:
+                return blocks.pop()
+        ptr = _U64()
+        try:
+            driver().call("cuMemAlloc_v2", ctypes.byref(ptr), size)
+        except CudaError:
+            self.release()
+            driver().call("cuMemAlloc_v2", ctypes.byref(ptr), size)
+        return ptr.value
+
+    def give(self, ptr: int, nbytes: int) -> None:
+        with self.lock:
+            self.free.setdefault(self.size(nbytes), []).append(ptr)
+
+    def release(self) -> None:
+        """Free every cached block (they are unused)."""
+        with self.lock:
+            blocks = [p for ps in self.free.values() for p in ps]
+            self.free.clear()
+        for p in blocks:
+            try:
+                driver().call("cuMemFree_v2", _U64(p))
+            except CudaError:   # a broken context at exit: nothing more to do
+                pass
+
+
+_pool = _Pool()
+empty_cache = _pool.release
+
+
 class _Allocation:
-    """One cuMemAlloc, freed when the last array viewing it goes away."""
+    """One pooled device block, returned when the last array viewing it goes away."""
 
     def __init__(self, nbytes: int):
-        self.ptr = _U64()
-        driver().call("cuMemAlloc_v2", ctypes.byref(self.ptr), max(int(nbytes), 1))
-        self.ptr = self.ptr.value
-        self._finalizer = weakref.finalize(self, _free, self.ptr)
-
-
-def _free(ptr: int) -> None:
-    try:
-        driver().call("cuMemFree_v2", _U64(ptr))
-    except CudaError:       # a broken context at exit: nothing more to do
-        pass
+        self.ptr = _pool.take(nbytes)
+        self._finalizer = weakref.finalize(self, _pool.give, self.ptr, nbytes)
 
 
 class DeviceArray:
