@@ -24,7 +24,8 @@ def layout(target: hl.Target) -> dict:
     return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128}
 
 
-def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), slices=1):
+def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), slices=1,
+          per_lane=1):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
     out, in-thread and unrolled; factor None takes the whole (small, fixed)
@@ -39,19 +40,26 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
     slices > 1 (it must divide the reduction's extent): the reduction is
     split across that many warps of the block (rfactor), whose partial
     tiles meet in shared memory; for the per-step products, whose few
-    tiles would otherwise leave most of the GPU idle."""
+    tiles would otherwise leave most of the GPU idle. per_lane > 1: each
+    thread takes that many neighbouring units along `lane` (a warp then
+    covers 32 * per_lane), so that one broadcast load of the other operand
+    feeds per_lane more FMAs."""
     runtime = [(v, f) for v, f, rt in cols if rt]
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
         v, f = runtime[0]
         dims = {a.name(): d for d, a in enumerate(out.args())}
         extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
-        _loops(out.specialize(extent >= f), out, lane, cols, lane_tail, f)
-        _loops(out, out, lane, cols, lane_tail, 1)
+        _loops(out.specialize(extent >= f), out, lane, cols, lane_tail, f, per_lane)
+        _loops(out, out, lane, cols, lane_tail, 1, per_lane)
     else:
-        _loops(out, out, lane, cols, lane_tail, None)
+        _loops(out, out, lane, cols, lane_tail, None, per_lane)
     acc.compute_at(out, hl.Var(lane.name() + "i"))
     tile_vars = [v for v, f, rt in cols] + list(acc_only)
+    if per_lane > 1:
+        assert slices == 1
+        acc.bound_extent(lane, per_lane)     # reads past the edge must be safe
+        tile_vars = [lane] + tile_vars
     for v, f, rt in cols:
         if f is not None and not rt:
             acc.bound_extent(v, f)      # a guarded edge tile still computes f
@@ -61,7 +69,8 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
     ro, ri = hl.RVar(acc.name() + "_ro"), hl.RVar(acc.name() + "_ri")
     if slices == 1:
         acc.update().split(reduce[0], ro, ri, unroll, GUARD).unroll(ri)
-        acc.update().reorder(*([lane] + tile_vars + [ri, ro] + list(reduce[1:])))
+        order = ([] if per_lane > 1 else [lane]) + tile_vars + [ri, ro] + list(reduce[1:])
+        acc.update().reorder(*order)
         return out
     # partial[lane, tile..., u] = the sum over slice u of the reduction
     u = hl.Var(acc.name() + "_u")
@@ -97,10 +106,14 @@ def _slices(extent: int, want: int) -> int:
     return n
 
 
-def _loops(stage, func, lane, cols, lane_tail, runtime_factor):
+def _loops(stage, func, lane, cols, lane_tail, runtime_factor, per_lane=1):
     lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
-    stage.split(lane, lo, li, LANES, lane_tail)
+    stage.split(lane, lo, li, LANES * per_lane, lane_tail)
     inner, blocks = [], [lo]
+    if per_lane > 1:
+        lv = hl.Var(lane.name() + "v")
+        stage.split(li, li, lv, per_lane)
+        inner.append(lv)
     for v, f, rt in cols:
         if f is None:
             inner.append(v)
@@ -182,12 +195,17 @@ def grads(p, target):
     v = p.vars
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, ROWS, True)], [rg.x, rg.y])
-    # Weight gradients: lanes over input units, per thread 4 hidden units x
-    # every gate; the panels stages are inlined (plain reads on a GPU).
+    # dx reads whole panels only (Kp): 4 units a thread where they divide it
+    # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
+    per_lane = 4 if p.Kp % (4 * LANES) == 0 else (2 if p.Kp % (2 * LANES) == 0 else 1)
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, ROWS, True)], [rg.x, rg.y],
+          per_lane=per_lane, unroll=2)
+    # Weight gradients: lanes over input units, per thread 4 input units x
+    # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
+    # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
     for name, vec in (("dw_ih", i), ("dw_hh", v["k"])):
         _tile(p.stage(name), p.stage(name + "_acc"), vec,
-              [(j, 4, False), (gate, None, False)], [rn.x])
+              [(j, 4, False), (gate, None, False)], [rn.x], per_lane=4, unroll=2)
     # Bias gradients: sums over N rows. One thread a unit summed all N rows
     # in 225 us (deepbench_1024, H100: 32 blocks); chunks of 64 rows are
     # summed in parallel first (rfactor), then the chunk sums.
