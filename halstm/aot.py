@@ -77,7 +77,8 @@ class Spec:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target: expected a Halide target string, got {self.target!r}")
-        from halstm import schedules     # the default schedule, named: one cache key
+        from halstm import cuda, schedules   # named in full: one cache key per meaning
+        object.__setattr__(self, "target", cuda.host_target(self.target))
         object.__setattr__(self, "schedule", schedules.resolve(self.target, self.schedule))
 
     def describe(self) -> str:

@@ -40,16 +40,14 @@ def _positive(ctx, param, value):
 
 def _cuda_status() -> str:
     """Whether a CUDA driver and GPU are usable here, in words."""
-    import ctypes
+    from halstm import cuda
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no CUDA driver (libcuda.so.1 not found)"
-    if cuda.cuInit(0) != 0:
-        return "CUDA driver found, but cuInit failed (no usable GPU)"
-    n = ctypes.c_int()
-    cuda.cuDeviceGetCount(ctypes.byref(n))
-    return f"CUDA driver found, {n.value} GPU(s)" if n.value else "CUDA driver found, no GPU"
+        d = cuda.driver()
+    except cuda.CudaError as e:
+        return f"not usable: {e}"
+    major, minor = cuda.capability()
+    return (f"usable: {d.name} (compute capability {major}.{minor}); "
+            f"host-cuda means {cuda.host_target('host-cuda')}")
 
 
 @main.command()

@@ -101,6 +101,32 @@ def available() -> bool:
         return False
 
 
+def capability() -> tuple[int, int]:
+    """Device 0's compute capability, e.g. (9, 0) for an H100."""
+    d, major, minor = driver(), _I(), _I()
+    d.call("cuDeviceGetAttribute", ctypes.byref(major), 75, d.device)   # ..._MAJOR
+    d.call("cuDeviceGetAttribute", ctypes.byref(minor), 76, d.device)   # ..._MINOR
+    return major.value, minor.value
+
+
+# Halide's CUDA capability features (target strings say cuda_capability_NN)
+HALIDE_CAPABILITIES = (30, 32, 35, 50, 61, 70, 75, 80, 86)
+
+
+def host_target(target: str) -> str:
+    """A "host" CUDA target string with no cuda_capability_NN gets this
+    GPU's (the newest Halide knows that does not exceed it): without one,
+    Halide generates code for compute capability 2.0. Other strings, and
+    machines without a usable GPU, keep the target as written."""
+    parts = target.split("-")
+    if ("cuda" not in parts or "host" not in parts
+            or any(p.startswith("cuda_capability") for p in parts) or not available()):
+        return target
+    major, minor = capability()
+    have = [c for c in HALIDE_CAPABILITIES if c <= 10 * major + minor]
+    return target + (f"-cuda_capability_{have[-1]}" if have else "")
+
+
 def synchronize() -> None:
     driver().call("cuCtxSynchronize")
 

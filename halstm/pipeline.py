@@ -46,6 +46,7 @@ class Pipe:
     P: int = 1
     dw_cols: int = 1     # weight-gradient tile: input units per tile (a panel of x or h)
     dw_rows: int = 1     # ... and hidden units per tile (a panel of dxp)
+    read_outputs: bool = False   # later stages may read an output (see _step_bwd)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -164,7 +165,7 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: dict | None = None) -> 
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     layout = layout or {}
     p = Pipe(kind, cell, K, H, layout.get("panel", 1), layout.get("dw_cols", 1),
-             layout.get("dw_rows", 1))
+             layout.get("dw_rows", 1), layout.get("read_outputs", False))
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     _SHAPES.clear()
     globals()["_" + kind](p)
@@ -301,19 +302,25 @@ def _step_bwd(p: Pipe) -> None:
                                     {s: _clamp(q, (1,)) for s, q in prev.items()},
                                     {s: _clamp(q, (1,)) for s, q in new.items()},
                                     dnew, j, b)
+    outs = {"dxp_out": _output(dxp)}
+    if not cell.dxp_is_dhg:
+        outs["dhg_out"] = _output(dhg)
+    # With read_outputs (a GPU layout), the product reads dhg back from the
+    # output just written: the pointwise backward runs once, in the kernel
+    # that stores it, instead of a kernel of its own plus a copy. CPU
+    # schedules must not (Halide assumes an output read is aligned, above).
+    dhg_in = outs["dxp_out" if cell.dxp_is_dhg else "dhg_out"] if p.read_outputs else dhg
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     w = _packed(wq_hh, k, P)
     init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
     dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
-                              lambda: w(r.x, r.y) * dhg[r.x, r.y, b])
+                              lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
                 + [dy] + [dnext[s] for s in cell.states] + [wq_hh])
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
-    p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, "dxp_out": _output(dxp),
+    p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, **outs,
                 **{"dprev_" + s: dprev[s] for s in cell.states}}
-    if not cell.dxp_is_dhg:
-        p.stages["dhg_out"] = _output(dhg)
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])
                  + [dprev[s] for s in cell.states])
     for f in p.outputs[:-len(cell.states)]:

@@ -21,7 +21,8 @@ def layout(target: hl.Target) -> dict:
     registers a thread may use (the JIT's limit, set by the driver): the
     tiles below hold up to 64 accumulators, and 256-thread blocks of 128
     registers still fit an SM's 65536."""
-    return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128}
+    return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128,
+            "read_outputs": True}
 
 
 def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), slices=1,
@@ -180,9 +181,11 @@ def step(p, target):
 
 def step_bwd(p, target):
     v = p.vars
+    # the pointwise backward inlined into the kernels that store dxp (and
+    # dhg); the product reads them back (layout read_outputs): 3 kernels a
+    # step for the LSTM, was 4 (each about 4-5 us at latency_256_b1)
     names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
     for name in names:
-        _grid(p.stage(name).compute_root())
         _grid(p.stage(name + "_out"))
     r = p.rdoms["jg"]
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
