@@ -47,8 +47,12 @@ class Auto:
         self.notes: list[str] = []      # departures from the named autoscheduler
 
     def layout(self, target):
+        """The family's packed layout; the pipelines as the CPU has them (no
+        output read back: Anderson2021 fails with an empty error on such a
+        step_bwd, Halide 21)."""
         from . import cpu, cuda
-        return (cuda if self.family == "gpu" else cpu).layout(target)
+        layout = (cuda if self.family == "gpu" else cpu).layout(target)
+        return {k: v for k, v in layout.items() if k != "read_outputs"}
 
     def __getattr__(self, kind):
         if kind in ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads"):
