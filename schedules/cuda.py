@@ -16,11 +16,16 @@ SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
 
 
+notes: list[str] = []   # the shape-dependent choices of the build in progress (manifest)
+
+
 def layout(target: hl.Target) -> dict:
-    """Packed operand shapes: weight panels a warp's worth of units wide;
+    """(Called first in every build: it starts a new list of notes.)
+    Packed operand shapes: weight panels a warp's worth of units wide;
     registers a thread may use (the JIT's limit, set by the driver): the
     tiles below hold up to 64 accumulators, and 256-thread blocks of 128
     registers still fit an SM's 65536."""
+    notes.clear()
     return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128,
             "read_outputs": True}
 
@@ -167,6 +172,8 @@ def _batch_rows(H: int) -> int:
 
 def proj(p, target):
     v = p.vars
+    notes.append(f"proj: a thread computes every gate of one unit for {ROWS} rows (T*B) "
+                 f"where T*B >= {ROWS}, one row otherwise")
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
           [(v["gate"], None, False), (v["t"], ROWS, True)], [p.rdoms["i"].x])
 
@@ -175,8 +182,12 @@ def step(p, target):
     """One kernel per step: per thread, every gate of one unit for a few
     batch rows in registers, then the cell and the stores."""
     v = p.vars
-    _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], _batch_rows(p.H), True)],
-          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=_slices(p.H, SLICES))
+    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    notes.append(f"step: one kernel; a thread holds every gate of one unit for {rows} batch "
+                 f"rows where B >= {rows} (large batch), one row otherwise (small batch); "
+                 f"the {p.H}-long reduction split over {slices} warp(s)")
+    _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
+          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices)
 
 
 def step_bwd(p, target):
@@ -188,8 +199,11 @@ def step_bwd(p, target):
     for name in names:
         _grid(p.stage(name + "_out"))
     r = p.rdoms["jg"]
+    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {rows}, "
+                 f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
-          [(v["b"], _batch_rows(p.H), True)], [r.x, r.y], unroll=8, slices=_slices(p.H, SLICES))
+          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices)
     for s in p.cell.states[1:]:
         _grid(p.stage("dprev_" + s))
 
@@ -201,6 +215,8 @@ def grads(p, target):
     # dx reads whole panels only (Kp): 4 units a thread where they divide it
     # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
     per_lane = 4 if p.Kp % (4 * LANES) == 0 else (2 if p.Kp % (2 * LANES) == 0 else 1)
+    notes.append(f"grads: dx with {per_lane} input unit(s) x {ROWS} rows a thread; dW with "
+                 f"4 input x 4 hidden units x every gate a thread")
     _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, ROWS, True)], [rg.x, rg.y],
           per_lane=per_lane, unroll=2)
     # Weight gradients: lanes over input units, per thread 4 input units x

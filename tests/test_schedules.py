@@ -125,6 +125,9 @@ def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, tmp_path):
     assert m["library"], m                      # this CPU can load host-cuda code
     lib = tmp_path / m["library"]
     assert lib.suffix == ".so" and lib.read_bytes()[:4] == b"\x7fELF"
+    if schedule == "cuda":      # its shape-dependent choices are in the manifest
+        want = "step:" if direction == "fwd" else "step_bwd:"
+        assert any(n.startswith(want) for n in m["schedule_notes"]), m["schedule_notes"]
 
 
 # ---- the registry -----------------------------------------------------------
