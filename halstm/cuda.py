@@ -19,11 +19,14 @@ import weakref
 
 import numpy as np
 
+from .runtime import KernelError
+
 _U64, _SZ, _P, _I = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
 
 
-class CudaError(RuntimeError):
-    """The CUDA driver reported an error (or there is no usable driver/GPU)."""
+class CudaError(KernelError):
+    """The CUDA driver reported an error (or there is no usable driver/GPU).
+    A KernelError: whoever handles failed kernel runs handles these too."""
 
 
 class _Driver:

@@ -65,6 +65,11 @@ class _RNN:
         self.target, self.schedule = target, schedule
         aot.Spec(self.cell, self.input_size, self.hidden_size, "fwd", target, schedule)
         self.on_gpu = "cuda" in str(target).split("-")
+        if self.on_gpu:
+            try:
+                cuda.driver()
+            except cuda.CudaError as e:
+                raise cuda.CudaError(f"target {target!r} needs a usable CUDA GPU: {e}") from None
         self._mem = _Device() if self.on_gpu else _Host()
         G, H = self.n_gates, self.hidden_size
         rng = np.random.default_rng(seed)
