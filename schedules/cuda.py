@@ -62,8 +62,8 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
         _loops(out, out, lane, cols, lane_tail, None, per_lane)
     acc.compute_at(out, hl.Var(lane.name() + "i"))
     tile_vars = [v for v, f, rt in cols] + list(acc_only)
-    own_vars = list(tile_vars)            # the tile's axes other than lane
     if per_lane > 1:
+        assert slices == 1
         acc.bound_extent(lane, per_lane)     # reads past the edge must be safe
         tile_vars = [lane] + tile_vars
     for v, f, rt in cols:
@@ -82,21 +82,15 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
     u = hl.Var(acc.name() + "_u")
     upd = acc.update().split(reduce[0], ro, ri, _const(reduce[0].extent()) // slices)
     partial = upd.rfactor(ro, u)
-    acc.update().reorder(*(([] if per_lane > 1 else [lane]) + tile_vars + [ro])).unroll(ro)
-    partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES * per_lane)
-    pu = partial.update()
-    thread, inner = lane, own_vars
-    if per_lane > 1:    # thread t of the block takes units per_lane*t ... per_lane*t + per_lane-1
-        thread, pv = hl.Var(lane.name() + "_pl"), hl.Var(lane.name() + "_pv")
-        for stage in (partial, pu):
-            stage.split(lane, thread, pv, per_lane)
-        inner = [pv] + own_vars
+    acc.update().reorder(*([lane] + tile_vars + [ro])).unroll(ro)
+    partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES)
     kio, kii = hl.RVar(acc.name() + "_kio"), hl.RVar(acc.name() + "_kii")
-    partial.reorder(*(inner + [thread, u])).gpu_threads(thread, u)
+    partial.reorder(*(tile_vars + [lane, u])).gpu_threads(lane, u)
+    pu = partial.update()
     pu.split(ri, kio, kii, unroll, GUARD).unroll(kii)
-    pu.reorder(*(inner + [kii, kio] + list(reduce[1:]) + [thread, u])).gpu_threads(thread, u)
+    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u])).gpu_threads(lane, u)
     for stage in (partial, pu):
-        for v in inner:
+        for v in tile_vars:
             stage.unroll(v)
     return out
 
@@ -205,20 +199,11 @@ def step_bwd(p, target):
     for name in names:
         _grid(p.stage(name + "_out"))
     r = p.rdoms["jg"]
-    slices = _slices(p.H, SLICES)
-    # Units a thread: one unit read one weight per broadcast load of dhg (70
-    # us a step at deepbench_1024 on an H100, against 41 for the forward
-    # step). Several only where at least 8 blocks of units remain (small H
-    # needs the blocks more), and only whole blocks (dh has Hp units and
-    # wq_hh ends there); then 4 batch rows, to keep the blocks.
-    panels = p.Hp // LANES
-    per_lane = next((n for n in (4, 2) if panels % n == 0 and panels // n >= 8), 1)
-    rows = 4 if per_lane > 1 else _batch_rows(p.H)
-    notes.append(f"step_bwd: dh = W_hh^T dhg with {per_lane} unit(s) x {rows} batch rows a "
-                 f"thread where B >= {rows}, one row otherwise; the reduction split over "
-                 f"{slices} warp(s)")
+    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {rows}, "
+                 f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
-          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, per_lane=per_lane)
+          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices)
     for s in p.cell.states[1:]:
         _grid(p.stage("dprev_" + s))
 
