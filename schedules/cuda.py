@@ -199,6 +199,10 @@ def step_bwd(p, target):
     for name in names:
         _grid(p.stage(name + "_out"))
     r = p.rdoms["jg"]
+    # Tried: 2-4 units a thread here (where 8 unit blocks remain, 4 batch
+    # rows), so that a broadcast load of dhg feeds more FMAs: no gain on an
+    # H100 (deepbench_1024 forward+backward 6.27 ms against 6.19, large_2048
+    # 22.45 against 21.64), so one unit a thread stays.
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
