@@ -112,6 +112,12 @@ def test_config_rejects_bad_values():
     assert Config.from_json(Config(layers=3).to_json()) == Config(layers=3)
 
 
+def test_gpu_targets_are_refused_with_a_clear_error():
+    # the head and the optimizer are numpy, updating parameters in place
+    with pytest.raises(ValueError, match="CPU targets only, got 'host-cuda'"):
+        CharLM(20, target="host-cuda")
+
+
 def test_lr_schedules():
     c = Config(lr=1.0, steps=11, warmup_steps=1, lr_schedule="cosine", min_lr_ratio=0.1)
     assert optim.lr_at(c, 0) == 1.0 and optim.lr_at(c, 1) == 1.0

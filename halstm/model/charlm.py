@@ -29,6 +29,11 @@ class CharLM:
                  seed: int = 0):
         if cell not in MODULES:
             raise ValueError(f"cell: expected one of {list(MODULES)}, got {cell!r}")
+        from halstm import schedules
+        if schedules.family(target) != "cpu":
+            # its head and optimizer are numpy, updating parameters in place
+            raise ValueError(f"target: the char-level model trains on CPU targets only, "
+                             f"got {target!r}")
         self.V, self.H, self.L, self.cell = int(vocab_size), int(hidden_size), int(layers), cell
         self.rnn = MODULES[cell](self.V, self.H, num_layers=self.L, target=target,
                                  schedule=schedule)
