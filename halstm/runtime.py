@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ def f32(a) -> np.ndarray:
 def empty(shape) -> np.ndarray:
     """An uninitialised float32 array whose data starts on a 64-byte boundary
     (a cache line; an AVX-512 vector)."""
-    n = int(np.prod(shape))
+    n = math.prod(shape) if hasattr(shape, "__len__") else int(shape)
     raw = np.empty(n * 4 + 64, np.uint8)
     start = -raw.ctypes.data % 64
     return raw[start:start + n * 4].view(np.float32).reshape(shape)
