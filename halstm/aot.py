@@ -342,7 +342,10 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         "device": "cuda" if cuda else "cpu",
         "target": str(target), "target_requested": spec.target, "schedule": schedule,
         "halide_version": halide_version(), "halstm_code": code_hash(),
-        "entry_points": ENTRY_POINTS[spec.direction],
+        "entry_points": ENTRY_POINTS[spec.direction] | (
+            {"halstm_cuda_init": ["void *context: the CUcontext to run in; call first. "
+                                  "Every array argument is then a device pointer"]}
+            if cuda else {}),
         "pipelines": [f"halstm_{k}" for k in kinds],
         "emitted": sorted(emit),
         "schedule_notes": list(getattr(module, "notes", [])),

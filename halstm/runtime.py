@@ -1,9 +1,11 @@
-"""Load a compiled halstm library and call it with numpy arrays.
+"""Load a compiled halstm library and call it with numpy arrays (CPU
+libraries) or halstm.cuda.DeviceArrays (CUDA libraries).
 
 This module owns the numpy <-> Halide axis convention: every array crosses
-as a C-contiguous float32 numpy array, and the library's driver views a
-numpy array of shape (d0, d1, ..., dn) as a Halide buffer with the axes
-reversed (dn innermost, stride 1), e.g. numpy x[t, b, i] is Halide x(i, b, t).
+as a C-contiguous float32 array, and the library's driver views an array
+of shape (d0, d1, ..., dn) as a Halide buffer with the axes reversed (dn
+innermost, stride 1), e.g. numpy x[t, b, i] is Halide x(i, b, t). A CUDA
+library gets device pointers and copies nothing to or from the host.
 It never imports halide: a process that only loads cached libraries starts fast.
 """
 from __future__ import annotations
