@@ -7,7 +7,8 @@ runtime axes (batch, sequence length) are estimated at 1: the
 autoschedulers split outputs with ShiftInwards by factors drawn from the
 estimates, and such a schedule fails on any smaller extent (seen: T=5
 against an estimate of 50, "x is accessed at -20"); one library must serve
-every T and B. The packed
+every T and B. Adams2019 searches with a beam of 4 (ADAMS_BEAM: its default
+of 32 took 28.6 s on one pipeline). The packed
 operand layouts are those of the hand-written family schedule, so that a
 comparison is between schedules of the same algorithm.
 
@@ -30,6 +31,7 @@ B_EST, T_EST = 1, 1       # runtime axes: batch, sequence length (rows N = B*T)
 #          be scheduled in between GPU block loops"); at estimates of
 #          B=32, T=50 the schedule failed at run time on smaller batches
 #          ("Input buffer dxp is accessed at -43", seen on an H100).
+ADAMS_BEAM = 4            # Adams2019's beam search width (see _apply)
 ANDERSON_FALLBACK = {"step": "SIGFPE in its cost model on the step's Tuple output",
                      "grads": "an invalid GPU loop nest at estimates of 1"}
 
@@ -72,6 +74,13 @@ class Auto:
                               f"{ANDERSON_FALLBACK[p.kind]}")
         _load(name)
         params = {"parallelism": "2"} if self.family == "cpu" else {}
+        if name == "Adams2019":
+            # Its default beam of 32 spent 28.6 s on the grads pipeline at
+            # H=1024 (over the 20 s bar for one pipeline); a beam of 4 spent
+            # 4.0 s, and at small_128_b16 its kernels ran no slower (forward
+            # 30 ms against 43, backward 49 against 51, alternating runs on
+            # the 2-core VM; the whole layer compiled in 10.5 s, was 26.5).
+            params["beam_size"] = str(ADAMS_BEAM)
         if name == "Anderson2021":
             params = {"parallelism": "132"}
         p.pipeline().apply_autoscheduler(target, hl.AutoschedulerParams(name, params))
