@@ -178,12 +178,15 @@ class _RNN:
         return self._array(a)
 
     def _seq_out(self, y, host):
-        """(T, B, n) internal -> the caller's layout, as a new array."""
+        """(T, B, n) internal -> the caller's layout, as a new array (never a
+        view of the tape, which backward still reads)."""
         unbatched = self._tape[1]
+        if self.batch_first and not unbatched:
+            y = self._mem.swap01(y) if self.on_gpu else y.transpose(1, 0, 2)
+        elif self.on_gpu and not host:
+            y = y.copy()
         if unbatched:
             y = y.reshape(y.shape[0], y.shape[2])
-        elif self.batch_first:
-            y = self._mem.swap01(y) if self.on_gpu else y.transpose(1, 0, 2)
         return self._result(y, host) if self.on_gpu else np.array(y, order="C")
 
     def _initial(self, name, a, B, unbatched):
