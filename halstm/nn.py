@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import aot, cuda
-from .runtime import Library, _Device, _Host, f32
+from .runtime import Library, _Device, _Host
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
@@ -124,7 +124,7 @@ class _RNN:
             new[k] = a
         for k, a in new.items():
             if self.on_gpu:
-                self._params[k].copy_from(a if isinstance(a, cuda.DeviceArray) else f32(a))
+                self._params[k].copy_from(a)     # numpy (cast to float32) or device
             else:
                 np.copyto(self._params[k], np.asarray(a), casting="unsafe")
         self._tape = None

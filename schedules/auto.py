@@ -1,8 +1,8 @@
 """Halide's autoschedulers as named schedules: auto:<name>.
 
 CPU targets: Adams2019, Li2018, Mullapudi2016; CUDA targets: Anderson2021,
-Li2018 (see schedules/__init__.py for why not Mullapudi2016). Each pipeline is scheduled whole by the
-autoscheduler, with estimates from the layer's sizes (K, H fixed). The
+Li2018 (schedules/__init__.py says why not Mullapudi2016). Each pipeline is
+scheduled whole by the autoscheduler, with estimates from the layer's sizes (K, H fixed). The
 runtime axes (batch, sequence length) are estimated at 1: the
 autoschedulers split outputs with ShiftInwards by factors drawn from the
 estimates, and such a schedule fails on any smaller extent (seen: T=5
@@ -15,8 +15,8 @@ comparison is between schedules of the same algorithm.
 On CUDA targets the weight-packing pipelines (pack, pack_bwd: layout
 copies, run once per call) use the hand-written cuda schedule: an
 autoscheduler may leave them on the host, which device-resident buffers
-cannot serve. Departures are listed in `notes`
-and in each library's manifest.
+cannot serve. Departures are listed in `notes` and in each library's
+manifest.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class Auto:
             from . import cuda
             self.notes.append(f"{p.kind} pipeline: the hand-written cuda schedule")
             return getattr(cuda, p.kind)(p, target)
-        _estimate(p, B_EST, T_EST)
+        _estimate(p)
         name = self.name
         if name == "Anderson2021" and p.kind in ANDERSON_FALLBACK:
             name = "Li2018"
@@ -86,11 +86,11 @@ class Auto:
         p.pipeline().apply_autoscheduler(target, hl.AutoschedulerParams(name, params))
 
 
-def _estimate(p, b_est=B_EST, t_est=T_EST) -> None:
+def _estimate(p) -> None:
     """Estimates for every input and output: fixed extents as they are;
-    runtime ones: the batch, or T in the projection, or rows N = B*T."""
-    rows = {"step": [b_est], "step_bwd": [b_est], "proj": [b_est * t_est],
-            "grads": [b_est * t_est]}.get(p.kind, [])
+    runtime ones: the batch, or rows N = B*T (projection, gradients)."""
+    rows = {"step": [B_EST], "step_bwd": [B_EST], "proj": [B_EST * T_EST],
+            "grads": [B_EST * T_EST]}.get(p.kind, [])
     for q in p.inputs:
         q.set_estimates(_extents(p.shapes[q.name()], rows))
     for f in p.outputs:

@@ -30,7 +30,7 @@ def layout(target: hl.Target) -> dict:
             "read_outputs": True}
 
 
-def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), slices=1,
+def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
           per_lane=1):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
@@ -43,7 +43,7 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
     several steps are in flight at once (without it, each step waited for
     its loads: 49 us a step at latency_256_b1 on an H100). acc_only: axes
     of acc that out lacks (the step's gates), also in-thread and unrolled.
-    slices > 1 (it must divide the reduction's extent): the reduction is
+    slices > 1 (it must divide reduce_extent, the extent of reduce[0]): the reduction is
     split across that many warps of the block (rfactor), whose partial
     tiles meet in shared memory; for the per-step products, whose few
     tiles would otherwise leave most of the GPU idle. per_lane > 1: each
@@ -56,10 +56,10 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
         v, f = runtime[0]
         dims = {a.name(): d for d, a in enumerate(out.args())}
         extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
-        _loops(out.specialize(extent >= f), out, lane, cols, lane_tail, f, per_lane)
-        _loops(out, out, lane, cols, lane_tail, 1, per_lane)
+        _loops(out.specialize(extent >= f), out, lane, cols, f, per_lane)
+        _loops(out, out, lane, cols, 1, per_lane)
     else:
-        _loops(out, out, lane, cols, lane_tail, None, per_lane)
+        _loops(out, out, lane, cols, None, per_lane)
     acc.compute_at(out, hl.Var(lane.name() + "i"))
     tile_vars = [v for v, f, rt in cols] + list(acc_only)
     if per_lane > 1:
@@ -80,7 +80,7 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
         return out
     # partial[lane, tile..., u] = the sum over slice u of the reduction
     u = hl.Var(acc.name() + "_u")
-    upd = acc.update().split(reduce[0], ro, ri, _const(reduce[0].extent()) // slices)
+    upd = acc.update().split(reduce[0], ro, ri, reduce_extent // slices)
     partial = upd.rfactor(ro, u)
     acc.update().reorder(*([lane] + tile_vars + [ro])).unroll(ro)
     partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES)
@@ -95,26 +95,18 @@ def _tile(out, acc, lane, cols, reduce, lane_tail=GUARD, unroll=4, acc_only=(), 
     return out
 
 
-def _const(e) -> int:
-    """The value of a constant integer Expr (an RDom extent)."""
-    import re
-    m = re.fullmatch(r"<halide.Expr of type int32: (-?\d+)>", str(e))
-    if m is None:
-        raise ValueError(f"expected a constant extent, got {e}")
-    return int(m.group(1))
-
-
 def _slices(extent: int, want: int) -> int:
-    """The largest of want, want/2, ..., 1 that divides extent."""
+    """The largest of want, want/2, ..., 1 that divides extent (warps a
+    reduction is split over; units a thread takes of whole panels)."""
     n = want
     while n > 1 and extent % n:
         n //= 2
     return n
 
 
-def _loops(stage, func, lane, cols, lane_tail, runtime_factor, per_lane=1):
+def _loops(stage, func, lane, cols, runtime_factor, per_lane=1):
     lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
-    stage.split(lane, lo, li, LANES * per_lane, lane_tail)
+    stage.split(lane, lo, li, LANES * per_lane, GUARD)
     inner, blocks = [], [lo]
     if per_lane > 1:
         lv = hl.Var(lane.name() + "v")
@@ -135,16 +127,18 @@ def _loops(stage, func, lane, cols, lane_tail, runtime_factor, per_lane=1):
         stage.unroll(i)
 
 
-def _grid(f):
-    """A pointwise or copy stage as one kernel: every axis fused into one
-    (the first innermost, so that neighbouring threads touch neighbouring
-    elements), 128 threads a block. One grid axis: the second and third
-    allow only 65535 blocks (the packing of large_2048's weights needs 131072)."""
+def _grid(f, stage=None):
+    """A pointwise or copy stage (f's pure definition, or `stage` of f) as
+    one kernel: every axis fused into one (the first innermost, so that
+    neighbouring threads touch neighbouring elements), 128 threads a block.
+    One grid axis: the second and third allow only 65535 blocks (the
+    packing of large_2048's weights needs 131072)."""
+    stage = f if stage is None else stage
     args = f.args()
     x = args[0]
     for a in args[1:]:
-        f.fuse(x, a, x)
-    f.gpu_tile(x, hl.Var(f"{f.name()}_xo"), hl.Var(f"{f.name()}_xi"), 128, GUARD)
+        stage.fuse(x, a, x)
+    stage.gpu_tile(x, hl.Var(f"{f.name()}_xo"), hl.Var(f"{f.name()}_xi"), 128, GUARD)
     return f
 
 
@@ -187,7 +181,7 @@ def step(p, target):
                  f"rows where B >= {rows} (large batch), one row otherwise (small batch); "
                  f"the {p.H}-long reduction split over {slices} warp(s)")
     _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
-          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices)
+          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H)
 
 
 def step_bwd(p, target):
@@ -207,7 +201,7 @@ def step_bwd(p, target):
     notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
-          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices)
+          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H)
     for s in p.cell.states[1:]:
         _grid(p.stage("dprev_" + s))
 
@@ -218,7 +212,7 @@ def grads(p, target):
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
     # dx reads whole panels only (Kp): 4 units a thread where they divide it
     # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
-    per_lane = 4 if p.Kp % (4 * LANES) == 0 else (2 if p.Kp % (2 * LANES) == 0 else 1)
+    per_lane = _slices(p.Kp // LANES, 4)
     notes.append(f"grads: dx with {per_lane} input unit(s) x {ROWS} rows a thread; dW with "
                  f"4 input x 4 hidden units x every gate a thread")
     _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, ROWS, True)], [rg.x, rg.y],
@@ -238,7 +232,5 @@ def grads(p, target):
         u = hl.Var(bias + "_u")
         chunks = acc.update().split(rn.x, ro, ri, 64, GUARD).rfactor(ro, u)
         _grid(chunks.compute_root())
-        cj, cg, cu = chunks.args()
-        ck, ckt = hl.Var(bias + "_ck"), hl.Var(bias + "_ckt")
-        chunks.update().fuse(cj, cg, cj).fuse(cj, cu, cj).gpu_tile(cj, ck, ckt, 128, GUARD)
+        _grid(chunks, chunks.update())
         _tile(out, acc, j, [(gate, None, False)], [ro])
