@@ -131,6 +131,19 @@ class Library:
             self._entry.argtypes = [_I, _I] + [_P] * 16
         self._entry.restype = _I
 
+    def use_graphs(self, on: bool) -> None:
+        """CUDA: run the time loops from captured CUDA graphs (the default;
+        HALSTM_CUDA_GRAPHS=0 in the environment turns it off) or launch
+        every step's kernels directly."""
+        self._lib.halstm_cuda_use_graphs(int(bool(on)))
+
+    def graph_stats(self) -> dict:
+        """CUDA: how this library's time loops ran so far: from a cached
+        graph (replays), captured into a new graph (captures), directly."""
+        out = (ctypes.c_longlong * 3)()
+        self._lib.halstm_cuda_graph_stats(out)
+        return dict(zip(("replays", "captures", "direct"), out))
+
     def set_num_threads(self, n: int) -> None:
         self._lib.halstm_set_num_threads(int(n))
 
