@@ -160,7 +160,19 @@ SLICES = 8
 
 def _batch_rows(H: int) -> int:
     """Batch rows per thread of a step: fewer at small H, so that the few
-    unit panels still spread over enough blocks."""
+    unit panels still spread over enough blocks.
+
+    Tried at H >= 512 (H100, bench/gpu_probe.py forward / backward ms, one
+    run each; 8 rows and 8 warps measured 2.68/7.40 at H=512 B=64 T=100,
+    1.89/4.50 at H=1024 B=64 T=25, 7.27/14.78 at H=2048 B=32 T=50): 16 rows
+    with 8 warps does not launch (its 64 KB of partial sums pass the 48 KB
+    of shared memory); 16 rows, 4 warps: 6.73/9.35, 3.92/5.09,
+    16.8/18.5; 4 rows: 2.47/7.07, 2.23/4.56, 7.87/16.6; 4 rows, 16 warps:
+    2.86/6.82, 2.65/4.86, 9.94/16.2; 8 rows, 4 warps: 3.21/8.23, 2.30/4.86,
+    9.67/17.5; 2 rows: 3.05/7.50, 2.86/4.98, 13.2/20.3. Loading the
+    broadcast operand (h, dhg, x) 16 bytes at a time into registers first
+    (ld.global.v4; 84 -> 36 loads per 256 FMAs in the projection) measured
+    no faster either: 2.66/7.16, 2.02/4.90, 6.67/14.8."""
     return 8 if H >= 512 else 4
 
 
