@@ -218,6 +218,27 @@ def step_bwd(p, target):
         _grid(p.stage("dprev_" + s))
 
 
+# Warps wanted on the grid of a weight-gradient GEMM: its tiles are few where
+# the layer is small (32 at H = K = 128), and each one-warp tile summing all
+# N rows in turn waited on its loads. Splitting the rows into parts (with
+# dx's 4 rows a thread at small K) took a backward step (bench/gpu_probe.py,
+# H100) from 15.3-16.9 to 11.6 us at small_128_b16 and from 71-74 to 50 us
+# at H=512 B=64 T=100; `halstm bench` forward+backward against cuDNN:
+# small_128_b16 2.21x -> 1.53x, charrnn_512x2 2.02x -> 1.22x.
+DW_WARPS = 2048
+
+
+def _row_parts(width: int, H: int) -> int:
+    """Parts (a power of two, at most 16) to split a weight gradient's sum
+    over the N rows into, so that its tiles (4*LANES input units x 4 hidden
+    units) times the parts reach about DW_WARPS."""
+    tiles = -(-width // (4 * LANES)) * -(-H // 4)
+    parts = 1
+    while parts < 16 and tiles * parts * 2 <= DW_WARPS:
+        parts *= 2
+    return parts
+
+
 def grads(p, target):
     v = p.vars
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
@@ -225,16 +246,33 @@ def grads(p, target):
     # dx reads whole panels only (Kp): 4 units a thread where they divide it
     # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
     per_lane = _slices(p.Kp // LANES, 4)
-    notes.append(f"grads: dx with {per_lane} input unit(s) x {ROWS} rows a thread; dW with "
+    # and fewer rows a thread where fewer than 4 warps span K, for more tiles
+    dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 else 4
+    notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread; dW with "
                  f"4 input x 4 hidden units x every gate a thread")
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, ROWS, True)], [rg.x, rg.y],
+    _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
           per_lane=per_lane, unroll=2)
     # Weight gradients: lanes over input units, per thread 4 input units x
     # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
     # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
-    for name, vec in (("dw_ih", i), ("dw_hh", v["k"])):
-        _tile(p.stage(name), p.stage(name + "_acc"), vec,
-              [(j, 4, False), (gate, None, False)], [rn.x], per_lane=4, unroll=2)
+    rows = p.param("x").dim(1).extent()
+    for name, vec, width in (("dw_ih", i, p.K), ("dw_hh", v["k"], p.H)):
+        out, acc = p.stage(name), p.stage(name + "_acc")
+        tile = [(j, 4, False), (gate, None, False)]
+        parts = _row_parts(width, p.H)
+        notes.append(f"grads: {name}'s sum over the N rows in {parts} part(s) summed afterwards")
+        if parts > 1:
+            # part[vec, j, gate, u] = the sum over the u-th of `parts` runs of
+            # rows, each part a tile of its own on the grid, then their sum
+            ro, ri = hl.RVar(name + "_ro"), hl.RVar(name + "_ri")
+            u = hl.Var(name + "_u")
+            part = acc.update().split(rn.x, ro, ri, (rows + parts - 1) // parts,
+                                      GUARD).rfactor(ro, u)
+            whole = part.in_().compute_root()
+            _tile(whole, part, vec, tile + [(u, 1, False)], [ri], per_lane=4, unroll=2)
+            _tile(out, acc, vec, tile, [ro], per_lane=4, unroll=2)
+        else:
+            _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=2)
     # Bias gradients: sums over N rows. One thread a unit summed all N rows
     # in 225 us (deepbench_1024, H100: 32 blocks); chunks of 64 rows are
     # summed in parallel first (rfactor), then the chunk sums.
