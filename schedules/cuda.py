@@ -178,10 +178,11 @@ def _batch_rows(H: int) -> int:
 
 def proj(p, target):
     v = p.vars
-    notes.append(f"proj: a thread computes every gate of one unit for {ROWS} rows (T*B) "
-                 f"where T*B >= {ROWS}, one row otherwise")
+    rows = ROWS if p.H < 512 else ROWS // 2      # more tiles (see DW_WARPS)
+    notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
+                 f"where T*B >= {rows}, one row otherwise")
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
-          [(v["gate"], None, False), (v["t"], ROWS, True)], [p.rdoms["i"].x])
+          [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x])
 
 
 def step(p, target):
@@ -224,8 +225,14 @@ def step_bwd(p, target):
 # dx's 4 rows a thread at small K) took a backward step (bench/gpu_probe.py,
 # H100) from 15.3-16.9 to 11.6 us at small_128_b16 and from 71-74 to 50 us
 # at H=512 B=64 T=100; `halstm bench` forward+backward against cuDNN:
-# small_128_b16 2.21x -> 1.53x, charrnn_512x2 2.02x -> 1.22x.
-DW_WARPS = 2048
+# small_128_b16 2.21x -> 1.53x, charrnn_512x2 2.02x -> 1.22x. Then (forward /
+# backward ms, bench/gpu_probe.py at H = 128, 512, 1024, 2048 as in
+# bench/results/gpu_grads_variants.txt): 8192 warps rather than 2048 (two
+# parts at deepbench_1024) 4.76 -> 4.47 and 16.2 -> 14.9 backward at H =
+# 1024 and 2048, the same elsewhere; dx with 8 rows rather than 4 at small K
+# 1.13 -> 1.02 backward at H = 128; the projection with 8 rows rather than
+# 16 from H = 512: 2.77 -> 2.67, 1.86 -> 1.67, 7.10 -> 6.73 forward.
+DW_WARPS = 8192
 
 
 def _row_parts(width: int, H: int) -> int:
@@ -247,7 +254,7 @@ def grads(p, target):
     # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
     per_lane = _slices(p.Kp // LANES, 4)
     # and fewer rows a thread where fewer than 4 warps span K, for more tiles
-    dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 else 4
+    dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 else 8
     notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread; dW with "
                  f"4 input x 4 hidden units x every gate a thread")
     _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],

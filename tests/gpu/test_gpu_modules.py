@@ -99,6 +99,22 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B):
         tm.assert_close(k, g, rgrads[k])
 
 
+# From H=512 the projection takes 8 rows a thread and the steps 8 batch
+# rows; dW splits its rows into parts only below that.
+@pytest.mark.parametrize("T,B", [(3, 9), (20, 1)])
+def test_cuda_schedule_large_hidden(T, B):
+    rng = np.random.default_rng(T + B)
+    m = halstm.LSTM(tm.I, 512, seed=0, target=TARGET)
+    x = rng.standard_normal((T, B, tm.I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, 512)).astype(np.float32)
+    y, _ = m(x)
+    grads = m.backward(dy)
+    ry, _, rgrads = tm.ref_run("lstm", m, x, None, dy, None)
+    tm.assert_close("y", y, ry)
+    for k, g in grads.items():
+        tm.assert_close(k, g, rgrads[k])
+
+
 def test_changing_a_device_output_leaves_backward_alone():
     """y is the caller's own array, not a view of what backward reads."""
     rng = np.random.default_rng(5)
