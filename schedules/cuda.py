@@ -31,7 +31,7 @@ def layout(target: hl.Target) -> dict:
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
-          per_lane=1):
+          per_lane=1, tile_from=None):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
     out, in-thread and unrolled; factor None takes the whole (small, fixed)
@@ -49,14 +49,16 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     tiles would otherwise leave most of the GPU idle. per_lane > 1: each
     thread takes that many neighbouring units along `lane` (a warp then
     covers 32 * per_lane), so that one broadcast load of the other operand
-    feeds per_lane more FMAs."""
+    feeds per_lane more FMAs. tile_from: the smallest extent of the
+    runtime axis that gets tiles (default: the factor); below it, one row
+    a thread."""
     runtime = [(v, f) for v, f, rt in cols if rt]
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
         v, f = runtime[0]
         dims = {a.name(): d for d, a in enumerate(out.args())}
         extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
-        _loops(out.specialize(extent >= f), out, lane, cols, f, per_lane)
+        _loops(out.specialize(extent >= max(f, tile_from or f)), out, lane, cols, f, per_lane)
         _loops(out, out, lane, cols, 1, per_lane)
     else:
         _loops(out, out, lane, cols, None, per_lane)
@@ -158,6 +160,14 @@ ROWS = 16
 SLICES = 8
 
 
+def _tile_from(H: int) -> int:
+    """The smallest batch whose steps take several rows a thread. Below
+    H = 512 a batch of up to 16 takes one row a thread, 4x the blocks: a
+    forward step of small_128_b16 took 4.5 us instead of 7.5 with 4 rows
+    (H100, bench/gpu_probe.py, results/gpu_small_variants.txt; 2 rows 6.9)."""
+    return 17 if H < 512 else _batch_rows(H)
+
+
 def _batch_rows(H: int) -> int:
     """Batch rows per thread of a step: fewer at small H, so that the few
     unit panels still spread over enough blocks.
@@ -190,11 +200,13 @@ def step(p, target):
     batch rows in registers, then the cell and the stores."""
     v = p.vars
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    first = _tile_from(p.H)
     notes.append(f"step: one kernel; a thread holds every gate of one unit for {rows} batch "
-                 f"rows where B >= {rows} (large batch), one row otherwise (small batch); "
+                 f"rows where B >= {first} (large batch), one row otherwise (small batch); "
                  f"the {p.H}-long reduction split over {slices} warp(s)")
     _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
-          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H)
+          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
+          tile_from=first)
 
 
 def step_bwd(p, target):
@@ -211,10 +223,12 @@ def step_bwd(p, target):
     # H100 (deepbench_1024 forward+backward 6.27 ms against 6.19, large_2048
     # 22.45 against 21.64), so one unit a thread stays.
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
-    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {rows}, "
+    first = _tile_from(p.H)
+    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
-          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H)
+          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H,
+          tile_from=first)
     for s in p.cell.states[1:]:
         _grid(p.stage("dprev_" + s))
 
