@@ -31,7 +31,7 @@ def layout(target: hl.Target) -> dict:
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
-          per_lane=1, tile_from=None):
+          per_lane=1, tile_from=None, extent=None):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
     out, in-thread and unrolled; factor None takes the whole (small, fixed)
@@ -51,13 +51,14 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     covers 32 * per_lane), so that one broadcast load of the other operand
     feeds per_lane more FMAs. tile_from: the smallest extent of the
     runtime axis that gets tiles (default: the factor); below it, one row
-    a thread."""
+    a thread. extent: the runtime axis' extent where out is not an output."""
     runtime = [(v, f) for v, f, rt in cols if rt]
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
         v, f = runtime[0]
-        dims = {a.name(): d for d, a in enumerate(out.args())}
-        extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
+        if extent is None:   # out is an output: the extent of its buffer
+            dims = {a.name(): d for d, a in enumerate(out.args())}
+            extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
         _loops(out.specialize(extent >= max(f, tile_from or f)), out, lane, cols, f, per_lane)
         _loops(out, out, lane, cols, 1, per_lane)
     else:
@@ -222,6 +223,8 @@ def step_bwd(p, target):
     # rows), so that a broadcast load of dhg feeds more FMAs: no gain on an
     # H100 (deepbench_1024 forward+backward 6.27 ms against 6.19, large_2048
     # 22.45 against 21.64), so one unit a thread stays.
+    # (16 warps rather than 8 from H = 512: 4.77 -> 4.69, 4.19 -> 3.99,
+    # 13.79 -> 14.58 ms backward at H = 512, 1024, 2048; results/gpu_dx_variants.txt)
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     first = _tile_from(p.H)
     notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first}, "
@@ -271,8 +274,23 @@ def grads(p, target):
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 else 8
     notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread; dW with "
                  f"4 input x 4 hidden units x every gate a thread")
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
-          per_lane=per_lane, unroll=2)
+    # From H = 512, dx sums each gate's part on the grid of its own (4x the
+    # tiles), then the four parts: backward (bench/gpu_probe.py, H100,
+    # results/gpu_dx_variants.txt) 5.48 -> 4.19 ms at H=1024 B=64 T=25
+    # (4.45-4.48 in other runs), 14.87 -> 13.79 at H=2048 B=32 T=50, 4.90 ->
+    # 4.77 at H=512 B=64 T=100.
+    if p.H >= 512:
+        notes.append("grads: dx summed per gate on the grid, then over the gates")
+        g = hl.Var("dx_g")
+        part = p.stage("dx_acc").update().rfactor(rg.y, g)
+        whole = part.in_().compute_root()
+        _tile(whole, part, i, [(n, dx_rows, True), (g, 1, False)], [rg.x],
+              per_lane=per_lane, unroll=2, extent=p.stage("dx").output_buffers()[0].dim(1).extent())
+        _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.y],
+              per_lane=per_lane, unroll=2)
+    else:
+        _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
+              per_lane=per_lane, unroll=2)
     # Weight gradients: lanes over input units, per thread 4 input units x
     # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
     # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
