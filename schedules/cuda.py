@@ -224,7 +224,10 @@ def step_bwd(p, target):
     # H100 (deepbench_1024 forward+backward 6.27 ms against 6.19, large_2048
     # 22.45 against 21.64), so one unit a thread stays.
     # (16 warps rather than 8 from H = 512: 4.77 -> 4.69, 4.19 -> 3.99,
-    # 13.79 -> 14.58 ms backward at H = 512, 1024, 2048; results/gpu_dx_variants.txt)
+    # 13.79 -> 14.58 ms backward at H = 512, 1024, 2048; results/gpu_dx_variants.txt.
+    # 16 batch rows a thread rather than 8, each weight panel read by half
+    # the blocks: 4.54 -> 5.45, 3.88 -> 3.81, 13.81 -> 13.81; 32 rows: 7.79,
+    # 5.18, 20.5; results/gpu_dh_rows_variants.txt)
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     first = _tile_from(p.H)
     notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first}, "
