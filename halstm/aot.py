@@ -318,6 +318,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
     if cuda:                 # the driver passes device pointers (see driver.cpp)
         defines["HALSTM_CUDA"] = 1
         defines["HALSTM_CUDA_MAX_REGISTERS"] = f'"{layout.get("max_registers", 64)}"'
+        defines["HALSTM_CUDA_GRAPHS"] = int(bool(layout.get("cuda_graphs", False)))
     flags = [f"-D{k}={v}" for k, v in defines.items()]
     if link:
         cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
@@ -340,6 +341,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
         "dxp_is_dhg": cell.dxp_is_dhg, "panel": panel, "layout": layout,
         "device": "cuda" if cuda else "cpu",
+        **({"cuda_graphs": bool(layout.get("cuda_graphs", False))} if cuda else {}),
         "target": str(target), "target_requested": spec.target, "schedule": schedule,
         "halide_version": halide_version(), "halstm_code": code_hash(),
         "entry_points": ENTRY_POINTS[spec.direction] | (

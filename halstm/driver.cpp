@@ -299,7 +299,12 @@ static int get_stream(void *, void *, void **stream) {
 // cuda schedule's register tiles need more (at 64, the projection's 64
 // accumulators spilled: 8.9 ms against 1.6 ms for the same-sized dx GEMM
 // with 16, deepbench_1024 on an H100). A value the user set is kept.
-// HALSTM_CUDA_GRAPHS=0 in the environment turns the time loops' graphs off.
+// HALSTM_CUDA_GRAPHS=0 in the environment turns the time loops' graphs off;
+// so does a schedule whose layout does not promise `cuda_graphs` (compiled
+// in as HALSTM_CUDA_GRAPHS=0): a step pipeline that allocates a stage in
+// device memory would have that allocation baked into the graph, and Halide
+// may free it (halide_cuda_release_unused_device_allocations, or when an
+// allocation fails) while the graph still uses it.
 int halstm_cuda_init(void *context) {
     setenv("HL_CUDA_JIT_MAX_REGISTERS", HALSTM_CUDA_MAX_REGISTERS, 0);
     g_context = context;
@@ -307,14 +312,14 @@ int halstm_cuda_init(void *context) {
     halide_set_cuda_release_context(release_context);
     halide_set_cuda_get_stream(get_stream);
     const char *env = getenv("HALSTM_CUDA_GRAPHS");
-    g_graphs.init(context, !(env && env[0] == '0' && env[1] == 0));
+    g_graphs.init(context, HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
     return halide_reuse_device_allocations(nullptr, true);
 }
 
 // Turn the time loops' graphs on (1) or off (0) for this library.
 void halstm_cuda_use_graphs(int on) {
     std::lock_guard<std::mutex> guard(g_graphs.lock);
-    g_graphs.enabled = on && g_graphs.capture_stream;
+    g_graphs.enabled = HALSTM_CUDA_GRAPHS && on && g_graphs.capture_stream;
 }
 
 // Counters of the time loops' graphs: [0] loops run from a cached graph,

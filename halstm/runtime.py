@@ -132,7 +132,8 @@ class Library:
         self._entry.restype = _I
 
     def use_graphs(self, on: bool) -> None:
-        """CUDA: run the time loops from captured CUDA graphs (the default;
+        """CUDA: run the time loops from captured CUDA graphs (the default
+        where the schedule allows it, manifest["cuda_graphs"];
         HALSTM_CUDA_GRAPHS=0 in the environment turns it off) or launch
         every step's kernels directly."""
         self._lib.halstm_cuda_use_graphs(int(bool(on)))

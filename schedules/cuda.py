@@ -24,9 +24,14 @@ def layout(target: hl.Target) -> dict:
     Packed operand shapes: weight panels a warp's worth of units wide;
     registers a thread may use (the JIT's limit, set by the driver): the
     tiles below hold up to 64 accumulators, and 256-thread blocks of 128
-    registers still fit an SM's 65536."""
+    registers still fit an SM's 65536. cuda_graphs: the step pipelines
+    allocate no device memory of their own (every stage lives in registers
+    or shared memory), so the driver may capture a time loop into a CUDA
+    graph, which bakes in every pointer its kernels use (tested in
+    tests/test_cuda_nogpu.py)."""
     notes.clear()
     return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128,
+            "cuda_graphs": True,
             "read_outputs": True}
 
 

@@ -40,3 +40,38 @@ def test_pool_size_classes():
     assert size(1) == size(512) == 512 and size(513) == 1024
     assert size(1 << 20) == 1 << 20 and size((1 << 20) + 1) == 2 << 20
     assert size(5 << 20) == 6 << 20
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("H", [37, 128, 512])
+def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
+    """The cuda schedule's layout promises `cuda_graphs`: its per-step
+    pipelines keep every stage in registers or shared memory, so a time
+    loop captured into a CUDA graph (driver.cpp) bakes in only the caller's
+    pointers, never one of Halide's allocations. (Compiles, needs no GPU.)"""
+    import halide as hl
+    from halstm import cells, pipeline, schedules
+    target = hl.Target("host-cuda-cuda_capability_80")
+    module = schedules.for_target(target, "cuda")
+    layout = module.layout(target)
+    assert layout["cuda_graphs"] is True
+    for kind in ("step", "step_bwd"):
+        p = pipeline.build(cells.get(cell), kind, 13, H, layout)
+        getattr(module, kind)(p, target)
+        stmt = tmp_path / f"{kind}.stmt"
+        p.pipeline().compile_to_lowered_stmt(str(stmt), [hl.Argument(q) for q in p.inputs],
+                                             hl.StmtOutputFormat.Text, target)
+        text = stmt.read_text(errors="replace")
+        assert "halide_cuda_run" in text or "gpu_block" in text, "no GPU kernel in " + kind
+        assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
+
+
+def test_only_the_hand_schedule_uses_cuda_graphs():
+    import halide as hl
+    from halstm import schedules
+    target = hl.Target("host-cuda-cuda_capability_80")
+    for name in schedules.names():
+        if "gpu" not in schedules.families(name):
+            continue
+        layout = schedules.for_target(target, name).layout(target)
+        assert bool(layout.get("cuda_graphs")) == (name == "cuda"), name
