@@ -130,6 +130,18 @@ class Library:
             self._entry = self._lib.halstm_backward
             self._entry.argtypes = [_I, _I] + [_P] * 16
         self._entry.restype = _I
+        self._ws = {}
+
+    def _workspace(self, name: str, shape):
+        """An array that only lives through one call (packed weights, the
+        projected inputs, dxp), kept for the next call of the same shape:
+        fresh ones were faulted in on every call (the char LM's backward
+        spent about 15% of its time in page faults on the 2-core VM)."""
+        a = self._ws.get(name)
+        if a is None or a.shape != tuple(shape):
+            self._ws.pop(name, None)
+            a = self._ws[name] = self.mem.empty(tuple(shape))
+        return a
 
     def use_graphs(self, on: bool) -> None:
         """CUDA: run the time loops from captured CUDA graphs (the default
@@ -175,8 +187,9 @@ class Library:
             states.append(st)
         saved = mem.empty((T, B, S, H))
         Hp, P = self.Hp, self.P
-        ws = [mem.empty((Hp // P, K, G, P)), mem.empty((Hp // P, H, G, P)),
-              mem.empty((T, B, G, Hp))]
+        ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
+              self._workspace("wp_hh", (Hp // P, H, G, P)),
+              self._workspace("xp", (T, B, G, Hp))]
         self._call(T, B, *map(mem.ptr, (x, w_ih, b_ih, w_hh, b_hh, *ws, saved)),
                    self._ptrs(states))
         return states, saved
@@ -194,9 +207,10 @@ class Library:
             a = mem.zeros((2, B, Hp))
             mem.put_leading(a[0], d)
             dstate.append(a)
-        ws = [mem.empty((Kp // P, G, H, P)), mem.empty((Hp // P, G, H, P))]
-        dxp = mem.empty((T, B, G, H))
-        dhg = dxp if self.manifest["dxp_is_dhg"] else mem.empty((T, B, G, H))
+        ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
+              self._workspace("wq_hh", (Hp // P, G, H, P))]
+        dxp = self._workspace("dxp", (T, B, G, H))
+        dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
         out = {"dx": mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                "db_hh": mem.empty(G * H)}
