@@ -252,7 +252,7 @@ def step_bwd(p, target):
 # at H=512 B=64 T=100; `halstm bench` forward+backward against cuDNN:
 # small_128_b16 2.21x -> 1.53x, charrnn_512x2 2.02x -> 1.22x. Then (forward /
 # backward ms, bench/gpu_probe.py at H = 128, 512, 1024, 2048 as in
-# bench/results/gpu_grads_variants.txt): 8192 warps rather than 2048 (two
+# bench/results/gpu_grads_variants.txt): 8192 warps rather than 2048 (four
 # parts at deepbench_1024) 4.76 -> 4.47 and 16.2 -> 14.9 backward at H =
 # 1024 and 2048, the same elsewhere; dx with 8 rows rather than 4 at small K
 # 1.13 -> 1.02 backward at H = 128; the projection with 8 rows rather than
