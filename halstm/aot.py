@@ -49,7 +49,7 @@ ENTRY_POINTS = {
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
         "inout dstate[NS] (2, B, HP): in [0], out [T & 1]", "ws wq_ih (KP/P, G, H, P)", "ws wq_hh (HP/P, G, H, P)",
         "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
-        "out dx (T, B, KP)", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
+        "out dx (T, B, KP), or NULL on a CPU target where dx is not wanted", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
         "out dw_hh (G*H, H)", "out db_hh (G*H,)"]},
 }
 

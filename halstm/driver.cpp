@@ -495,6 +495,8 @@ int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 // workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
 //   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG)
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
+// dx NULL (CPU builds): the input gradient is not wanted and not computed
+// (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
 int halstm_backward(int T, int B, const float *x, const float *w_ih, const float *w_hh,
                     const float *saved, const float *const *states, const float *dy,
                     float *const *dstate, float *wq_ih, float *wq_hh, float *dxp, float *dhg,
@@ -545,7 +547,12 @@ int halstm_backward(int T, int B, const float *x, const float *w_ih, const float
     View vx(x, {{K, 1}, {N, K}});
     View vhs(states[0], {{H, 1}, {N, H}});
     View vdxp(dxp, {{H, 1}, {G, H}, {N, G * H}});
+#ifdef HALSTM_CUDA
     View vdx(dx, {{KP, 1}, {N, KP}});
+#else
+    static float no_dx[KP];
+    View vdx(dx ? dx : no_dx, {{KP, 1}, {dx ? N : 0, KP}});
+#endif
     View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
     View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
 #if DXP_IS_DHG

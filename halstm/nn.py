@@ -219,7 +219,7 @@ class _RNN:
             finals.append(self._result(f, host))
         return self._seq_out(inp, host), finals
 
-    def _backward(self, dy, dfinal):
+    def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:
             raise RuntimeError("backward: call the module forward first (no forward pass "
                                "recorded since construction or load_state_dict)")
@@ -237,15 +237,17 @@ class _RNN:
             inp, states, saved = tape[layer]
             w_ih, _, w_hh, _ = self._layer_weights(layer)
             g = self._lib(layer, "bwd").backward(inp, w_ih, w_hh, saved, states, dy,
-                                                 [d[layer] for d in dfinal])
+                                                 [d[layer] for d in dfinal],
+                                                 need_dx=input_grad or layer > 0)
             grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
             if self.bias:
                 grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
             for d, s in zip(dinit, self._state_names):
                 d[layer] = g[f"d{s}0"]
-            dy = g["dx"]
+            dy = g.get("dx")
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
-        grads["input"] = self._seq_out(dy, host)
+        if input_grad:
+            grads["input"] = self._seq_out(dy, host)
         for d, s in zip(dinit, self._state_names):
             grads[f"{s}0"] = self._result(d.reshape(L, H) if unbatched else d, host)
         return grads
@@ -263,10 +265,12 @@ class LSTM(_RNN):
         y, (h_n, c_n) = self._forward(x, [("h0", h0), ("c0", c0)])
         return y, (h_n, c_n)
 
-    def backward(self, dy, dh_n=None, dc_n=None) -> dict[str, np.ndarray]:
+    def backward(self, dy, dh_n=None, dc_n=None, *, input_grad=True) -> dict[str, np.ndarray]:
         """Gradients of the last forward call given dL/dy (and optionally
-        dL/dh_n, dL/dc_n): every state_dict key, plus input, h0, c0."""
-        return self._backward(dy, [("dh_n", dh_n), ("dc_n", dc_n)])
+        dL/dh_n, dL/dc_n): every state_dict key, plus input, h0, c0.
+        input_grad=False: no input gradient (on a CPU target it is not
+        computed at all, like a PyTorch input without requires_grad)."""
+        return self._backward(dy, [("dh_n", dh_n), ("dc_n", dc_n)], input_grad)
 
 
 class GRU(_RNN):
@@ -280,6 +284,7 @@ class GRU(_RNN):
         y, (h_n,) = self._forward(x, [("h0", hx)])
         return y, h_n
 
-    def backward(self, dy, dh_n=None) -> dict[str, np.ndarray]:
-        """Gradients of the last forward call: every state_dict key, plus input, h0."""
-        return self._backward(dy, [("dh_n", dh_n)])
+    def backward(self, dy, dh_n=None, *, input_grad=True) -> dict[str, np.ndarray]:
+        """Gradients of the last forward call: every state_dict key, plus
+        input (unless input_grad=False, as for LSTM.backward), h0."""
+        return self._backward(dy, [("dh_n", dh_n)], input_grad)

@@ -194,9 +194,10 @@ class Library:
                    self._ptrs(states))
         return states, saved
 
-    def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal):
+    def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True):
         """BPTT of one layer. dfinal: one (B, H) gradient per final state.
-        Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H)."""
+        Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H).
+        need_dx False: no dx in the result, and a CPU library skips its GEMM."""
         T, B, K = x.shape
         G, H, Hp, Kp, P, mem = self.G, self.H, self.Hp, self.Kp, self.P, self.mem
         if K != self.K or dy.shape != (T, B, H):
@@ -211,13 +212,16 @@ class Library:
               self._workspace("wq_hh", (Hp // P, G, H, P))]
         dxp = self._workspace("dxp", (T, B, G, H))
         dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
-        out = {"dx": mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
+        skip_dx = not need_dx and self.device == "cpu"
+        out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                "db_hh": mem.empty(G * H)}
         self._call(T, B, *map(mem.ptr, (x, w_ih, w_hh, saved)), self._ptrs(states),
                    mem.ptr(dy), self._ptrs(dstate), *map(mem.ptr, (*ws, dxp, dhg)),
-                   *map(mem.ptr, out.values()))
-        if Kp != K:
+                   *[None if a is None else mem.ptr(a) for a in out.values()])
+        if not need_dx:
+            del out["dx"]
+        elif Kp != K:
             out["dx"] = mem.leading(out["dx"], K)
         for s, a in zip(self.states, dstate):   # the driver leaves them in row T & 1
             out[f"d{s}0"] = mem.leading(a[T & 1], H)

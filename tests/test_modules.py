@@ -555,3 +555,20 @@ def test_matches_torch(cell):
     assert set(grads) == set(want)
     for k, g in grads.items():
         assert_close(k, g, want[k])
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_backward_without_input_grad(cell):
+    """input_grad=False leaves out the input gradient (the first layer's dx
+    GEMM is skipped on a CPU) and changes no other gradient."""
+    rng = np.random.default_rng(9)
+    m = make(cell)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    call(m, cell, x)
+    want = backward(m, cell, dy)
+    call(m, cell, x)
+    got = m.backward(dy, input_grad=False)
+    assert set(got) == set(want) - {"input"}
+    for k, g in got.items():
+        np.testing.assert_array_equal(g, want[k], err_msg=k)

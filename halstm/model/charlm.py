@@ -134,7 +134,7 @@ class CharLM:
             grads = {"head.weight": dlogits.T @ y2, "head.bias": dlogits.sum(axis=0)}
             dy = (dlogits @ w).reshape(y.shape)
         with timer("rnn backward"):
-            g = self.rnn.backward(dy)
+            g = self.rnn.backward(dy, input_grad=False)   # one-hot input: no gradient wanted
         for k in self.rnn.state_dict():
             grads[f"rnn.{k}"] = g[k]
         return loss, {k: grads[k] for k in self.parameters()}, state

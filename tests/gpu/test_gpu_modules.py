@@ -195,3 +195,20 @@ def test_time_loops_from_cuda_graphs_equal_direct_launches(cell):
     T, B, x, dy = problems[-1]
     ry, _, rgrads = tm.ref_run(cell, m, x, None, dy, None)
     tm.assert_close("y", got[-1][0], ry)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_backward_without_input_grad(cell):
+    """input_grad=False leaves out the input gradient, nothing else (on a
+    GPU the first layer's dx is still computed, then dropped)."""
+    rng = np.random.default_rng(9)
+    m = tm.make(cell, target=TARGET)
+    x = rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32)
+    dy = rng.standard_normal((tm.T, tm.B, tm.H)).astype(np.float32)
+    tm.call(m, cell, x)
+    want = tm.backward(m, cell, dy)
+    tm.call(m, cell, x)
+    got = m.backward(dy, input_grad=False)
+    assert set(got) == set(want) - {"input"}
+    for k, g in got.items():
+        np.testing.assert_array_equal(g, want[k], err_msg=k)
