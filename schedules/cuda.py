@@ -271,6 +271,15 @@ def _row_parts(width: int, H: int) -> int:
     return parts
 
 
+def _summed_parts(out, acc, part, u, lane, cols, inner, outer, extent=None, **kw):
+    """out = the sum over u of `part` (acc's update rfactored over u): every
+    part a tile of its own on the grid (stored in device memory), reducing
+    `inner`; then out's tiles sum the parts (`outer`). extent: see _tile."""
+    whole = part.in_().compute_root()
+    _tile(whole, part, lane, cols + [(u, 1, False)], inner, extent=extent, **kw)
+    _tile(out, acc, lane, cols, outer, **kw)
+
+
 def grads(p, target):
     v = p.vars
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
@@ -291,11 +300,9 @@ def grads(p, target):
         notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")
         part = p.stage("dx_acc").update().rfactor(rg.y, g)
-        whole = part.in_().compute_root()
-        _tile(whole, part, i, [(n, dx_rows, True), (g, 1, False)], [rg.x],
-              per_lane=per_lane, unroll=2, extent=p.stage("dx").output_buffers()[0].dim(1).extent())
-        _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.y],
-              per_lane=per_lane, unroll=2)
+        _summed_parts(p.stage("dx"), p.stage("dx_acc"), part, g, i, [(n, dx_rows, True)],
+                      [rg.x], [rg.y], extent=p.stage("dx").output_buffers()[0].dim(1).extent(),
+                      per_lane=per_lane, unroll=2)
     else:
         _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
               per_lane=per_lane, unroll=2)
@@ -309,15 +316,12 @@ def grads(p, target):
         parts = _row_parts(width, p.H)
         notes.append(f"grads: {name}'s sum over the N rows in {parts} part(s) summed afterwards")
         if parts > 1:
-            # part[vec, j, gate, u] = the sum over the u-th of `parts` runs of
-            # rows, each part a tile of its own on the grid, then their sum
+            # part[vec, j, gate, u] = the sum over the u-th of `parts` runs of rows
             ro, ri = hl.RVar(name + "_ro"), hl.RVar(name + "_ri")
             u = hl.Var(name + "_u")
             part = acc.update().split(rn.x, ro, ri, (rows + parts - 1) // parts,
                                       GUARD).rfactor(ro, u)
-            whole = part.in_().compute_root()
-            _tile(whole, part, vec, tile + [(u, 1, False)], [ri], per_lane=4, unroll=2)
-            _tile(out, acc, vec, tile, [ro], per_lane=4, unroll=2)
+            _summed_parts(out, acc, part, u, vec, tile, [ri], [ro], per_lane=4, unroll=2)
         else:
             _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=2)
     # Bias gradients: sums over N rows. One thread a unit summed all N rows
