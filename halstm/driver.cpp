@@ -97,7 +97,10 @@ View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate,
 void *g_context = nullptr;  // the CUcontext every kernel runs in
 
 struct Graphs {
-    static constexpr int KEY = 16, SLOTS = 4;
+    // SLOTS: a training loop alternates two sets of saved states per layer
+    // (the tape holds the last forward's while the next one runs), and the
+    // layers after the first share a library: 2 * (layers - 1) keys a loop
+    static constexpr int KEY = 16, SLOTS = 16;
     struct Slot {
         int n = 0;
         uint64_t key[KEY];
