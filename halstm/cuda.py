@@ -147,7 +147,11 @@ class _Pool:
     cuMemFree waits for the whole device and cuMemAlloc costs tens of
     microseconds, and every forward call allocates its states and
     workspaces. A block returns to the pool when its last array goes away;
-    an allocation that fails empties the pool and tries once more."""
+    an allocation that fails empties the pool and tries once more. Of the
+    free blocks of a size, the one at the lowest address is taken, so that
+    a loop of calls at one shape gets the same few pointers back in a short
+    cycle (a last-in-first-out pool permuted them): the CUDA graphs of the
+    time loops are cached under their pointers."""
 
     def __init__(self):
         self.free: dict[int, list[int]] = {}
@@ -163,7 +167,8 @@ class _Pool:
         with self.lock:
             blocks = self.free.get(size)
             if blocks:
-                return blocks.pop()
+                blocks.remove(ptr := min(blocks))
+                return ptr
         ptr = _U64()
         try:
             driver().call("cuMemAlloc_v2", ctypes.byref(ptr), size)

@@ -162,7 +162,12 @@ def pack_bwd(p, target):
 
 # Rows per thread of the projection and gradient GEMMs (N = T*B rows).
 ROWS = 16
-# Warps that share one tile's reduction in the per-step products.
+# Warps that share one tile's reduction in the per-step products. Tried
+# below H = 512 (H100, bench/gpu_probe.py, two runs,
+# results/gpu_step_slices_unroll.txt): 16 or 4 warps, and the reduction
+# unrolled by 16 rather than 8; at small_128_b16 every variant fell within
+# the runs' spread (forward 4.2-6.1 us a step, backward 8.8-11.5), at
+# latency_256_b1 16 warps gained 5-10% (3.3 against 3.5-3.9 us forward).
 SLICES = 8
 
 
@@ -192,6 +197,15 @@ def _batch_rows(H: int) -> int:
     return 8 if H >= 512 else 4
 
 
+# Tried (H100, bench/gpu_probe.py forward/backward ms, two runs each,
+# results/gpu_share_warps.txt): blocks of 2, 4 or 8 warps whose tiles are
+# neighbours along the rows (projection, dx) or the hidden units (dW), so
+# that the weight panel they share comes from L1 rather than L2 (ncu showed
+# an L1 hit rate of 35% and 25% occupancy in the projection at
+# deepbench_1024). Slower or the same everywhere: H=1024 B=64 T=25
+# 1.69-1.75/3.92-4.27 with one warp, 1.78-1.94/5.13-5.53 with 2-8; H=2048
+# B=32 T=50 6.45-6.66/13.9 against 6.61-7.29/18.3-18.9; H=128 B=16 T=100
+# 0.50/1.06 against 0.44-0.64/0.94-1.17. L2 traffic does not limit them.
 def proj(p, target):
     v = p.vars
     rows = ROWS if p.H < 512 else ROWS // 2      # more tiles (see DW_WARPS)

@@ -202,21 +202,22 @@ def test_time_loops_from_cuda_graphs_equal_direct_launches(cell):
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_a_training_loop_replays_its_graphs(cell):
     """At a fixed shape the pointers a loop is given recur (the pool hands
-    the same blocks back), so after a few iterations every time loop is a
-    replay: no capture, no direct launch."""
+    back the free block at the lowest address), so after a few iterations
+    every time loop is a replay: no capture, no direct launch. (On an H100
+    the loop below settled at its 8th iteration.)"""
     rng = np.random.default_rng(5)
     m = tm.make(cell, num_layers=3, target=TARGET)
     counts = []
-    for _ in range(8):
+    for _ in range(14):
         x = cuda.DeviceArray.from_numpy(rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32))
         dy = cuda.DeviceArray.from_numpy(rng.standard_normal((tm.T, tm.B, tm.H)).astype(np.float32))
         tm.call(m, cell, x)
         m.backward(dy)
         counts.append(_stats(m))
-    last, before = counts[-1], counts[-3]
+    last, before = counts[-1], counts[-4]
     assert last["captures"] == before["captures"] and last["direct"] == before["direct"], counts
-    # 3 layers, forward and backward, two iterations
-    assert last["replays"] - before["replays"] == 12, counts
+    # 3 layers, forward and backward, three iterations
+    assert last["replays"] - before["replays"] == 18, counts
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
