@@ -135,18 +135,24 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1):
         stage.unroll(i)
 
 
-def _grid(f, stage=None):
+def _grid(f, stage=None, along=None):
     """A pointwise or copy stage (f's pure definition, or `stage` of f) as
     one kernel: every axis fused into one (the first innermost, so that
     neighbouring threads touch neighbouring elements), 128 threads a block.
     One grid axis: the second and third allow only 65535 blocks (the
-    packing of large_2048's weights needs 131072)."""
+    packing of large_2048's weights needs 131072). along: a Func scheduled
+    by _grid whose kernel also computes f (compute_with; the two may differ
+    in size)."""
     stage = f if stage is None else stage
     args = f.args()
     x = args[0]
     for a in args[1:]:
         stage.fuse(x, a, x)
-    stage.gpu_tile(x, hl.Var(f"{f.name()}_xo"), hl.Var(f"{f.name()}_xi"), 128, GUARD)
+    name = (along or f).name()
+    xo = hl.Var(f"{name}_xo")
+    stage.gpu_tile(x, xo, hl.Var(f"{name}_xi"), 128, GUARD)
+    if along is not None:
+        stage.compute_with(along, xo)
     return f
 
 
@@ -233,10 +239,16 @@ def step_bwd(p, target):
     v = p.vars
     # the pointwise backward inlined into the kernels that store dxp (and
     # dhg); the product reads them back (layout read_outputs): 3 kernels a
-    # step for the LSTM, was 4 (each about 4-5 us at latency_256_b1)
-    names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
-    for name in names:
-        _grid(p.stage(name + "_out"))
+    # step, was 4 (each about 4-5 us at latency_256_b1). The other
+    # pointwise outputs (the GRU's dhg, the LSTM's dc_prev) are computed in
+    # the same kernel (compute_with): 2 kernels a step for both cells. A
+    # backward step (H100, bench/gpu_probe.py, results/gpu_probe_fused_pointwise.txt)
+    # 9.4-11.5 -> 8.3 us at small_128_b16, 6.2-6.8 -> 5.5 us at latency_256_b1.
+    pointwise = _grid(p.stage("dxp_out"))
+    others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
+        [p.stage("dprev_" + s) for s in p.cell.states[1:]]
+    for f in others:
+        _grid(f, along=pointwise)
     r = p.rdoms["jg"]
     # Tried: 2-4 units a thread here (where 8 unit blocks remain, 4 batch
     # rows), so that a broadcast load of dhg feeds more FMAs: no gain on an
@@ -248,14 +260,12 @@ def step_bwd(p, target):
     # the blocks: 4.54 -> 5.45, 3.88 -> 3.81, 13.81 -> 13.81; 32 rows: 7.79,
     # 5.18, 20.5; results/gpu_dh_rows_variants.txt)
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
-    first = _tile_from(p.H)
-    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first}, "
+    first_rows = _tile_from(p.H)
+    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
           [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H,
-          tile_from=first)
-    for s in p.cell.states[1:]:
-        _grid(p.stage("dprev_" + s))
+          tile_from=first_rows)
 
 
 # Warps wanted on the grid of a weight-gradient GEMM: its tiles are few where
