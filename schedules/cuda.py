@@ -168,6 +168,19 @@ def pack_bwd(p, target):
 
 # Rows per thread of the projection and gradient GEMMs (N = T*B rows).
 ROWS = 16
+
+
+def _gemm_unroll(H: int) -> tuple[int, int]:
+    """How far the projection's, resp. dx's and dW's, reduction loops are
+    unrolled (loads of that many steps in flight). From H = 512, 16 and 8
+    (with 8 rows a thread in dx) rather than 4 and 2 (H100,
+    bench/gpu_probe.py, two runs, results/gpu_gemm_unroll.txt): forward
+    1.81/1.72 -> 1.69/1.71 ms at H=1024 B=64 T=25, 6.47/6.42 -> 6.10/6.08 at
+    H=2048 B=32 T=50, 2.57/2.62 -> 2.50/2.51 at H=512 B=64 T=100; backward
+    4.04/3.91 -> 3.80/3.77, 13.65/13.70 -> 13.21/13.11, 4.60/4.60 ->
+    4.41/4.49. Unrolling by 2 and 1 was 3-20% slower; 4 rows a thread in
+    the projection 5-20% slower."""
+    return (16, 8) if H >= 512 else (4, 2)
 # Warps that share one tile's reduction in the per-step products. Tried
 # below H = 512 (H100, bench/gpu_probe.py, two runs,
 # results/gpu_step_slices_unroll.txt): 16 or 4 warps, and the reduction
@@ -218,7 +231,8 @@ def proj(p, target):
     notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
                  f"where T*B >= {rows}, one row otherwise")
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
-          [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x])
+          [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x],
+          unroll=_gemm_unroll(p.H)[0])
 
 
 def step(p, target):
@@ -312,7 +326,9 @@ def grads(p, target):
     # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
     per_lane = _slices(p.Kp // LANES, 4)
     # and fewer rows a thread where fewer than 4 warps span K, for more tiles
-    dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 else 8
+    # (and from H = 512 too: see _gemm_unroll)
+    dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
+    unroll = _gemm_unroll(p.H)[1]
     notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread; dW with "
                  f"4 input x 4 hidden units x every gate a thread")
     # From H = 512, dx sums each gate's part on the grid of its own (4x the
@@ -326,10 +342,10 @@ def grads(p, target):
         part = p.stage("dx_acc").update().rfactor(rg.y, g)
         _summed_parts(p.stage("dx"), p.stage("dx_acc"), part, g, i, [(n, dx_rows, True)],
                       [rg.x], [rg.y], extent=p.stage("dx").output_buffers()[0].dim(1).extent(),
-                      per_lane=per_lane, unroll=2)
+                      per_lane=per_lane, unroll=unroll)
     else:
         _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
-              per_lane=per_lane, unroll=2)
+              per_lane=per_lane, unroll=unroll)
     # Weight gradients: lanes over input units, per thread 4 input units x
     # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
     # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
@@ -345,9 +361,9 @@ def grads(p, target):
             u = hl.Var(name + "_u")
             part = acc.update().split(rn.x, ro, ri, (rows + parts - 1) // parts,
                                       GUARD).rfactor(ro, u)
-            _summed_parts(out, acc, part, u, vec, tile, [ri], [ro], per_lane=4, unroll=2)
+            _summed_parts(out, acc, part, u, vec, tile, [ri], [ro], per_lane=4, unroll=unroll)
         else:
-            _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=2)
+            _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=unroll)
     # Bias gradients: sums over N rows. One thread a unit summed all N rows
     # in 225 us (deepbench_1024, H100: 32 blocks); chunks of 64 rows are
     # summed in parallel first (rfactor), then the chunk sums.
