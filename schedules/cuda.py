@@ -181,6 +181,10 @@ def _gemm_unroll(H: int) -> tuple[int, int]:
     4.41/4.49. Unrolling by 2 and 1 was 3-20% slower; 4 rows a thread in
     the projection 5-20% slower."""
     return (16, 8) if H >= 512 else (4, 2)
+# The per-step products unroll their reductions by 8. Tried from H = 512
+# (H100, bench/gpu_probe.py, two runs, results/gpu_step_unroll.txt): 16 or
+# 32 made the forward step 40-75% slower (register pressure), 4 was within
+# 5% either way; the backward product within 5% at 4, 16 and 32.
 # Warps that share one tile's reduction in the per-step products. Tried
 # below H = 512 (H100, bench/gpu_probe.py, two runs,
 # results/gpu_step_slices_unroll.txt): 16 or 4 warps, and the reduction
