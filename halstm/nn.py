@@ -132,7 +132,7 @@ class _RNN:
     # ---- kernels ----------------------------------------------------------
     def _lib(self, layer: int, direction: str, onehot: bool = False) -> Library:
         K = self.input_size if layer == 0 else self.hidden_size
-        key = (K, direction, onehot)
+        key = (K, direction) + (("onehot",) if onehot else ())
         if key not in self._libs:
             spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target, self.schedule,
                             onehot)
@@ -166,9 +166,11 @@ class _RNN:
         """Integer input: class indices of one-hot rows, (T, B) ((B, T) with
         batch_first) or unbatched (T,), as a fresh (T, B) int32 array."""
         layout = "(B, T)" if self.batch_first else "(T, B)"
-        if x.ndim not in (1, 2) or 0 in x.shape:
-            raise ValueError(f"input: integer class indices must be {layout} or unbatched "
-                             f"(T,), with no empty axis, got shape {x.shape}")
+        if x.ndim not in (1, 2):
+            raise TypeError(f"input: expected floating-point input, or integer class indices "
+                            f"{layout} or unbatched (T,), got dtype {x.dtype} shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"input: class indices with an empty axis: shape {x.shape}")
         if x.min() < 0 or x.max() >= self.input_size:
             raise ValueError(f"input: class indices must lie in [0, {self.input_size}), got "
                              f"values from {x.min()} to {x.max()}")

@@ -95,7 +95,6 @@ class CharLM:
             # gathers columns of W_ih (and backward scatter-adds dW_ih)
             # instead of a GEMM with one-hot rows
             x = np.ascontiguousarray(ids, dtype=np.int32)
-            if __import__("os").environ.get("LMDENSE"): x = self.one_hot(ids)
         with timer("rnn forward"):
             return self._rnn(x, state)
 
