@@ -54,6 +54,16 @@ ENTRY_POINTS = {
 }
 
 
+def _entry_points(spec) -> dict:
+    """ENTRY_POINTS for spec; a one-hot library takes class indices for x."""
+    if not spec.onehot:
+        return ENTRY_POINTS[spec.direction]
+    ids = "ids (T, B) int32: one-hot input rows as class indices in [0, K)"
+    return {name: [ids if a.startswith("x ") else
+                   "dx: unused (NULL)" if a.startswith("out dx") else a for a in args]
+            for name, args in ENTRY_POINTS[spec.direction].items()}
+
+
 class CompileError(RuntimeError):
     """A pipeline failed to compile; the message names cell, target and schedule."""
 
@@ -66,6 +76,7 @@ class Spec:
     direction: str
     target: str = "host"
     schedule: str | None = None   # None: the target family's default (resolved here)
+    onehot: bool = False          # input: one-hot rows given as class indices (CPU targets)
 
     def __post_init__(self):
         cells.check(self.cell)
@@ -75,6 +86,8 @@ class Spec:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
+        if not isinstance(self.onehot, bool):
+            raise ValueError(f"onehot: expected a bool, got {self.onehot!r}")
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target: expected a Halide target string, got {self.target!r}")
         from halstm import cuda, schedules   # named in full: one cache key per meaning
@@ -82,7 +95,8 @@ class Spec:
         object.__setattr__(self, "schedule", schedules.resolve(self.target, self.schedule))
 
     def describe(self) -> str:
-        return (f"cell {self.cell} ({self.direction}, input {self.input_size}, hidden "
+        return (f"cell {self.cell} ({self.direction}, "
+                f"{'one-hot indices of ' if self.onehot else ''}input {self.input_size}, hidden "
                 f"{self.hidden_size}), target {self.target}, schedule "
                 f"{self.schedule or 'default'}")
 
@@ -282,12 +296,19 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         raise CompileError(f"{spec.describe()}: code for target {target} cannot run on this "
                            f"machine ({hl.get_host_target()}); `halstm compile --out DIR` "
                            f"writes static libraries and headers for it")
-    kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
+    if spec.onehot:
+        kinds = pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
+    else:
+        kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
     objects = []
     try:
         lowered = target.with_feature(hl.TargetFeature.NoRuntime)
         module = schedules.for_target(target, schedule)
         layout = module.layout(target)
+        missing = [k for k in kinds if not callable(getattr(module, k, None))]
+        if missing or (spec.onehot and target.has_feature(hl.TargetFeature.CUDA)):
+            raise ValueError(f"one-hot index input: schedule {schedule!r} on this target "
+                             f"has no {', '.join(missing) or 'CUDA'} pipelines")
         panel = layout["panel"]
         for kind in kinds:
             p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, layout)
@@ -312,7 +333,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
                            f"(schedule {schedule}):\n{e}") from e
     defines = {"NS": len(cell.states), "G": cell.n_gates, "S": len(cell.saved),
                "K": spec.input_size, "H": spec.hidden_size, "P": panel,
-               "DXP_IS_DHG": int(cell.dxp_is_dhg),
+               "DXP_IS_DHG": int(cell.dxp_is_dhg), "HALSTM_ONEHOT": int(spec.onehot),
                "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     if cuda:                 # the driver passes device pointers (see driver.cpp)
@@ -339,12 +360,12 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
-        "dxp_is_dhg": cell.dxp_is_dhg, "panel": panel, "layout": layout,
+        "dxp_is_dhg": cell.dxp_is_dhg, "onehot": spec.onehot, "panel": panel, "layout": layout,
         "device": "cuda" if cuda else "cpu",
         **({"cuda_graphs": bool(layout.get("cuda_graphs", False))} if cuda else {}),
         "target": str(target), "target_requested": spec.target, "schedule": schedule,
         "halide_version": halide_version(), "halstm_code": code_hash(),
-        "entry_points": ENTRY_POINTS[spec.direction] | (
+        "entry_points": _entry_points(spec) | (
             {"halstm_cuda_init": ["void *context: the CUcontext to run in; call first. "
                                   "Every array argument is then a device pointer"]}
             if cuda else {}),

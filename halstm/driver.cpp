@@ -6,7 +6,9 @@
 // Built with -DHALSTM_FORWARD or -DHALSTM_BACKWARD and the sizes:
 //   NS states (LSTM: h, c; GRU: h), G gates, S saved channels, K input size,
 //   H hidden size, P weight panel width, DXP_IS_DHG (backward: the cell's
-//   dxp and dhg coincide). HP and KP are H and K rounded up to P.
+//   dxp and dhg coincide), HALSTM_ONEHOT (x is one-hot input given as int32
+//   class indices, numpy (T, B): a gather replaces the projection, and dW_ih
+//   is a scatter-add; no dx). HP and KP are H and K rounded up to P.
 // Arrays are C-contiguous float32 with numpy shapes given below; a Halide view
 // lists the same axes innermost first. With -DHALSTM_CUDA every array pointer
 // is a CUDA device pointer (in the context given to halstm_cuda_init) and the
@@ -58,6 +60,12 @@ struct View {
             dim[d].stride = e.second;
             d++;
         }
+    }
+    // A 1-D int32 array of n elements (class indices).
+    static View ints(const void *host, int n) {
+        View v((const float *)host, {{n, 1}});
+        v.buf.type.code = halide_type_int;
+        return v;
     }
     View(const View &o) {
         std::memcpy(this, &o, sizeof(*this));
@@ -417,7 +425,11 @@ void halstm_cuda_graph_stats(long long *out) {
 
 #ifdef HALSTM_FORWARD
 int halstm_pack(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#if HALSTM_ONEHOT
+int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#else
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#endif
 // inputs xp, wp_hh, b_hh, prev[NS]; outputs new[NS], saved channels[S]
 static_assert(S == 4, "the driver passes four saved channels; extend it for other cells");
 #if NS == 1
@@ -430,11 +442,12 @@ int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
                 halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
 
-// x (T, B, K); w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
+// x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
+// w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
 // workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP)
 // out: saved (T, B, S, H); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
-int halstm_forward(int T, int B, const float *x, const float *w_ih, const float *b_ih,
+int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, float *wp_ih, float *wp_hh,
                    float *xp, float *saved, float *const *states) {
     g_error[0] = 0;
@@ -443,10 +456,15 @@ int halstm_forward(int T, int B, const float *x, const float *w_ih, const float 
     int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
     if (rc) return rc;
     // batch and time merged: N = T*B rows
-    View vx(x, {{K, 1}, {T * B, K}});
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
     View vxp(xp, {{HP, 1}, {G, HP}, {T * B, G * HP}});
+#if HALSTM_ONEHOT
+    View vids = View::ints(x, T * B);
+    rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
+#else
+    View vx((const float *)x, {{K, 1}, {T * B, K}});
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
+#endif
     if (rc) return rc;
     auto steps = [&]() {
         int rc = 0;
@@ -485,7 +503,11 @@ int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 #endif
 int halstm_pack_bwd(HB, HB, HB, HB);
-#if DXP_IS_DHG
+#if HALSTM_ONEHOT && DXP_IS_DHG
+int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB);
+#elif HALSTM_ONEHOT
+int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB, HB);
+#elif DXP_IS_DHG
 int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB);
 #else
 int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
@@ -500,7 +522,8 @@ int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
 // dx NULL (CPU builds): the input gradient is not wanted and not computed
 // (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
-int halstm_backward(int T, int B, const float *x, const float *w_ih, const float *w_hh,
+// HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
+int halstm_backward(int T, int B, const void *x, const float *w_ih, const float *w_hh,
                     const float *saved, const float *const *states, const float *dy,
                     float *const *dstate, float *wq_ih, float *wq_hh, float *dxp, float *dhg,
                     float *dx, float *dw_ih, float *db_ih, float *dw_hh, float *db_hh) {
@@ -547,17 +570,29 @@ int halstm_backward(int T, int B, const float *x, const float *w_ih, const float
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows
     const int N = T * B;
-    View vx(x, {{K, 1}, {N, K}});
     View vhs(states[0], {{H, 1}, {N, H}});
     View vdxp(dxp, {{H, 1}, {G, H}, {N, G * H}});
+    View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
+    View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
+#if HALSTM_ONEHOT
+    (void)dx;
+    View vids = View::ints(x, N);
+#if DXP_IS_DHG
+    return halstm_grads_ids(vids.hb(), vhs.hb(), vdxp.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
+                            vdb_hh.hb());
+#else
+    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
+    return halstm_grads_ids(vids.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vdw_ih.hb(), vdb_ih.hb(),
+                            vdw_hh.hb(), vdb_hh.hb());
+#endif
+#else
+    View vx((const float *)x, {{K, 1}, {N, K}});
 #ifdef HALSTM_CUDA
     View vdx(dx, {{KP, 1}, {N, KP}});
 #else
     static float no_dx[KP];
     View vdx(dx ? dx : no_dx, {{KP, 1}, {dx ? N : 0, KP}});
 #endif
-    View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
-    View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
 #if DXP_IS_DHG
     return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(),
                         vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
@@ -566,6 +601,7 @@ int halstm_backward(int T, int B, const float *x, const float *w_ih, const float
     return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vwq_ih.hb(), vdx.hb(),
                         vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
 #endif
+#endif  // HALSTM_ONEHOT
 }
 #endif  // HALSTM_BACKWARD
 

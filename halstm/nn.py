@@ -130,13 +130,22 @@ class _RNN:
         self._tape = None
 
     # ---- kernels ----------------------------------------------------------
-    def _lib(self, layer: int, direction: str) -> Library:
+    def _lib(self, layer: int, direction: str, onehot: bool = False) -> Library:
         K = self.input_size if layer == 0 else self.hidden_size
-        key = (K, direction)
+        key = (K, direction) + (("onehot",) if onehot else ())
         if key not in self._libs:
-            spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target, self.schedule)
+            spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target, self.schedule,
+                            onehot)
             self._libs[key] = Library(*aot.library(spec))
         return self._libs[key]
+
+    def _onehot_ok(self) -> bool:
+        """Whether this target and schedule have the one-hot index pipelines
+        (gather, grads_ids: CPU targets, schedules.ONEHOT); elsewhere integer
+        input is expanded to one-hot rows."""
+        from halstm import schedules
+        return (not self.on_gpu and
+                schedules.resolve(self.target, self.schedule) in schedules.ONEHOT)
 
     def compile(self, backward: bool = True) -> "_RNN":
         """Build (or load from the cache) every kernel now rather than on first use."""
@@ -153,9 +162,32 @@ class _RNN:
         return p[f"weight_ih_l{layer}"], b_ih, p[f"weight_hh_l{layer}"], b_hh
 
     # ---- forward / backward ----------------------------------------------
+    def _ids(self, x):
+        """Integer input: class indices of one-hot rows, (T, B) ((B, T) with
+        batch_first) or unbatched (T,), as a fresh (T, B) int32 array."""
+        layout = "(B, T)" if self.batch_first else "(T, B)"
+        if x.ndim not in (1, 2):
+            raise TypeError(f"input: expected floating-point input, or integer class indices "
+                            f"{layout} or unbatched (T,), got dtype {x.dtype} shape {x.shape}")
+        if 0 in x.shape:
+            raise ValueError(f"input: class indices with an empty axis: shape {x.shape}")
+        if x.min() < 0 or x.max() >= self.input_size:
+            raise ValueError(f"input: class indices must lie in [0, {self.input_size}), got "
+                             f"values from {x.min()} to {x.max()}")
+        unbatched = x.ndim == 1
+        ids = x.reshape(-1, 1) if unbatched else (x.T if self.batch_first else x)
+        return np.ascontiguousarray(ids, dtype=np.int32), unbatched
+
     def _input(self, x):
-        """x as a fresh (T, B, I) array of this module's kind, whether it came
-        unbatched, and whether it came from the host."""
+        """x as a fresh (T, B, I) array of this module's kind (or, for integer
+        class indices with a one-hot library, a (T, B) int32 array), whether
+        it came unbatched, and whether it came from the host."""
+        if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.integer):
+            ids, unbatched = self._ids(x)
+            if self._onehot_ok():
+                return ids, unbatched, True
+            x = np.eye(self.input_size, dtype=np.float32)[ids]     # (T, B, I) one-hot rows
+            return self._array(x), unbatched, True
         x = _float_array("input", x)
         host = isinstance(x, np.ndarray)
         layout = "(B, T, input_size)" if self.batch_first else "(T, B, input_size)"
@@ -201,15 +233,16 @@ class _RNN:
         """Run every layer; init: per state an (L, B, H) array."""
         x, unbatched, host = self._input(x)
         B = x.shape[1]
+        ids = x.ndim == 2                            # one-hot rows as class indices
         init = [self._initial(n, a, B, unbatched) for n, a in init]
         tape, inp = [], x
         for layer in range(self.num_layers):
             w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
-            states, saved = self._lib(layer, "fwd").forward(
+            states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
                 inp, w_ih, b_ih, w_hh, b_hh, [s[layer] for s in init])
             tape.append((inp, states, saved))
             inp = states[0][1:]                      # this layer's h over time (T, B, H)
-        self._tape = (tape, unbatched)
+        self._tape = (tape, unbatched, ids)
         finals = []
         for s in range(len(init)):
             f = self._mem.empty((self.num_layers, B, self.hidden_size))
@@ -223,7 +256,7 @@ class _RNN:
         if self._tape is None:
             raise RuntimeError("backward: call the module forward first (no forward pass "
                                "recorded since construction or load_state_dict)")
-        tape, unbatched = self._tape
+        tape, unbatched, ids = self._tape
         T, B, H = tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1], self.hidden_size
         L = self.num_layers
         shape = (T, H) if unbatched else ((B, T, H) if self.batch_first else (T, B, H))
@@ -236,7 +269,8 @@ class _RNN:
         for layer in reversed(range(L)):
             inp, states, saved = tape[layer]
             w_ih, _, w_hh, _ = self._layer_weights(layer)
-            g = self._lib(layer, "bwd").backward(inp, w_ih, w_hh, saved, states, dy,
+            g = self._lib(layer, "bwd", ids and layer == 0).backward(
+                inp, w_ih, w_hh, saved, states, dy,
                                                  [d[layer] for d in dfinal],
                                                  need_dx=input_grad or layer > 0)
             grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
@@ -246,7 +280,7 @@ class _RNN:
                 d[layer] = g[f"d{s}0"]
             dy = g.get("dx")
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
-        if input_grad:
+        if input_grad and not ids:
             grads["input"] = self._seq_out(dy, host)
         for d, s in zip(dinit, self._state_names):
             grads[f"{s}0"] = self._result(d.reshape(L, H) if unbatched else d, host)

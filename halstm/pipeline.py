@@ -9,6 +9,8 @@ A layer runs as a few pipelines that the compiled library's driver
     backward:  pack_bwd (once)    PyTorch weights -> panels along the input axis
                step_bwd (T times, reversed) cell backward, dh_prev = W_hh^T dhg
                grads    (once)    dx, dW_ih, db_ih, dW_hh, db_hh over all steps
+    one-hot:   gather   (once)    xp = W_ih[:, ids] + b_ih (instead of proj)
+               grads_ids (once)   as grads, dW_ih a scatter-add over ids, no dx
 
 Axes are Halide's, innermost first; the numpy shape of the same buffer is
 the reverse (runtime.py owns that convention). K = the layer's input size,
@@ -27,9 +29,14 @@ import halide as hl
 
 from .cells.base import Cell
 
-KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads")
+KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads", "gather", "grads_ids")
 FORWARD = ("pack", "proj", "step")
 BACKWARD = ("pack_bwd", "step_bwd", "grads")
+# A layer fed one-hot vectors given as class indices (a char LM's first
+# layer): the projection is a gather of W_ih's columns, dW_ih a scatter-add
+# of the rows of dxp, and there is no input gradient.
+FORWARD_IDS = ("pack", "gather", "step")
+BACKWARD_IDS = ("pack_bwd", "step_bwd", "grads_ids")
 
 
 @dataclass
@@ -233,6 +240,34 @@ def _proj(p: Pipe) -> None:
     p.rdoms = {"i": r}
 
 
+def _ids_param() -> hl.ImageParam:
+    """Class indices, one per row n = t*B + b (int32; numpy (N,))."""
+    ids = hl.ImageParam(hl.Int(32), 1, "ids")
+    ids.dim(0).set_stride(1)
+    _SHAPES["ids"] = [None]
+    return ids
+
+
+def _gather(p: Pipe) -> None:
+    """The projection of one-hot rows given as indices: xp(j, gate, n) =
+    w_ih(ids(n), j, gate) + b_ih(j, gate), read from a transposed copy of
+    W_ih with the bias added, so that a row is one contiguous block."""
+    j, gate, n, k = (p.vars[v] for v in ("j", "gate", "t", "k"))
+    G, K, H = p.G, p.K, p.H
+    ids = _ids_param()                                # numpy (N,)
+    w_ih = _param("w_ih", [K, H, G])                  # numpy (G*H, K)
+    b_ih = _param("b_ih", [H, G])                     # numpy (G, H)
+    wt = hl.Func("wt")                                # numpy (K, G, Hp)
+    jc = hl.min(j, H - 1)                             # units past H: never read
+    wt[j, gate, k] = w_ih[k, jc, gate] + b_ih[jc, gate]
+    xp = hl.Func("xp")
+    xp[j, gate, n] = wt[j, gate, hl.clamp(ids[n], 0, K - 1)]
+    p.inputs = [ids, w_ih, b_ih]
+    p.outputs = [xp]
+    _fix_output(xp, [p.Hp, G, None])                  # numpy (N, G, Hp)
+    p.stages = {"wt": wt, "xp": xp}
+
+
 def _step(p: Pipe) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and the saved channels, so that a schedule can compute
@@ -332,31 +367,54 @@ def _step_bwd(p: Pipe) -> None:
 
 
 def _grads(p: Pipe) -> None:
+    _all_grads(p, ids=False)
+
+
+def _grads_ids(p: Pipe) -> None:
+    _all_grads(p, ids=True)
+
+
+def _all_grads(p: Pipe, ids: bool) -> None:
     """Gradients over all steps, with batch and time merged into one axis
-    n = t*B + b of N rows (the driver passes 2-D views)."""
+    n = t*B + b of N rows (the driver passes 2-D views). ids: the layer's
+    input is one-hot rows given as indices, numpy (N,): dW_ih is a
+    scatter-add of the rows of dxp, and there is no dx."""
     cell, G, K, H, P = p.cell, p.G, p.K, p.H, p.P
     C, R = p.dw_cols, p.dw_rows
     i, j, k, gate, n = (p.vars[v] for v in ("i", "j", "k", "gate", "t"))
-    x = _param("x", [K, None])                       # numpy (N, K)
+    x = _ids_param() if ids else _param("x", [K, None])   # numpy (N,) or (N, K)
     hs = _param("hs", [H, None])                     # numpy (N, H): h_{t-1} for row t*B+b
     dxp = _param("dxp", [H, G, None])                # numpy (N, G, H)
     shared = cell.dxp_is_dhg
     dhg = dxp if shared else _param("dhg", [H, G, None])
-    wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
-    N = x.dim(1).extent()
+    N = x.dim(0 if ids else 1).extent()
     rn = hl.RDom([(0, N)], "r_n")
     rg = hl.RDom([(0, H), (0, G)], "r_jg")
-    w = _packed(wq_ih, i, P)
     stages = {}
-    stages["dx_acc"], stages["dx"] = _matmul(                                    # (N, Kp)
-        "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * _clamp(dxp, (2,))[rg.x, rg.y, n])
+    if not ids:
+        wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
+        w = _packed(wq_ih, i, P)
+        stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
+            "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * _clamp(dxp, (2,))[rg.x, rg.y, n])
     # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are
     # first packed into panels contiguous along n (C input units, resp. R
     # hidden units with all gates), so that a tile streams two dense blocks.
-    panels = {"x": _row_panels(x, K, C, "x_panels"), "hs": _row_panels(hs, H, C, "hs_panels"),
+    panels = {"hs": _row_panels(hs, H, C, "hs_panels"),
               "dxp": _unit_panels(dxp, H, R, "dxp_panels")}
+    if not ids:
+        panels["x"] = _row_panels(x, K, C, "x_panels")
     panels["dhg"] = panels["dxp"] if shared else _unit_panels(dhg, H, R, "dhg_panels")
+    if ids:
+        # dW_ih[g, k] = the sum of dxp[n, g] over the rows n with ids[n] == k
+        acc = hl.Func("dw_ih_acc")                    # numpy (K, G, H)
+        acc[j, gate, i] = hl.f32(0)
+        acc[j, gate, hl.clamp(x[rn.x], 0, K - 1)] += dxp[j, gate, rn.x]
+        out = hl.Func("dw_ih")
+        out[i, j, gate] = acc[j, gate, i]
+        stages |= {"dw_ih_acc": acc, "dw_ih": out}
     for name, d, a, v in (("dw_ih", "dxp", "x", i), ("dw_hh", "dhg", "hs", k)):
+        if name == "dw_ih" and ids:
+            continue
         acc = hl.Func(name + "_acc")
         acc[v, j, gate] = hl.f32(0)
         acc[v, j, gate] += (panels[d][j % R, gate, rn.x, j / R] *
@@ -369,12 +427,18 @@ def _grads(p: Pipe) -> None:
     for name, d in (("db_ih", dxp), ("db_hh", dhg)):
         stages[name + "_acc"], stages[name] = _matmul(name, [j, gate], hl.f32(0),
                                                       lambda: d[j, gate, rn.x])
-    stages |= {"x_panels": panels["x"], "hs_panels": panels["hs"],
-               "dxp_panels": panels["dxp"], "dhg_panels": panels["dhg"]}
-    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + [wq_ih]
-    p.outputs = [stages[v] for v in ("dx", "dw_ih", "db_ih", "dw_hh", "db_hh")]
-    for f, ext in zip(p.outputs, ([p.Kp, None], [K, H, G], [H, G], [H, H, G], [H, G])):
-        _fix_output(f, ext)
+    stages |= {"hs_panels": panels["hs"], "dxp_panels": panels["dxp"],
+               "dhg_panels": panels["dhg"]}
+    if not ids:
+        stages["x_panels"] = panels["x"]
+    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [wq_ih])
+    names = ("dw_ih", "db_ih", "dw_hh", "db_hh")
+    names = names if ids else ("dx",) + names
+    extents = {"dx": [p.Kp, None], "dw_ih": [K, H, G], "db_ih": [H, G], "dw_hh": [H, H, G],
+               "db_hh": [H, G]}
+    p.outputs = [stages[v] for v in names]
+    for v in names:
+        _fix_output(stages[v], extents[v])
     p.stages = stages
     p.rdoms = {"n": rn, "jg": rg}
 

@@ -110,6 +110,7 @@ class Library:
         self.K, self.H = manifest["input_size"], manifest["hidden_size"]
         self.G, self.S = len(manifest["gates"]), len(manifest["saved"])
         self.states = tuple(manifest["states"])
+        self.onehot = bool(manifest.get("onehot", False))
         P = self.P = manifest["panel"]
         self.Hp, self.Kp = -(-self.H // P) * P, -(-self.K // P) * P
         self._lib = ctypes.CDLL(str(path))
@@ -171,15 +172,30 @@ class Library:
     def _ptrs(self, arrays) -> ctypes.Array:
         return (_P * len(arrays))(*[self.mem.ptr(a) for a in arrays])
 
+    def _x_shape(self, x):
+        """(T, B, K) of a layer input: (T, B, K) floats, or for a one-hot
+        library (T, B) int32 indices."""
+        if self.onehot:
+            if x.ndim != 2 or x.dtype != np.int32 or not x.flags.c_contiguous:
+                raise ValueError(f"x: expected contiguous (T, B) int32 class indices, got "
+                                 f"shape {x.shape} dtype {x.dtype}")
+            return x.shape[0], x.shape[1], self.K
+        if x.ndim != 3 or x.shape[2] != self.K:
+            raise ValueError(f"x: expected (T, B, {self.K}), got {x.shape}")
+        return x.shape
+
+    def _x_ptr(self, x) -> int:
+        return x.ctypes.data if self.onehot else self.mem.ptr(x)
+
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array per state. Returns (states, saved): states
         each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H).
-        Arrays are numpy for a CPU library, DeviceArrays for a CUDA one."""
-        T, B, K = x.shape
+        Arrays are numpy for a CPU library, DeviceArrays for a CUDA one.
+        A one-hot library (manifest "onehot") takes x as (T, B) int32 class
+        indices in [0, K) instead."""
+        T, B, K = self._x_shape(x)
         G, H, S, mem = self.G, self.H, self.S, self.mem
-        if K != self.K:
-            raise ValueError(f"x: expected (T, B, {self.K}), got {x.shape}")
         states = []
         for s0 in init:
             st = mem.empty((T + 1, B, H))
@@ -190,19 +206,20 @@ class Library:
         ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
               self._workspace("wp_hh", (Hp // P, H, G, P)),
               self._workspace("xp", (T, B, G, Hp))]
-        self._call(T, B, *map(mem.ptr, (x, w_ih, b_ih, w_hh, b_hh, *ws, saved)),
+        self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh, *ws, saved)),
                    self._ptrs(states))
         return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True):
         """BPTT of one layer. dfinal: one (B, H) gradient per final state.
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H).
-        need_dx False: no dx in the result, and a CPU library skips its GEMM."""
-        T, B, K = x.shape
+        need_dx False: no dx in the result, and a CPU library skips its GEMM.
+        A one-hot library takes x as (T, B) int32 indices and gives no dx."""
+        T, B, K = self._x_shape(x)
         G, H, Hp, Kp, P, mem = self.G, self.H, self.Hp, self.Kp, self.P, self.mem
-        if K != self.K or dy.shape != (T, B, H):
-            raise ValueError(f"x, dy: expected (T, B, {self.K}) and (T, B, {H}), "
-                             f"got {x.shape} and {dy.shape}")
+        if dy.shape != (T, B, H):
+            raise ValueError(f"dy: expected (T, B, {H}) = {(T, B, H)}, got {dy.shape}")
+        need_dx = need_dx and not self.onehot
         dstate = []
         for d in dfinal:
             a = mem.zeros((2, B, Hp))
@@ -216,7 +233,7 @@ class Library:
         out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                "db_hh": mem.empty(G * H)}
-        self._call(T, B, *map(mem.ptr, (x, w_ih, w_hh, saved)), self._ptrs(states),
+        self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
                    mem.ptr(dy), self._ptrs(dstate), *map(mem.ptr, (*ws, dxp, dhg)),
                    *[None if a is None else mem.ptr(a) for a in out.values()])
         if not need_dx:

@@ -40,6 +40,11 @@ def names() -> list[str]:
 GPU_FEATURES = {"cuda", "opencl", "metal", "d3d12compute", "vulkan", "webgpu"}
 
 
+# Schedules whose modules also define the pipelines of a layer fed one-hot
+# rows as class indices (gather, grads_ids), on CPU targets.
+ONEHOT = {"cpu", "naive"}
+
+
 def family(target) -> str:
     """'gpu' for a target (string or halide.Target) with a GPU API feature,
     else 'cpu'. Reads the string: needs no halide import."""

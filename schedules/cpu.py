@@ -237,13 +237,39 @@ def step_bwd(p, target):
         _pointwise(p.stage("dprev_" + s), vw, batch, H)
 
 
-def grads(p, target):
+def gather(p, target):
+    """The one-hot projection: rows of the transposed weights copied, 64
+    rows a task."""
+    v = p.vars
+    j, n = v["j"], v["t"]
+    wt, xp = p.stage("wt"), p.stage("xp")
+    vw = _vw(target, p.H)
+    wt.compute_root().vectorize(j, vw, ROUND).parallel(v["k"])
+    no, ni = hl.Var("no"), hl.Var("ni")
+    xp.vectorize(j, vw, ROUND).split(n, no, ni, 64, GUARD).parallel(no)
+
+
+def grads_ids(p, target):
+    """As grads, dW_ih a scatter-add: one gate a task, each row of dxp added
+    to its class's row (vectorized along units)."""
+    grads(p, target, ids=True)
+    j, gate, rn = p.vars["j"], p.vars["gate"], p.rdoms["n"]
+    acc, out = p.stage("dw_ih_acc"), p.stage("dw_ih")
+    vw = _vw(target, p.H)
+    tail = ROUND if p.H % vw == 0 else GUARD
+    acc.compute_root().vectorize(j, vw, tail).parallel(gate)
+    acc.update().reorder(j, rn.x, gate).vectorize(j, vw, tail).parallel(gate)
+    out.parallel(gate)
+
+
+def grads(p, target, ids=False):
     v, H = p.vars, p.H
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
-    _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y], par="io",
-          panels=_panels(p.Kp, p.P, 2))
-    for name in ("x_panels", "hs_panels"):
+    if not ids:
+        _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y],
+              par="io", panels=_panels(p.Kp, p.P, 2))
+    for name in ("hs_panels",) if ids else ("x_panels", "hs_panels"):
         f = p.stage(name)
         vi, row, vo = f.args()
         f.compute_root().vectorize(vi, min(p.dw_cols, 4 * p.P)).parallel(vo)
@@ -268,7 +294,7 @@ def grads(p, target):
     # dW_hh at deepbench_1024 (H=1024, N=1600) on the 2-core AVX-512 VM,
     # where numpy's sgemm of the same size ran at 105 GF/s, both under load;
     # unpacked operands ran at 15 GF/s.
-    for name, vec in (("dw_ih", i), ("dw_hh", v["k"])):
+    for name, vec in (("dw_hh", v["k"]),) if ids else (("dw_ih", i), ("dw_hh", v["k"])):
         tiles = p.stage(name + "_tiles").compute_root()
         _tile(tiles, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, ROUND)], [rn.x])
         jo = hl.Var("jo")

@@ -572,3 +572,31 @@ def test_backward_without_input_grad(cell):
     assert set(got) == set(want) - {"input"}
     for k, g in got.items():
         np.testing.assert_array_equal(g, want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("schedule", ["cpu", "naive"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_class_index_input_matches_one_hot(cell, schedule):
+    """Integer input = one-hot rows given as class indices: the first layer
+    gathers W_ih's columns and scatter-adds dW_ih; every result and gradient
+    equals the one-hot float input's (there is no input gradient)."""
+    cls = {"lstm": halstm.LSTM, "gru": halstm.GRU}[cell]
+    K, H, T, B = 13, 37, 7, 3
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, K, (T, B))
+    x = np.eye(K, dtype=np.float32)[ids]
+    m = cls(K, H, num_layers=2, seed=0, schedule=schedule)
+    y1, _ = m(x)
+    dy = rng.standard_normal(y1.shape).astype(np.float32)
+    g1 = m.backward(dy, input_grad=False)
+    y2, _ = m(ids)
+    g2 = m.backward(dy)
+    np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-6)
+    assert set(g2) == set(g1)
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    mb = cls(K, H, seed=0, batch_first=True, schedule=schedule)
+    np.testing.assert_allclose(mb(ids.T)[0], mb(x.transpose(1, 0, 2))[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(mb(ids[:, 0])[0], mb(x[:, 0])[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"\[0, 13\)"):
+        m(np.full((T, B), K))

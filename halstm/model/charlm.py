@@ -91,7 +91,10 @@ class CharLM:
         """The top layer's outputs (T, B, H) and the final state."""
         timer = timer or _no_timer
         with timer("one-hot input"):
-            x = self.one_hot(ids)
+            # the class indices themselves: on a CPU target the first layer
+            # gathers columns of W_ih (and backward scatter-adds dW_ih)
+            # instead of a GEMM with one-hot rows
+            x = np.ascontiguousarray(ids, dtype=np.int32)
         with timer("rnn forward"):
             return self._rnn(x, state)
 
