@@ -1,8 +1,13 @@
 """Benchmark halstm schedules against peers (numpy, PyTorch) on named shapes.
 
-Every measurement first checks halstm's result against the numpy reference,
-warms up, then reports the median of repeated runs. Peers are measured in the
-same process and run, so ratios are meaningful on a noisy machine.
+Every halstm implementation is first checked against the numpy reference.
+Then, per (shape, mode), every implementation (peers and schedules) is
+warmed up and timed in interleaved rounds: each round runs each one for a
+block of about 0.1 s, in an order that rotates from round to round. A
+result is the median of its runs; a ratio to a peer is the median over
+rounds of the two blocks' median ratio, so a burst of load on a shared
+machine slows both sides of a pair instead of whichever happened to be
+timed during it.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -46,21 +51,59 @@ class Result:
     gflops: float
     runs: int
     max_rel_err: float | None = None   # vs the reference (halstm only)
+    times_ms: list = field(default_factory=list, repr=False)   # every timed run
+    rounds_ms: list = field(default_factory=list, repr=False)  # each round's median
 
     def row(self) -> dict:
-        return asdict(self)
+        row = asdict(self)
+        del row["times_ms"], row["rounds_ms"]
+        return row
 
 
-def _median_ms(fn, min_runs=3, min_seconds=1.0, max_runs=50) -> tuple[float, int]:
-    fn()                                   # warm-up
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_runs or (time.perf_counter() - start < min_seconds
-                                    and len(times) < max_runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3, len(times)
+@dataclass
+class _Timed:
+    """An implementation ready to time: fn runs it once (synchronised)."""
+    impl: str
+    fn: object
+    max_rel_err: float | None = None
+
+
+def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
+                 block_seconds=0.1) -> tuple[list, list]:
+    """Time each of `timed` in interleaved rounds after a warm-up run each.
+    A round gives each one a block of runs (as many as fit in block_seconds,
+    at least one), in an order that rotates from round to round; a block of
+    short runs starts with one untimed run, since the other runtime's worker
+    threads (PyTorch's OpenMP pool spins after its work) can still hold the
+    cores when the switch happens. Rounds go on until every one has min_runs
+    rounds and min_seconds of timed runs, or max_runs runs.
+    Returns (times, rounds): per implementation every run's ms, and each
+    round's median ms."""
+    estimate = []
+    for t in timed:
+        start = time.perf_counter()
+        t.fn()
+        estimate.append(time.perf_counter() - start)
+    per_block = [max(1, min(max_runs, int(block_seconds / max(e, 1e-9)))) for e in estimate]
+    times, rounds = [[] for _ in timed], [[] for _ in timed]
+    spent = [0.0] * len(timed)
+    r = 0
+    while r < min_runs or (min(spent) < min_seconds and min(map(len, times)) < max_runs):
+        for k in range(len(timed)):
+            i = (r + k) % len(timed)
+            if estimate[i] < block_seconds:
+                timed[i].fn()
+            block = []
+            for _ in range(per_block[i]):
+                start = time.perf_counter()
+                timed[i].fn()
+                dt = time.perf_counter() - start
+                spent[i] += dt
+                block.append(dt * 1e3)
+            times[i] += block
+            rounds[i].append(statistics.median(block))
+        r += 1
+    return times, rounds
 
 
 def _inputs(cell, s, seed=0):
@@ -74,7 +117,9 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def bench_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=1e-3) -> Result:
+def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=1e-3) -> _Timed:
+    """halstm with `schedule`, checked against the reference (max relative
+    error at most tol, else AssertionError)."""
     m = MODULES[cell](s["I"], s["H"], num_layers=s["L"], target=target, schedule=schedule, seed=0)
     m.compile(backward=mode == "fwdbwd")
     x, dy = _inputs(cell, s)
@@ -96,12 +141,10 @@ def bench_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=1
         from . import cuda
         x, dy, sync = cuda.DeviceArray.from_numpy(x), cuda.DeviceArray.from_numpy(dy), cuda.synchronize
     step = (lambda: m(x)) if mode == "fwd" else (lambda: (m(x), m.backward(dy)))
-    ms, runs = _median_ms(lambda: (step(), sync()))
-    return Result(name, cell, mode, f"halstm:{schedule or 'default'}", ms,
-                  flops(cell, s, mode) / ms / 1e6, runs, err)
+    return _Timed(f"halstm:{schedule or 'default'}", lambda: (step(), sync()), err)
 
 
-def bench_numpy(cell, name, s, mode) -> Result:
+def prepare_numpy(cell, name, s, mode) -> _Timed:
     """The numpy reference itself, in float32, stepping over time in Python."""
     x, dy = _inputs(cell, s)
     m = MODULES[cell](s["I"], s["H"], num_layers=s["L"], seed=0)
@@ -111,19 +154,18 @@ def bench_numpy(cell, name, s, mode) -> Result:
         out = reference.forward(cell, params, x)
         if mode == "fwdbwd":
             reference.backward(cell, out[-1], dy)
-    ms, runs = _median_ms(run)
-    return Result(name, cell, mode, "numpy", ms, flops(cell, s, mode) / ms / 1e6, runs)
+    return _Timed("numpy", run)
 
 
-def bench_torch(cell, name, s, mode, device="cpu", tf32=False) -> Result | None:
+def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | None:
+    """PyTorch's nn.LSTM/GRU (oneDNN on CPU, cuDNN on GPU), or None where
+    torch (with CUDA, for a GPU device) is not installed."""
     try:
         import torch
     except ImportError:
         return None
     if device != "cpu" and not torch.cuda.is_available():
         return None
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
     cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell]
     m = cls(s["I"], s["H"], num_layers=s["L"]).to(device)
     x_np, dy_np = _inputs(cell, s)
@@ -132,61 +174,82 @@ def bench_torch(cell, name, s, mode, device="cpu", tf32=False) -> Result | None:
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def run():
-        if mode == "fwd":
-            with torch.no_grad():
-                m(x)
-        else:
-            xr = x.detach().requires_grad_()
-            y, _ = m(xr)
-            y.backward(dy)
-        sync()
-    ms, runs = _median_ms(run)
+        # TF32 is a global switch: set for each run, since runs interleave
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            if mode == "fwd":
+                with torch.no_grad():
+                    m(x)
+            else:
+                xr = x.detach().requires_grad_()
+                y, _ = m(xr)
+                y.backward(dy)
+            sync()
+        finally:
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     impl = "torch" if device == "cpu" else f"torch-{device}" + ("-tf32" if tf32 else "")
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    return Result(name, cell, mode, impl, ms, flops(cell, s, mode) / ms / 1e6, runs)
+    return _Timed(impl, run)
 
 
 def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd"),
-        progress=False):
-    """Measure every (shape, mode): peers first, then each schedule.
-    Returns (results, notes); a peer that is not installed is skipped with a note."""
+        progress=False, timing=None):
+    """Measure every (shape, mode): peers and schedules prepared (halstm
+    checked), then timed in interleaved rounds (see the module docstring).
+    Returns (results, notes); a peer that is not installed is skipped with a
+    note. timing: keyword arguments for the rounds (min_runs, min_seconds,
+    max_runs)."""
     from tqdm import tqdm
     known = shapes()
     notes, results = [], []
     device = "cuda" if "cuda" in target.split("-") else "cpu"
-    jobs = [(n, m, impl) for n in names for m in modes for impl in [*peers, *scheds]]
-    bar = tqdm(jobs, disable=not progress, unit="run", file=sys.stderr)
-    for name, mode, impl in bar:
-        bar.set_description(f"{name} {mode} {impl or 'default'}")
-        s = known[name]
-        if impl == "numpy":
-            results.append(bench_numpy(cell, name, s, mode))
-        elif impl in ("torch", "torch_tf32"):
-            if impl == "torch_tf32" and device == "cpu":
-                continue                 # TF32 is a GPU mode
-            r = bench_torch(cell, name, s, mode, device, tf32=impl == "torch_tf32")
-            if r is None:
-                why = f"torch{' with CUDA' if device == 'cuda' else ''} is not installed; skipped"
-                if why not in notes:
-                    notes.append(why)
+    jobs = [(n, m) for n in names for m in modes]
+    bar = tqdm(jobs, disable=not progress, unit="shape", file=sys.stderr)
+    for name, mode in bar:
+        s, timed = known[name], []
+        for impl in [*peers, *scheds]:
+            bar.set_description(f"{name} {mode}: {impl or 'default'}")
+            if impl == "numpy":
+                timed.append(prepare_numpy(cell, name, s, mode))
+            elif impl in ("torch", "torch_tf32"):
+                if impl == "torch_tf32" and device == "cpu":
+                    continue                 # TF32 is a GPU mode
+                t = prepare_torch(cell, name, s, mode, device, tf32=impl == "torch_tf32")
+                if t is None:
+                    why = (f"torch{' with CUDA' if device == 'cuda' else ''} is not installed; "
+                           f"skipped")
+                    if why not in notes:
+                        notes.append(why)
+                else:
+                    timed.append(t)
             else:
-                results.append(r)
-        else:
-            results.append(bench_halstm(cell, name, s, impl, mode, target))
+                timed.append(prepare_halstm(cell, name, s, impl, mode, target))
+        bar.set_description(f"{name} {mode}: timing {len(timed)} interleaved")
+        for t, times, rounds in zip(timed, *_interleaved(timed, **(timing or {}))):
+            ms = statistics.median(times)
+            results.append(Result(name, cell, mode, t.impl, ms, flops(cell, s, mode) / ms / 1e6,
+                                  len(times), t.max_rel_err, times, rounds))
     return results, notes
+
+
+def _ratio(r: Result, peer: Result) -> float:
+    """r's time over peer's: the median over rounds of the two round medians'
+    ratio where both were timed in the same rounds, else the ratio of medians."""
+    if r.rounds_ms and len(r.rounds_ms) == len(peer.rounds_ms):
+        return statistics.median(a / b for a, b in zip(r.rounds_ms, peer.rounds_ms))
+    return r.ms / peer.ms
 
 
 def ratios(results) -> list[dict]:
     """Rows with, for each halstm result, its time over each peer's (same
-    shape and mode): below 1 means halstm is faster."""
+    shape and mode; see _ratio): below 1 means halstm is faster."""
     rows = []
-    peers = {(r.shape, r.mode, r.impl): r.ms for r in results if not r.impl.startswith("halstm")}
+    peers = [r for r in results if not r.impl.startswith("halstm")]
     for r in results:
         row = r.row()
         if r.impl.startswith("halstm"):
-            for (shape, mode, impl), ms in peers.items():
-                if shape == r.shape and mode == r.mode:
-                    row[f"x_{impl}"] = r.ms / ms
+            for p in peers:
+                if (p.shape, p.mode) == (r.shape, r.mode):
+                    row[f"x_{p.impl}"] = _ratio(r, p)
         rows.append(row)
     return rows
 
@@ -229,7 +292,10 @@ def write_json(results, path) -> None:
     except ImportError:  # pragma: no cover
         pass
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": ratios(results)}, f, indent=2)
+        rows = [row | {"times_ms": [round(t, 4) for t in r.times_ms],
+                       "rounds_ms": [round(t, 4) for t in r.rounds_ms]}
+                for row, r in zip(ratios(results), results)]
+        json.dump({"meta": meta, "results": rows}, f, indent=2)
 
 
 def plot(results, path) -> None:

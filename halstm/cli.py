@@ -168,8 +168,10 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     """Time schedules against peers on the shared benchmark shapes.
 
     Each halstm result is checked against the numpy reference before it is
-    timed; times are medians after a warm-up; ratios compare with peers
-    measured in the same run."""
+    timed. Per shape and mode, every implementation runs once per round,
+    rounds interleaved, after a warm-up: times are medians, and a ratio to a
+    peer is the median of the per-round ratios, so that load on a shared
+    machine hits both sides alike."""
     from . import benchmark as B
     known = B.shapes()
     names = list(known) if shapes == "all" else [s.strip() for s in shapes.split(",") if s]

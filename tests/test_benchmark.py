@@ -1,0 +1,40 @@
+"""halstm.benchmark's timing: interleaved rounds and paired ratios (no kernels)."""
+import time
+
+from halstm import benchmark as B
+
+
+def test_rounds_interleave_in_rotating_order():
+    calls = []
+    timed = [B._Timed(name, lambda name=name: calls.append(name)) for name in "abc"]
+    times, rounds = B._interleaved(timed, min_runs=3, min_seconds=0, max_runs=1)
+    # warm-ups, then per round one block each (a short run's block starts untimed)
+    assert calls[:3] == ["a", "b", "c"]
+    blocks = [calls[i:i + 2] for i in range(3, len(calls), 2)]
+    assert all(b[0] == b[1] for b in blocks)
+    assert [b[0] for b in blocks] == list("abc" "bca" "cab")
+    assert [len(t) for t in times] == [3, 3, 3] and [len(r) for r in rounds] == [3, 3, 3]
+
+
+def test_blocks_fill_block_seconds_and_runs_stop_at_max_runs():
+    fast = B._Timed("fast", lambda: None)
+    slow = B._Timed("slow", lambda: time.sleep(0.004))
+    times, rounds = B._interleaved([fast, slow], min_runs=2, min_seconds=10, max_runs=40,
+                                   block_seconds=0.02)
+    assert len(rounds[0]) == len(rounds[1]) >= 2
+    assert len(times[0]) >= 40                    # the fast one's blocks are full
+    assert 1 <= len(times[1]) / len(rounds[1]) <= 5   # about 0.02 s / 4 ms runs a block
+    assert min(times[1]) >= 4.0
+
+
+def test_ratio_pairs_rounds():
+    def result(impl, rounds):
+        return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None,
+                        list(rounds), list(rounds))
+    peer = result("torch", [2.0, 20.0, 20.0])     # a burst of load in rounds 2 and 3
+    ours = result("halstm:cpu", [1.0, 10.0, 10.0])
+    assert B._ratio(ours, peer) == 0.5            # the medians' ratio would also be 0.5
+    late = result("halstm:cpu", [1.0, 1.0, 10.0])  # the burst hit ours only in round 3
+    assert B._ratio(late, peer) == 0.5            # medians: 1.0 / 20.0 = 0.05
+    row = B.ratios([peer, late])[1]
+    assert row["x_torch"] == 0.5 and "times_ms" not in row
