@@ -141,9 +141,15 @@ def _panels(extent: int, P: int, want: int) -> int:
 
 
 # Work below which a stage stays on one thread: waking the pool costs more.
-# Measured at latency_256_b1 (one 256x1024 product a step): forking the
-# step GEMM and three pointwise stages cost more than the step's math.
-PARALLEL_MACS = 1 << 20
+# Was 1 << 20, from a measurement on a loaded host where forking
+# latency_256_b1's step GEMM (256 x 1024 MACs) cost more than its math. On a
+# quiet host (no steal, 23:30-23:40 on 2026-11-22, `halstm bench --shapes
+# latency_256_b1,small_128_b16 --schedules cpu --peers torch`, three runs)
+# the step on two threads, each with half of W_hh (512 KB) in its own L2,
+# took latency_256_b1 forward from 9.6-10.0 ms (1.31-1.48x PyTorch) to
+# 5.8-7.9 ms (0.74-0.85x); small_128_b16 (4 x 128 x 512 MACs a tile row)
+# 1.11-1.31x -> 0.99-1.02x forward.
+PARALLEL_MACS = 1 << 17
 PARALLEL_ELEMENTS = 1 << 15
 
 
