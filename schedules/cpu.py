@@ -171,8 +171,17 @@ def _pack(f, target):
 
 
 def pack(p, target):
+    """wp(ji, gate, k, jo) = w(k, jo*P + ji, gate): a transpose of P x P
+    blocks, P reduction steps unrolled per vector of units (the P rows of
+    a block are read once, line by line). Vectorizing ji alone gathered
+    each vector from P rows: deepbench_1024's pack took 6.5 ms, now 2.0
+    (Halide JIT, 30 runs, 2026-11-22 23:45, quiet host)."""
     for name in ("wp_ih", "wp_hh"):
-        _pack(p.stage(name), target)
+        f = p.stage(name)
+        ji, gate, k, jo = f.args()
+        ko, ki = hl.Var("ko"), hl.Var("ki")
+        f.split(k, ko, ki, p.P, GUARD).reorder(ji, ki, gate, ko, jo)
+        f.vectorize(ji).unroll(ki).parallel(jo)
 
 
 def pack_bwd(p, target):
