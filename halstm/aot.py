@@ -43,7 +43,8 @@ ENTRY_POINTS = {
     "fwd": {"halstm_forward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
         "b_hh (G*H,)", "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
-        "ws xp (T, B, G, HP)", "out saved (T, B, S, H)", "inout states[NS] (T+1, B, H)"]},
+        "ws xp (T, B, G, HP)",
+        "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)", "inout states[NS] (T+1, B, H)"]},
     "bwd": {"halstm_backward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",

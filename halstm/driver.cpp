@@ -441,11 +441,20 @@ int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
                 halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
                 halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
+// the same without the saved channels (a forward that no backward follows)
+#define HB halide_buffer_t *
+#if NS == 1
+int halstm_step_infer(HB, HB, HB, HB, HB);
+#else
+int halstm_step_infer(HB, HB, HB, HB, HB, HB, HB);
+#endif
+#undef HB
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
 // workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP)
-// out: saved (T, B, S, H); states[NS] each (T+1, B, H), [0] holds the
+// out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
+// forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
 int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, float *wp_ih, float *wp_hh,
@@ -470,15 +479,26 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         int rc = 0;
         for (int t = 0; t < T && rc == 0; t++) {
             View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
+            View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
+#if NS == 2
+            View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
+#endif
+            if (!saved) {
+#if NS == 1
+                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), h1.hb());
+#else
+                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(),
+                                       h1.hb(), c1.hb());
+#endif
+                continue;
+            }
             const float *saved_t = saved + (int64_t)t * B * S * H;
             View s0(saved_t, {{H, 1}, {B, S * H}}), s1(saved_t + H, {{H, 1}, {B, S * H}});
             View s2(saved_t + 2 * H, {{H, 1}, {B, S * H}}), s3(saved_t + 3 * H, {{H, 1}, {B, S * H}});
-            View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
 #if NS == 1
             rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), h1.hb(), s0.hb(), s1.hb(),
                              s2.hb(), s3.hb());
 #else
-            View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
             rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(),
                              s0.hb(), s1.hb(), s2.hb(), s3.hb());
 #endif

@@ -4,6 +4,8 @@
     lstm.load_state_dict({k: v.numpy() for k, v in torch_lstm.state_dict().items()})
     y, (h_n, c_n) = lstm(x)                  # x (T, B, 13), float32
     grads = lstm.backward(dy)                # state_dict keys + input, h0, c0
+    with halstm.no_grad():                   # inference: nothing kept for backward
+        y, _ = lstm(x)
 
 Kernels are compiled on first use (forward on the first call, backward on
 the first backward) and cached on disk (see halstm.aot).
@@ -17,12 +19,35 @@ CuPy) in, DeviceArrays out, with no host round trip.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from . import aot, cuda
 from .runtime import Library, _Device, _Host
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+_GRAD = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """False inside halstm.no_grad() (per thread)."""
+    return getattr(_GRAD, "enabled", True)
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Forward passes inside keep nothing for backward, as under
+    torch.no_grad(): the time steps store the new states only (not the
+    activated gates backward reads), and backward() after such a pass
+    raises. Also a decorator."""
+    before = is_grad_enabled()
+    _GRAD.enabled = False
+    try:
+        yield
+    finally:
+        _GRAD.enabled = before
 
 
 def _positive_int(name, v):
@@ -235,11 +260,11 @@ class _RNN:
         B = x.shape[1]
         ids = x.ndim == 2                            # one-hot rows as class indices
         init = [self._initial(n, a, B, unbatched) for n, a in init]
-        tape, inp = [], x
+        tape, inp, save = [], x, is_grad_enabled()
         for layer in range(self.num_layers):
             w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
             states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
-                inp, w_ih, b_ih, w_hh, b_hh, [s[layer] for s in init])
+                inp, w_ih, b_ih, w_hh, b_hh, [s[layer] for s in init], save=save)
             tape.append((inp, states, saved))
             inp = states[0][1:]                      # this layer's h over time (T, B, H)
         self._tape = (tape, unbatched, ids)
@@ -257,6 +282,9 @@ class _RNN:
             raise RuntimeError("backward: call the module forward first (no forward pass "
                                "recorded since construction or load_state_dict)")
         tape, unbatched, ids = self._tape
+        if tape[0][2] is None:
+            raise RuntimeError("backward: the last forward ran under halstm.no_grad(), which "
+                               "keeps nothing for backward; run it outside no_grad()")
         T, B, H = tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1], self.hidden_size
         L = self.num_layers
         shape = (T, H) if unbatched else ((B, T, H) if self.batch_first else (T, B, H))

@@ -29,13 +29,16 @@ import halide as hl
 
 from .cells.base import Cell
 
-KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads", "gather", "grads_ids")
-FORWARD = ("pack", "proj", "step")
+KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads", "gather",
+         "grads_ids")
+# step_infer: a step that stores the new states only (a forward pass that
+# no backward follows: halstm.no_grad())
+FORWARD = ("pack", "proj", "step", "step_infer")
 BACKWARD = ("pack_bwd", "step_bwd", "grads")
 # A layer fed one-hot vectors given as class indices (a char LM's first
 # layer): the projection is a gather of W_ih's columns, dW_ih a scatter-add
 # of the rows of dxp, and there is no input gradient.
-FORWARD_IDS = ("pack", "gather", "step")
+FORWARD_IDS = ("pack", "gather", "step", "step_infer")
 BACKWARD_IDS = ("pack_bwd", "step_bwd", "grads_ids")
 
 
@@ -268,10 +271,11 @@ def _gather(p: Pipe) -> None:
     p.stages = {"wt": wt, "xp": xp}
 
 
-def _step(p: Pipe) -> None:
+def _step(p: Pipe, save: bool = True) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
-    the new states and the saved channels, so that a schedule can compute
-    the recurrent product, the cell and every store in one loop nest."""
+    the new states and (save) the saved channels, so that a schedule can
+    compute the recurrent product, the cell and every store in one loop
+    nest."""
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     S = len(cell.saved)
@@ -288,7 +292,7 @@ def _step(p: Pipe) -> None:
     saved, new = cell.forward(_clamp(xp, (2,)), hg, prev_in, j, b)
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
-                         [saved[j, c, b] for c in range(S)])
+                         [saved[j, c, b] for c in range(S if save else 0)])
     p.inputs = [xp, wp_hh, b_hh] + [prev[s] for s in cell.states]
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
@@ -299,6 +303,11 @@ def _step(p: Pipe) -> None:
     p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
                 **{"new_" + s: new[s] for s in cell.states}}
     p.rdoms = {"k": r}
+
+
+def _step_infer(p: Pipe) -> None:
+    """A step that stores the new states only (no saved channels)."""
+    _step(p, save=False)
 
 
 def _pack_bwd(p: Pipe) -> None:

@@ -187,10 +187,11 @@ class Library:
     def _x_ptr(self, x) -> int:
         return x.ctypes.data if self.onehot else self.mem.ptr(x)
 
-    def forward(self, x, w_ih, b_ih, w_hh, b_hh, init):
+    def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array per state. Returns (states, saved): states
-        each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H).
+        each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H)
+        for backward, or None with save=False (the steps store nothing else).
         Arrays are numpy for a CPU library, DeviceArrays for a CUDA one.
         A one-hot library (manifest "onehot") takes x as (T, B) int32 class
         indices in [0, K) instead."""
@@ -201,13 +202,13 @@ class Library:
             st = mem.empty((T + 1, B, H))
             st[0] = s0
             states.append(st)
-        saved = mem.empty((T, B, S, H))
+        saved = mem.empty((T, B, S, H)) if save else None
         Hp, P = self.Hp, self.P
         ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
               self._workspace("wp_hh", (Hp // P, H, G, P)),
               self._workspace("xp", (T, B, G, Hp))]
-        self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh, *ws, saved)),
-                   self._ptrs(states))
+        self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh, *ws)),
+                   None if saved is None else mem.ptr(saved), self._ptrs(states))
         return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True):

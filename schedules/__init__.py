@@ -1,7 +1,7 @@
 """Schedules: how a pipeline of halstm.pipeline runs on a target.
 
 Every schedule module defines the same functions, one per pipeline kind
-(pack, proj, step, pack_bwd, step_bwd, grads), each taking (pipe, target) and
+(pack, proj, step, step_infer, pack_bwd, step_bwd, grads), each taking (pipe, target) and
 scheduling the pipe's stages by name. Installed as `halstm.schedules`.
 
     from halstm import schedules

@@ -33,6 +33,7 @@ B_EST, T_EST = 1, 1       # runtime axes: batch, sequence length (rows N = B*T)
 #          ("Input buffer dxp is accessed at -43", seen on an H100).
 ADAMS_BEAM = 4            # Adams2019's beam search width (see _apply)
 ANDERSON_FALLBACK = {"step": "SIGFPE in its cost model on the step's Tuple output",
+                     "step_infer": "SIGFPE in its cost model on the step's Tuple output",
                      "grads": "an invalid GPU loop nest at estimates of 1"}
 
 
@@ -58,7 +59,7 @@ class Auto:
         return {k: v for k, v in layout.items() if k not in ("read_outputs", "cuda_graphs")}
 
     def __getattr__(self, kind):
-        if kind in ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads"):
+        if kind in ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads"):
             return self._apply
         raise AttributeError(kind)
 
@@ -90,7 +91,7 @@ class Auto:
 def _estimate(p) -> None:
     """Estimates for every input and output: fixed extents as they are;
     runtime ones: the batch, or rows N = B*T (projection, gradients)."""
-    rows = {"step": [B_EST], "step_bwd": [B_EST], "proj": [B_EST * T_EST],
+    rows = {"step": [B_EST], "step_infer": [B_EST], "step_bwd": [B_EST], "proj": [B_EST * T_EST],
             "grads": [B_EST * T_EST]}.get(p.kind, [])
     for q in p.inputs:
         q.set_estimates(_extents(p.shapes[q.name()], rows))

@@ -7,7 +7,7 @@ def _root(pipe, target):
         f.compute_root()
 
 
-pack = proj = step = pack_bwd = step_bwd = grads = gather = grads_ids = _root
+pack = proj = step = step_infer = pack_bwd = step_bwd = grads = gather = grads_ids = _root
 
 
 def layout(target) -> dict:

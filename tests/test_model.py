@@ -263,8 +263,8 @@ def test_loss_matches_between_forward_only_and_training_paths():
     loss, _, final = model.loss_and_grads(ids, targets, state)
     total, final2 = model.loss(ids, targets, state)
     assert total / ids.size == pytest.approx(loss, rel=1e-6)
-    for a, b in zip(final, final2):
-        np.testing.assert_array_equal(a, b)
+    for a, b in zip(final, final2):   # loss() runs the no_grad step kernels: rounding only
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---- training ---------------------------------------------------------------

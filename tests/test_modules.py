@@ -600,3 +600,31 @@ def test_class_index_input_matches_one_hot(cell, schedule):
     np.testing.assert_allclose(mb(ids[:, 0])[0], mb(x[:, 0])[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"\[0, 13\)"):
         m(np.full((T, B), K))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_no_grad_forward_equals_forward_and_blocks_backward(cell):
+    """Under halstm.no_grad() the steps store only the states (their own
+    kernel, step_infer): the results equal a training forward's to float
+    rounding (the compiler contracts the cell's math differently when the
+    gates are not stored), with an initial state and B=1 too, and backward
+    then raises."""
+    rng = np.random.default_rng(11)
+    m = make(cell)
+    for batch in (B, 1):
+        x = rng.standard_normal((T, batch, I)).astype(np.float32)
+        hx = [rng.standard_normal((L, batch, H)).astype(np.float32) for _ in STATES[cell]]
+        hx = tuple(hx) if cell == "lstm" else hx[0]
+        want = call(m, cell, x, hx)
+        assert halstm.is_grad_enabled()
+        with halstm.no_grad():
+            assert not halstm.is_grad_enabled()
+            got = call(m, cell, x, hx)
+        assert halstm.is_grad_enabled()
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+        for g, w in zip(got[1], want[1]):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"no_grad\(\)"):
+        backward(m, cell, np.ones((T, 1, H), np.float32))
+    call(m, cell, x, hx)                      # a training forward makes backward work again
+    backward(m, cell, np.ones((T, 1, H), np.float32))

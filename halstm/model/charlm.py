@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..nn import GRU, LSTM
+from ..nn import GRU, LSTM, no_grad
 
 MODULES = {"lstm": LSTM, "gru": GRU}
 
@@ -113,8 +113,10 @@ class CharLM:
 
     def loss(self, ids: np.ndarray, targets: np.ndarray, state) -> tuple[float, tuple]:
         """Summed cross-entropy (nats) of predicting targets (T, B) from ids
-        (T, B), and the final state. Forward only."""
-        y, state = self.hidden(ids, state)
+        (T, B), and the final state. Forward only: nothing is kept for a
+        backward (halstm.no_grad)."""
+        with no_grad():
+            y, state = self.hidden(ids, state)
         logits = self.logits(y)
         nll = _log_softmax_nll(logits, targets.ravel())
         return float(nll.sum(dtype=np.float64)), state
