@@ -41,8 +41,8 @@ def main():
         bwd.append(time.perf_counter() - t)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     print(f"lstm K={a.input_size} H={a.hidden_size} B={a.batch} T={a.steps}: "
-          f"forward {1e3 * statistics.median(fwd):.1f} ms, backward "
-          f"{1e3 * statistics.median(bwd):.1f} ms, {faults / a.reps:.0f} page faults "
+          f"forward {1e3 * statistics.median(fwd):.2f} ms, backward "
+          f"{1e3 * statistics.median(bwd):.2f} ms, {faults / a.reps:.0f} page faults "
           f"a forward+backward")
 
 

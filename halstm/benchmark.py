@@ -7,7 +7,10 @@ block of about 0.1 s, in an order that rotates from round to round. A
 result is the median of its runs; a ratio to a peer is the median over
 rounds of the two blocks' median ratio, so a burst of load on a shared
 machine slows both sides of a pair instead of whichever happened to be
-timed during it.
+timed during it. Each (shape, mode) also records the share of CPU time
+the hypervisor stole while it was timed (Linux /proc/stat; column
+"steal"): where it is high, other guests were busy, and every figure of
+that group is slower than this machine's own.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ class Result:
     gflops: float
     runs: int
     max_rel_err: float | None = None   # vs the reference (halstm only)
+    steal: float | None = None   # share of CPU time the hypervisor took while this group ran
     times_ms: list = field(default_factory=list, repr=False)   # every timed run
     rounds_ms: list = field(default_factory=list, repr=False)  # each round's median
 
@@ -231,11 +235,34 @@ def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd")
             else:
                 timed.append(prepare_halstm(cell, name, s, impl, mode, target))
         bar.set_description(f"{name} {mode}: timing {len(timed)} interleaved")
-        for t, times, rounds in zip(timed, *_interleaved(timed, **(timing or {}))):
+        before = _cpu_jiffies()
+        measured = _interleaved(timed, **(timing or {}))
+        steal = _steal(before, _cpu_jiffies())
+        for t, times, rounds in zip(timed, *measured):
             ms = statistics.median(times)
             results.append(Result(name, cell, mode, t.impl, ms, flops(cell, s, mode) / ms / 1e6,
-                                  len(times), t.max_rel_err, times, rounds))
+                                  len(times), t.max_rel_err, steal, times, rounds))
     return results, notes
+
+
+def _cpu_jiffies(path="/proc/stat"):
+    """(steal, total) CPU time since boot from /proc/stat's first line, or
+    None where there is none (not Linux)."""
+    try:
+        with open(path) as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _steal(before, after) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two
+    _cpu_jiffies readings: other guests on the host, which slow every
+    figure measured meanwhile."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _ratio(r: Result, peer: Result) -> float:
@@ -265,14 +292,15 @@ def table(results) -> str:
     rows = ratios(results)
     peer_cols = sorted({k for row in rows for k in row if k.startswith("x_")})
     head = ["shape", "mode", "impl", "ms", "GFLOP/s", *[f"vs {c[2:]}" for c in peer_cols],
-            "max rel err"]
+            "max rel err", "steal"]
     lines = [head]
     for row in rows:
         err = row["max_rel_err"]
         lines.append([row["shape"], row["mode"], row["impl"], f"{row['ms']:.3f}",
                       f"{row['gflops']:.1f}",
                       *[f"{row[c]:.2f}x" if c in row else "" for c in peer_cols],
-                      f"{err:.1e}" if err is not None else ""])
+                      f"{err:.1e}" if err is not None else "",
+                      f"{100 * row['steal']:.0f}%" if row["steal"] is not None else ""])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).rjust(w) if i >= 3 else str(c).ljust(w)
                                for i, (c, w) in enumerate(zip(line, widths)))

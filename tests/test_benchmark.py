@@ -29,7 +29,7 @@ def test_blocks_fill_block_seconds_and_runs_stop_at_max_runs():
 
 def test_ratio_pairs_rounds():
     def result(impl, rounds):
-        return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None,
+        return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None, None,
                         list(rounds), list(rounds))
     peer = result("torch", [2.0, 20.0, 20.0])     # a burst of load in rounds 2 and 3
     ours = result("halstm:cpu", [1.0, 10.0, 10.0])
@@ -38,3 +38,14 @@ def test_ratio_pairs_rounds():
     assert B._ratio(late, peer) == 0.5            # medians: 1.0 / 20.0 = 0.05
     row = B.ratios([peer, late])[1]
     assert row["x_torch"] == 0.5 and "times_ms" not in row
+
+
+def test_steal_share_from_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
+    before = B._cpu_jiffies(str(stat))
+    assert before == (35, 1000)
+    stat.write_text("cpu  300 0 50 1000 10 0 5 135 0 0\n")
+    after = B._cpu_jiffies(str(stat))
+    assert B._steal(before, after) == 100 / 500      # 100 of the 500 jiffies since
+    assert B._steal(before, before) is None and B._cpu_jiffies(str(tmp_path / "none")) is None
