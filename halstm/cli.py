@@ -171,7 +171,9 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     timed. Per shape and mode, every implementation runs once per round,
     rounds interleaved, after a warm-up: times are medians, and a ratio to a
     peer is the median of the per-round ratios, so that load on a shared
-    machine hits both sides alike."""
+    machine hits both sides alike. Forward passes run under halstm.no_grad()
+    (PyTorch's under torch.no_grad()). The steal column: the share of CPU
+    time the hypervisor took while a shape was timed (other guests)."""
     from . import benchmark as B
     known = B.shapes()
     names = list(known) if shapes == "all" else [s.strip() for s in shapes.split(",") if s]
