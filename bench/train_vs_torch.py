@@ -48,7 +48,10 @@ def parse_args():
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--save", metavar="CKPT", help="also write halstm's final checkpoint here "
                    "(for `halstm sample CKPT`)")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.save and not Path(a.save).resolve().parent.is_dir():
+        p.error(f"--save {a.save}: folder {Path(a.save).resolve().parent} does not exist")
+    return a
 
 
 class TorchSide:
