@@ -120,8 +120,8 @@ def train(ctx, text, out, resume, plot, quiet, **options):
             config = Config(**{_FIELDS.get(k, k): v for k, v in options.items()})
             corpus = Corpus.from_text(raw, source, config.seq_len, config.batch_size)
             trainer = Trainer(config, corpus)
-    except (CorpusError, ckpt_mod.CheckpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    except (CorpusError, ckpt_mod.CheckpointError, ValueError, CompileError, KernelError) as e:
+        raise click.ClickException(str(e)) from None      # KernelError: CudaError, no GPU
     del raw
 
     n_train, n_val = len(corpus.train), len(corpus.val)
