@@ -34,9 +34,10 @@ HISTORY = ("train_step", "train_loss", "val_step", "val_loss")
 class Timer:
     """Seconds spent per named section, summed over calls."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.seconds = collections.defaultdict(float)
         self.calls = collections.defaultdict(int)
+        self.sync = sync      # e.g. halstm.cuda.synchronize: a section ends when the GPU is done
 
     @contextmanager
     def __call__(self, name):
@@ -44,6 +45,8 @@ class Timer:
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.seconds[name] += time.perf_counter() - t
             self.calls[name] += 1
 
