@@ -161,6 +161,12 @@ class CharLM:
         """The head pipeline: loss rows (N,), dW, db, dy (T, B, H)."""
         T, B, H = y.shape
         k = self.kernels
+        targets = np.asarray(targets)
+        if targets.shape != (T, B):
+            raise ValueError(f"targets: expected shape {(T, B)}, got {targets.shape}")
+        if targets.min() < 0 or targets.max() >= self.V:
+            raise ValueError(f"targets: class indices must lie in [0, {self.V}), got values "
+                             f"from {targets.min()} to {targets.max()}")
         loss, dw, db, dy = k.head(y.reshape(T * B, H), self.head["weight"], self.head["bias"],
                                   k.targets(targets), scale)
         return loss, dw, db, dy.reshape(T, B, H)

@@ -125,6 +125,7 @@ def library(target: str) -> tuple[Path, dict]:
     if m is not None:
         return entry / m["library"], m
     root.mkdir(parents=True, exist_ok=True)
+    aot._remove_stale_builds(root)
     with FileLock(str(root / f"{key}.lock")):
         m = _read(entry)
         if m is None:
