@@ -135,3 +135,12 @@ def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
     resumed.run(progress=False, handle_sigint=False)
     np.testing.assert_allclose(resumed.history["train_loss"], fused.history["train_loss"],
                                rtol=1e-6)
+
+
+def test_kernels_model_checks_targets():
+    m = CharLM(16, "lstm", hidden_size=16, layers=1, seed=0, kernels=True)
+    ids = np.zeros((4, 2), np.int32)
+    with pytest.raises(ValueError, match=r"targets: class indices must lie in \[0, 16\)"):
+        m.loss_and_grads(ids, np.full((4, 2), 16), m.zero_state(2))
+    with pytest.raises(ValueError, match=r"targets: expected shape \(4, 2\), got \(8,\)"):
+        m.loss(ids, np.zeros(8, np.int32), m.zero_state(2))
