@@ -4,7 +4,7 @@
 // halstm_step_bwd, halstm_grads) and one Halide runtime.
 //
 // Built with -DHALSTM_MODEL (the char LM's head and optimizer pipelines of
-// halstm/model/kernels.py: halstm_model_head, _sumsq, _adam, _sgd; entry
+// halstm/model/kernels.py: halstm_model_head, _sumsq, _adam, _sgd, _onehot; entry
 // points at the end; sizes are runtime arguments), or with -DHALSTM_FORWARD
 // or -DHALSTM_BACKWARD and the sizes:
 //   NS states (LSTM: h, c; GRU: h), G gates, S saved channels, K input size,
@@ -618,6 +618,14 @@ int halstm_model_head(HB, HB, HB, HB, float, HB, HB, HB, HB);
 int halstm_model_sumsq(HB, HB);
 int halstm_model_adam(HB, HB, HB, HB, HB, float, float, float, float, float, HB, HB, HB);
 int halstm_model_sgd(HB, HB, HB, HB, float, float, float, HB, HB);
+int halstm_model_onehot(HB, HB);
+
+// ids (N) int32 -> out (N, V): one-hot rows (all zero where an id is not in [0, V))
+int halstm_onehot(int N, int V, const void *ids, float *out) {
+    g_error[0] = 0;
+    View vids = View::ints(ids, N), vout(out, {{V, 1}, {N, V}});
+    return halstm_model_onehot(vids.hb(), vout.hb());
+}
 
 // y (N, H); w (V, H); b (V); targets (N) int32 in [0, V) -> loss (N) per
 // row; dw (V, H), db (V), dy (N, H): gradients of scale * sum(loss).

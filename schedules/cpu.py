@@ -349,3 +349,7 @@ def _update(p, target):
 
 
 adam = sgd = _update
+
+
+def onehot(p, target):
+    p.stage("x").parallel(p.vars["n"]).vectorize(p.vars["v"], panel(target), GUARD)

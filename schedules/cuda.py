@@ -420,3 +420,7 @@ def _update(p, target):
 
 
 adam = sgd = _update
+
+
+def onehot(p, target):
+    _model_tile2(p.stage("x"), p.vars["v"], p.vars["n"])

@@ -104,7 +104,7 @@ def test_cuda_schedules_compile_without_gpu(tmp_path):
     from halstm.model import library
     m = library.build("host-cuda-cuda_capability_80", tmp_path)
     assert m["device"] == "cuda" and (tmp_path / m["library"]).is_file()
-    assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd")]
+    assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd", "onehot")]
 
 
 def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
@@ -144,3 +144,8 @@ def test_kernels_model_checks_targets():
         m.loss_and_grads(ids, np.full((4, 2), 16), m.zero_state(2))
     with pytest.raises(ValueError, match=r"targets: expected shape \(4, 2\), got \(8,\)"):
         m.loss(ids, np.zeros(8, np.int32), m.zero_state(2))
+
+
+def test_onehot_kernel(k):
+    ids = np.array([3, 0, 6, 6, 1], np.int32)
+    np.testing.assert_array_equal(k.onehot(k.targets(ids), 7), np.eye(7, dtype=np.float32)[ids])

@@ -9,6 +9,7 @@
            -> p, m, v updated (optim.Adam's scaled-moment rule, the gradient
               clipped by the global norm sqrt(sum sq) to max_norm)
     sgd    p, g, buf (n,), sq (P,), scalars -> p, buf updated (optim.SGD)
+    onehot ids (N,) int32 -> x (N, V) one-hot rows (V: the output's width)
 
 Shapes above are numpy's; Halide's axes are the reverse (runtime.py). Sizes
 are runtime values: one compiled library serves every model. Stages are
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import halide as hl
 
-KINDS = ("head", "sumsq", "adam", "sgd")
+KINDS = ("head", "sumsq", "adam", "sgd", "onehot")
 SUMSQ_LANES = 1024     # sumsq: partial sums over g(j), g(j + LANES), ...
 
 
@@ -134,6 +135,14 @@ def _adam() -> Pipe:
     update[i] = (p[i] - c * m2 / (hl.sqrt(v2) + e), m2, v2)
     return Pipe("adam", [p, g, m, v, sq, c, e, b1, b2, max_norm], [update],
                 {"update": update}, {"i": i})
+
+
+def _onehot() -> Pipe:
+    ids = _dense(hl.ImageParam(hl.Int(32), 1, "ids"))
+    v, n = hl.Var("v"), hl.Var("n")
+    x = hl.Func("x")
+    x[v, n] = hl.select(v == ids[n], hl.f32(1), hl.f32(0))
+    return Pipe("onehot", [ids], [x], {"x": x}, {"v": v, "n": n})
 
 
 def _sgd() -> Pipe:

@@ -7,6 +7,7 @@ device pointers (halstm.cuda.DeviceArray) and copies nothing to the host.
     k = kernels("host-cuda")                  # built on first use, then cached
     loss, dw, db, dy = k.head(y, w, b, targets, scale)
     k.sumsq(g, sq[i:i + 1]); k.adam(p, g, m, v, sq, c, e, b1, b2, max_norm)
+    x = k.onehot(k.targets(ids), V)           # (N, V) one-hot rows
 
 Arrays are numpy (CPU targets) or DeviceArrays (CUDA), float32, C-contiguous;
 targets int32 (numpy, uploaded on a CUDA target).
@@ -173,6 +174,7 @@ class Kernels:
         L.halstm_sumsq.argtypes = [_I, _P, _P]
         L.halstm_adam.argtypes = [_I, _P, _P, _P, _P, _I, _P, _F, _F, _F, _F, _F]
         L.halstm_sgd.argtypes = [_I, _P, _P, _P, _I, _P, _F, _F, _F]
+        L.halstm_onehot.argtypes = [_I, _I, _P, _P]
 
     def _call(self, name, *args):
         rc = getattr(self._lib, name)(*args)
@@ -190,6 +192,15 @@ class Kernels:
         """int class indices (any shape) as this library's int32 argument."""
         t = np.ascontiguousarray(t, dtype=np.int32).reshape(-1)
         return _Ints(t) if self.on_gpu else t
+
+    def onehot(self, ids, V: int):
+        """ids (from .targets(), N) -> (N, V) one-hot rows."""
+        if not isinstance(ids, (np.ndarray, _Ints)) or len(ids.shape) != 1:
+            raise TypeError("ids: expected the (N,) result of Kernels.targets()")
+        out = self.mem.empty((ids.shape[0], int(V)))
+        ptr = ids.ctypes.data if isinstance(ids, np.ndarray) else ids.ptr
+        self._call("halstm_onehot", ids.shape[0], int(V), ptr, self.mem.ptr(out))
+        return out
 
     def head(self, y, w, b, targets, scale: float):
         """y (N, H), w (V, H), b (V,), targets (from .targets(), N) ->

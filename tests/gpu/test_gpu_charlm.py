@@ -35,6 +35,14 @@ def test_head_kernel_matches_numpy():
     np.testing.assert_allclose(dy.numpy(), dl @ w, rtol=1e-4, atol=1e-6)
 
 
+def test_onehot_kernel_on_the_device():
+    k = kernels(TARGET)
+    ids = np.random.default_rng(2).integers(0, 84, 2048)
+    x = k.onehot(k.targets(ids), 84)
+    assert isinstance(x, cuda.DeviceArray)
+    np.testing.assert_array_equal(x.numpy(), np.eye(84, dtype=np.float32)[ids])
+
+
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_optimizer_kernel_matches_numpy(name):
     rng = np.random.default_rng(1)
