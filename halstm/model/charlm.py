@@ -7,8 +7,9 @@ gradients) runs in numpy: at the default size it is 2.5% of a step's FLOPs
 and measured 6 ms of a 520 ms step (bench/train_vs_torch.py prints the
 breakdown). On a CUDA target ("host-cuda") every parameter, activation and
 gradient stays on the GPU (halstm.cuda.DeviceArray): the head runs as the
-Halide pipeline of model/kernels.py (model/library.py compiles it), and the
-optimizer as its adam / sgd pipelines (optim.KernelAdam, KernelSGD).
+Halide pipeline of model/kernels.py (model/library.py compiles it), the
+one-hot rows are built there by its onehot pipeline, and the optimizer runs
+as its adam / sgd pipelines (optim.KernelAdam, KernelSGD).
 
 Parameter names follow a PyTorch module with attributes `rnn` (nn.LSTM or
 nn.GRU) and `head` (nn.Linear): rnn.weight_ih_l0, ..., head.weight, head.bias.

@@ -14,7 +14,7 @@
 Shapes above are numpy's; Halide's axes are the reverse (runtime.py). Sizes
 are runtime values: one compiled library serves every model. Stages are
 named for the schedules (schedules/cpu.py, schedules/cuda.py: functions
-head, sumsq, adam, sgd).
+head, sumsq, adam, sgd, onehot).
 """
 from __future__ import annotations
 
