@@ -516,5 +516,10 @@ def test_sample_rejects_a_prime_outside_the_vocabulary(trained):
     assert_one_line_error(run_cli("sample", trained, "--prime", ""), "--prime is empty")
 
 
+def test_sample_runs_on_cpu_targets_only(trained):
+    assert_one_line_error(run_cli("sample", trained, "--target", "host-cuda"),
+                          "sampling runs on CPU targets")
+
+
 def test_sample_rejects_a_missing_checkpoint(tmp_path):
     assert_one_line_error(run_cli("sample", tmp_path / "nope.npz"), "no such file")

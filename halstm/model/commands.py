@@ -181,6 +181,10 @@ def sample(checkpoint, prime, length, temperature, seed, target, schedule):
         if missing:
             raise click.ClickException(f"--prime has characters outside the checkpoint's "
                                        f"vocabulary: {missing!r}")
+        from halstm import schedules
+        if schedules.family(target) != "cpu":
+            raise click.ClickException(f"--target {target}: sampling runs on CPU targets "
+                                       f"(a checkpoint trained on the GPU samples on the CPU)")
         config = ckpt.config.replace(target=target, schedule=schedule)
         model = CharLM.from_config(config, len(vocab))
         try:
