@@ -7,6 +7,11 @@ step, which may compile or warm up, and validation excluded).
 
     .venv/bin/python bench/train_vs_torch.py --steps 300            # quick
     .venv/bin/python bench/train_vs_torch.py --steps 2000 --profile --save charlm.npz
+    python3 bench/train_vs_torch.py --target host-cuda --steps 300 --eval-every 0
+
+With a CUDA target halstm trains on the GPU and PyTorch on cuda (cuDNN;
+TF32 off for matmuls and cuDNN, so both compute in float32); every timed
+step ends with a device synchronisation.
 
 Writes OUT_DIR/train_vs_torch.json (config, machine, per side: loss curves,
 validation losses, chars/s; halstm's step-time breakdown) and
@@ -57,10 +62,15 @@ def parse_args():
 class TorchSide:
     """The same model, optimizer and schedule in PyTorch."""
 
-    def __init__(self, config: Config, vocab_size: int, params: dict, corpus: Corpus, val):
+    def __init__(self, config: Config, vocab_size: int, params: dict, corpus: Corpus, val,
+                 device: str = "cpu"):
         import torch
         import torch.nn.functional as F
         self.torch, self.F, self.config, self.V = torch, F, config, vocab_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         rnn = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[config.cell]
         self.model = torch.nn.Module()
         self.model.rnn = rnn(vocab_size, config.hidden_size, config.layers)
@@ -68,6 +78,7 @@ class TorchSide:
         sd = self.model.state_dict()
         assert set(sd) == set(params), (sorted(sd), sorted(params))
         self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in params.items()})
+        self.model.to(self.device)
         ps = list(self.model.parameters())
         if config.optimizer == "adam":
             self.opt = torch.optim.Adam(ps, lr=config.lr, betas=(config.beta1, config.beta2),
@@ -82,7 +93,7 @@ class TorchSide:
         self.history = {"train_step": [], "train_loss": [], "val_step": [], "val_loss": []}
 
     def _forward(self, ids, state):
-        x = self.F.one_hot(self.torch.from_numpy(ids).long(), self.V).float()
+        x = self.F.one_hot(self.torch.from_numpy(ids).long().to(self.device), self.V).float()
         y, state = self.model.rnn(x, state)
         return self.model.head(y), state
 
@@ -97,7 +108,8 @@ class TorchSide:
         if new_epoch:
             self.state = None
         logits, state = self._forward(x, self.state)
-        loss = F.cross_entropy(logits.reshape(-1, self.V), torch.from_numpy(y).long().reshape(-1))
+        target = torch.from_numpy(y).long().reshape(-1).to(self.device)
+        loss = F.cross_entropy(logits.reshape(-1, self.V), target)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.clip > 0:
@@ -108,9 +120,14 @@ class TorchSide:
         self.state = self._detach(state)
         self.step += 1
         value = loss.item()
+        self.sync()
         self.history["train_step"].append(self.step)
         self.history["train_loss"].append(value)
         return value
+
+    def sync(self):
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
 
     def evaluate(self) -> float:
         torch, F = self.torch, self.F
@@ -120,7 +137,8 @@ class TorchSide:
             for t in range(0, x.shape[0], T):
                 logits, state = self._forward(x[t:t + T], state)
                 total += float(F.cross_entropy(logits.reshape(-1, self.V),
-                                               torch.from_numpy(y[t:t + T]).long().reshape(-1),
+                                               torch.from_numpy(y[t:t + T]).long().reshape(-1)
+                                               .to(self.device),
                                                reduction="sum"))
         return total / y.size
 
@@ -135,7 +153,11 @@ class HalstmSide:
         return self.trainer.step
 
     def train_step(self):
-        return self.trainer.train_step()
+        loss = self.trainer.train_step()
+        if self.trainer.model.on_gpu:        # the optimizer's kernels are still queued
+            from halstm import cuda
+            cuda.synchronize()
+        return loss
 
     def evaluate(self):
         return self.trainer.evaluate()
@@ -184,8 +206,16 @@ def main():
     if not a.no_torch:
         try:
             import torch
-            sides["torch"] = TorchSide(config, V, trainer.params, corpus, trainer._val_streams())
-            torch_info = {"version": torch.__version__, "threads": torch.get_num_threads()}
+            device = "cuda" if trainer.model.on_gpu else "cpu"
+            sides["torch"] = TorchSide(config, V, trainer.params, corpus, trainer._val_streams(),
+                                       device)
+            torch_info = {"version": torch.__version__, "threads": torch.get_num_threads(),
+                          "device": device}
+            if device == "cuda":
+                torch_info |= {"gpu": torch.cuda.get_device_name(0),
+                               "cudnn": torch.backends.cudnn.version(),
+                               "allow_tf32": [torch.backends.cuda.matmul.allow_tf32,
+                                              torch.backends.cudnn.allow_tf32]}
         except ImportError:
             torch_info = None
             print("PyTorch is not installed: halstm only", file=sys.stderr)
@@ -230,6 +260,8 @@ def main():
         "config": asdict(config), "corpus": {"source": source, "train_chars": len(corpus.train),
                                              "val_chars": len(corpus.val), "vocab": V},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "halstm_target": trainer.model.kernels.manifest["target"]
+                    if trainer.model.kernels else config.target,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "torch": torch_info if not a.no_torch else None,
         "wall_seconds": round(wall, 1),
@@ -245,6 +277,22 @@ def main():
             "history": {k: [float(v) for v in h[k]] for k in h}}
     result["sides"]["halstm"]["step_breakdown_ms"] = breakdown
     result["sides"]["halstm"]["steps_timed"] = steps_timed
+    if trainer.model.on_gpu:
+        # a breakdown of GPU time: 20 more steps, each section ending with a
+        # device synchronisation (which costs the overlap, so it is not the
+        # timed run's); the timed run's breakdown above is host time
+        from halstm import cuda
+        trainer.timer.reset()
+        trainer.timer.sync = cuda.synchronize
+        t0 = time.perf_counter()
+        for _ in range(20):
+            trainer.train_step()
+        synced = {k: round(1e3 * v / max(1, trainer.timer.calls[k]), 2)
+                  for k, v in trainer.timer.seconds.items()}
+        synced["step"] = round(1e3 * (time.perf_counter() - t0) / 20, 2)
+        result["sides"]["halstm"]["step_breakdown_synced_ms"] = synced
+        print(f"halstm step breakdown, each section synchronised (ms, mean of 20): {synced}",
+              file=sys.stderr)
     if a.profile:
         result["sides"]["halstm"]["projection"] = projection_cost(config, V)
     if a.save:
@@ -252,9 +300,12 @@ def main():
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_vs_torch.json").write_text(json.dumps(result, indent=1))
-    plot_curves({k: s.history for k, s in sides.items()}, out / "train_vs_torch.png",
-                f"{config.cell.upper()} {config.layers}x{config.hidden_size}, seq {config.seq_len}, "
-                f"batch {config.batch_size}: halstm vs PyTorch")
+    try:
+        plot_curves({k: s.history for k, s in sides.items()}, out / "train_vs_torch.png",
+                    f"{config.cell.upper()} {config.layers}x{config.hidden_size}, seq "
+                    f"{config.seq_len}, batch {config.batch_size}: halstm vs PyTorch")
+    except ImportError as e:          # a GPU machine without matplotlib
+        print(f"no plot: {e}", file=sys.stderr)
     for name, r in result["sides"].items():
         print(f"{name:>6}: {r['chars_per_s']} chars/s ({r['ms_per_step']} ms/step), val "
               f"{r['val']}", file=sys.stderr)

@@ -1,9 +1,12 @@
 // The compiled library's driver: owns the time loop, so that one call from
 // Python runs a whole layer over a sequence. Compiled by aot.py together with
-// the Halide pipelines of pipeline.py (halstm_pack, halstm_proj, halstm_step;
+// the Halide pipelines of pipeline.py (halstm_pack, halstm_proj, halstm_step, halstm_step_infer;
 // halstm_step_bwd, halstm_grads) and one Halide runtime.
 //
-// Built with -DHALSTM_FORWARD or -DHALSTM_BACKWARD and the sizes:
+// Built with -DHALSTM_MODEL (the char LM's head and optimizer pipelines of
+// halstm/model/kernels.py: halstm_model_head, _sumsq, _adam, _sgd, _onehot; entry
+// points at the end; sizes are runtime arguments), or with -DHALSTM_FORWARD
+// or -DHALSTM_BACKWARD and the sizes:
 //   NS states (LSTM: h, c; GRU: h), G gates, S saved channels, K input size,
 //   H hidden size, P weight panel width, DXP_IS_DHG (backward: the cell's
 //   dxp and dhg coincide), HALSTM_ONEHOT (x is one-hot input given as int32
@@ -74,6 +77,7 @@ struct View {
     halide_buffer_t *hb() { return &buf; }
 };
 
+#ifndef HALSTM_MODEL
 // A (B, H) slice of a (T+1, B, H) or (T, B, H) array at step t.
 View bh(const float *base, int t, int B) {
     return View(base + (int64_t)t * B * H, {{H, 1}, {B, H}});
@@ -91,6 +95,8 @@ View panels_t(const float *w, int n_red) {  // (HP/P, n_red, G, P): ji, gate, re
 View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate, ko
     return View(w, {{P, 1}, {H, P}, {G, H * P}, {n_pad / P, G * H * P}});
 }
+
+#endif  // !HALSTM_MODEL
 
 #ifdef HALSTM_CUDA
 // A layer's time loop as one CUDA graph. Each step is a Halide pipeline
@@ -624,5 +630,63 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
 #endif  // HALSTM_ONEHOT
 }
 #endif  // HALSTM_BACKWARD
+
+#ifdef HALSTM_MODEL
+// The char LM's head and optimizer (halstm/model/kernels.py); numpy shapes.
+typedef halide_buffer_t *HB;
+int halstm_model_head(HB, HB, HB, HB, float, HB, HB, HB, HB);
+int halstm_model_sumsq(HB, HB);
+int halstm_model_adam(HB, HB, HB, HB, HB, float, float, float, float, float, HB, HB, HB);
+int halstm_model_sgd(HB, HB, HB, HB, float, float, float, HB, HB);
+int halstm_model_onehot(HB, HB);
+
+// ids (N) int32 -> out (N, V): one-hot rows (all zero where an id is not in [0, V))
+int halstm_onehot(int N, int V, const void *ids, float *out) {
+    g_error[0] = 0;
+    View vids = View::ints(ids, N), vout(out, {{V, 1}, {N, V}});
+    return halstm_model_onehot(vids.hb(), vout.hb());
+}
+
+// y (N, H); w (V, H); b (V); targets (N) int32 in [0, V) -> loss (N) per
+// row; dw (V, H), db (V), dy (N, H): gradients of scale * sum(loss).
+int halstm_head(int N, int Hd, int V, const float *y, const float *w, const float *b,
+                const void *targets, float scale, float *loss, float *dw, float *db,
+                float *dy) {
+    g_error[0] = 0;
+    View vy(y, {{Hd, 1}, {N, Hd}}), vw(w, {{Hd, 1}, {V, Hd}}), vb(b, {{V, 1}});
+    View vt = View::ints(targets, N), vloss(loss, {{N, 1}});
+    View vdw(dw, {{Hd, 1}, {V, Hd}}), vdb(db, {{V, 1}}), vdy(dy, {{Hd, 1}, {N, Hd}});
+    return halstm_model_head(vy.hb(), vw.hb(), vb.hb(), vt.hb(), scale, vloss.hb(), vdw.hb(),
+                             vdb.hb(), vdy.hb());
+}
+
+// g (n) -> out[0] = sum g^2
+int halstm_sumsq(int n, const float *g, float *out) {
+    g_error[0] = 0;
+    View vg(g, {{n, 1}}), vout(out, {{1, 1}});
+    return halstm_model_sumsq(vg.hb(), vout.hb());
+}
+
+// In place on p, m, v (n): Adam with the gradient g clipped by the global
+// norm sqrt(sum sq[0..P)) to max_norm (<= 0: no clipping).
+int halstm_adam(int n, float *p, const float *g, float *m, float *v, int P, const float *sq,
+                float c, float e, float b1, float b2, float max_norm) {
+    g_error[0] = 0;
+    View vp(p, {{n, 1}}), vg(g, {{n, 1}}), vm(m, {{n, 1}}), vv(v, {{n, 1}}), vsq(sq, {{P, 1}});
+    View op(vp), om(vm), ov(vv);
+    return halstm_model_adam(vp.hb(), vg.hb(), vm.hb(), vv.hb(), vsq.hb(), c, e, b1, b2,
+                             max_norm, op.hb(), om.hb(), ov.hb());
+}
+
+// In place on p, buf (n): buf = momentum * buf + clipped g; p -= lr * buf.
+int halstm_sgd(int n, float *p, const float *g, float *buf, int P, const float *sq, float lr,
+               float momentum, float max_norm) {
+    g_error[0] = 0;
+    View vp(p, {{n, 1}}), vg(g, {{n, 1}}), vb(buf, {{n, 1}}), vsq(sq, {{P, 1}});
+    View op(vp), ob(vb);
+    return halstm_model_sgd(vp.hb(), vg.hb(), vb.hb(), vsq.hb(), lr, momentum, max_norm,
+                            op.hb(), ob.hb());
+}
+#endif  // HALSTM_MODEL
 
 }  // extern "C"

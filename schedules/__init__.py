@@ -3,6 +3,9 @@
 Every schedule module defines the same functions, one per pipeline kind
 (pack, proj, step, step_infer, pack_bwd, step_bwd, grads), each taking (pipe, target) and
 scheduling the pipe's stages by name. Installed as `halstm.schedules`.
+The family defaults (cpu, cuda) also schedule the char LM's head and
+optimizer pipelines (halstm/model/kernels.py: head, sumsq, adam, sgd,
+onehot), which always use their family's default module.
 
     from halstm import schedules
     schedules.names()                       # ['cpu', 'cuda', 'naive', 'auto:Adams2019', ...]

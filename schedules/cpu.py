@@ -338,3 +338,39 @@ def _bias(out, acc, j, gate, rn, vw, H):
         stage.vectorize(j, vw, tail)
     acc.update().reorder(j, rn.x)
     out.vectorize(j, vw, SHIFT).parallel(gate)
+
+
+# ---- the char LM's head and optimizer (halstm/model/kernels.py) -----------
+# Correctness first: CPU training keeps its numpy head and optimizer (BLAS,
+# measured 6 ms of a 520 ms step); these serve tests and `CharLM(..., head=)`
+# comparisons. Every product: rows parallel, the contiguous axis vectorized.
+
+def head(p, target):
+    L = panel(target)
+    v, n, k = p.vars["v"], p.vars["n"], p.vars["k"]
+    p.stage("wt").compute_root().parallel(k).vectorize(v, L, GUARD)
+    for name in ("logits", "dlogits"):
+        p.stage(name).compute_root().parallel(n).vectorize(v, L, GUARD)
+    for name in ("mx", "total"):
+        p.stage(name).compute_root().vectorize(n, L, GUARD)
+    p.stage("loss").vectorize(n, L, GUARD)
+    p.stage("dw").parallel(v).vectorize(k, L, GUARD)
+    p.stage("db").vectorize(v, L, GUARD)
+    p.stage("dy").parallel(n).vectorize(k, L, GUARD)
+
+
+def sumsq(p, target):
+    p.stage("partial").compute_root().vectorize(p.vars["j"], panel(target))
+
+
+def _update(p, target):
+    i, io = p.vars["i"], hl.Var("io")
+    p.stage("update").split(i, io, i, 1 << 14, GUARD).parallel(io).vectorize(i, panel(target),
+                                                                            GUARD)
+
+
+adam = sgd = _update
+
+
+def onehot(p, target):
+    p.stage("x").parallel(p.vars["n"]).vectorize(p.vars["v"], panel(target), GUARD)

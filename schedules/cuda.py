@@ -383,3 +383,48 @@ def grads(p, target):
         _grid(chunks.compute_root())
         _grid(chunks, chunks.update())
         _tile(out, acc, j, [(gate, None, False)], [ro])
+
+
+# ---- the char LM's head and optimizer (halstm/model/kernels.py) -----------
+# One kernel per stage, a thread per output element, reductions serial in
+# the thread; lanes along the contiguous axis (v for logits / dlogits, k
+# for dW and dy), so that a warp's loads of W^T, y and dlogits coalesce or
+# broadcast. Not tuned: the recurrent layers dominate a training step.
+
+def _model_tile2(f, x, y, cols=32, rows=8):
+    xo, yo = hl.Var(f"{f.name()}_xo"), hl.Var(f"{f.name()}_yo")
+    xi, yi = hl.Var(f"{f.name()}_xi"), hl.Var(f"{f.name()}_yi")
+    f.gpu_tile(x, y, xo, yo, xi, yi, cols, rows, GUARD)
+
+
+def _model_tile1(f, x, threads=128):
+    f.gpu_tile(x, hl.Var(f"{f.name()}_xo"), hl.Var(f"{f.name()}_xi"), threads, GUARD)
+
+
+def head(p, target):
+    v, n, k = p.vars["v"], p.vars["n"], p.vars["k"]
+    _model_tile2(p.stage("wt").compute_root(), v, k)
+    for name in ("logits", "dlogits"):
+        _model_tile2(p.stage(name).compute_root(), v, n)
+    for name in ("mx", "total"):
+        _model_tile1(p.stage(name).compute_root(), n)
+    _model_tile1(p.stage("loss"), n)
+    _model_tile2(p.stage("dw"), k, v)
+    _model_tile1(p.stage("db"), v, 32)
+    _model_tile2(p.stage("dy"), k, n)
+
+
+def sumsq(p, target):
+    _model_tile1(p.stage("partial").compute_root(), p.vars["j"])
+    _model_tile1(p.stage("out"), p.vars["x"], 1)
+
+
+def _update(p, target):
+    _model_tile1(p.stage("update"), p.vars["i"], 256)
+
+
+adam = sgd = _update
+
+
+def onehot(p, target):
+    _model_tile2(p.stage("x"), p.vars["v"], p.vars["n"])

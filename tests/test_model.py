@@ -112,9 +112,18 @@ def test_config_rejects_bad_values():
     assert Config.from_json(Config(layers=3).to_json()) == Config(layers=3)
 
 
-def test_gpu_targets_are_refused_with_a_clear_error():
-    # the head and the optimizer are numpy, updating parameters in place
-    with pytest.raises(ValueError, match="CPU targets only, got 'host-cuda'"):
+def test_gpu_targets_other_than_cuda_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="CPU and CUDA targets, got 'host-opencl'"):
+        CharLM(20, target="host-opencl")
+    with pytest.raises(ValueError, match="kernels=False fits CPU targets only"):
+        CharLM(20, target="host-cuda", kernels=False)
+
+
+def test_cuda_target_without_gpu_is_a_clear_error():
+    from halstm import cuda
+    if cuda.available():
+        pytest.skip("a CUDA GPU is usable here (tests/gpu trains on it)")
+    with pytest.raises(cuda.CudaError, match="needs a usable CUDA GPU"):
         CharLM(20, target="host-cuda")
 
 
@@ -505,6 +514,11 @@ def test_sample_rejects_a_prime_outside_the_vocabulary(trained):
     assert_one_line_error(run_cli("sample", trained, "--prime", "bad QZ"),
                           "outside the checkpoint's vocabulary", "'QZ'")
     assert_one_line_error(run_cli("sample", trained, "--prime", ""), "--prime is empty")
+
+
+def test_sample_runs_on_cpu_targets_only(trained):
+    assert_one_line_error(run_cli("sample", trained, "--target", "host-cuda"),
+                          "sampling runs on CPU targets")
 
 
 def test_sample_rejects_a_missing_checkpoint(tmp_path):

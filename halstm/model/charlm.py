@@ -1,11 +1,15 @@
 """The char-level language model: one-hot characters -> a stack of halstm
 LSTM (or GRU) layers -> linear -> softmax cross-entropy.
 
-The recurrent layers run in halstm's compiled kernels (halstm.LSTM/GRU); the
-head (a (T*B, H) x (H, V) product, the softmax and their gradients) runs in
-numpy: at the default size it is 2.5% of a step's FLOPs and measured 6 ms
-of a 520 ms step (bench/train_vs_torch.py prints the breakdown), so it was
-not worth a compiled pipeline.
+The recurrent layers run in halstm's compiled kernels (halstm.LSTM/GRU). On
+a CPU target the head (a (T*B, H) x (H, V) product, the softmax and their
+gradients) runs in numpy: at the default size it is 2.5% of a step's FLOPs
+and measured 6 ms of a 520 ms step (bench/train_vs_torch.py prints the
+breakdown). On a CUDA target ("host-cuda") every parameter, activation and
+gradient stays on the GPU (halstm.cuda.DeviceArray): the head runs as the
+Halide pipeline of model/kernels.py (model/library.py compiles it), the
+one-hot rows are built there by its onehot pipeline, and the optimizer runs
+as its adam / sgd pipelines (optim.KernelAdam, KernelSGD).
 
 Parameter names follow a PyTorch module with attributes `rnn` (nn.LSTM or
 nn.GRU) and `head` (nn.Linear): rnn.weight_ih_l0, ..., head.weight, head.bias.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import cuda
 from ..nn import GRU, LSTM, no_grad
 
 MODULES = {"lstm": LSTM, "gru": GRU}
@@ -22,18 +27,25 @@ MODULES = {"lstm": LSTM, "gru": GRU}
 class CharLM:
     """vocab_size one-hot inputs, `layers` recurrent layers of `hidden_size`
     units, a linear head over the vocabulary. Initialised as PyTorch does
-    (every weight and bias uniform in +-1/sqrt(hidden_size)) from `seed`."""
+    (every weight and bias uniform in +-1/sqrt(hidden_size)) from `seed`.
+    kernels: run the head (and, through Trainer, the optimizer) as Halide
+    pipelines (model/kernels.py) rather than numpy; always on a CUDA
+    target, off by default on a CPU target (numpy's BLAS head is faster
+    there; on, it tests the pipelines' CPU schedule)."""
 
     def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
                  layers: int = 2, target: str = "host", schedule: str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, kernels: bool | None = None):
         if cell not in MODULES:
             raise ValueError(f"cell: expected one of {list(MODULES)}, got {cell!r}")
         from halstm import schedules
-        if schedules.family(target) != "cpu":
-            # its head and optimizer are numpy, updating parameters in place
-            raise ValueError(f"target: the char-level model trains on CPU targets only, "
+        self.on_gpu = schedules.family(target) == "gpu"
+        if self.on_gpu and "cuda" not in str(target).split("-"):
+            raise ValueError(f"target: the char-level model trains on CPU and CUDA targets, "
                              f"got {target!r}")
+        if kernels is False and self.on_gpu:
+            raise ValueError("kernels: a CUDA target runs the head and optimizer as kernels; "
+                             "kernels=False fits CPU targets only")
         self.V, self.H, self.L, self.cell = int(vocab_size), int(hidden_size), int(layers), cell
         self.rnn = MODULES[cell](self.V, self.H, num_layers=self.L, target=target,
                                  schedule=schedule)
@@ -46,6 +58,12 @@ class CharLM:
 
         self.rnn.load_state_dict({k: uniform(v.shape) for k, v in self.rnn.state_dict().items()})
         self.head = {"weight": uniform((self.V, self.H)), "bias": uniform((self.V,))}
+        self.kernels = None
+        if self.on_gpu or kernels:
+            from . import library
+            self.kernels = library.kernels(target)
+        if self.on_gpu:
+            self.head = {k: cuda.DeviceArray.from_numpy(v) for k, v in self.head.items()}
 
     @classmethod
     def from_config(cls, config, vocab_size: int) -> "CharLM":
@@ -71,13 +89,23 @@ class CharLM:
                 raise ValueError(f"parameter {k}: expected shape {own[k].shape}, got {np.shape(a)}")
         self.rnn.load_state_dict({k[4:]: params[k] for k in own if k.startswith("rnn.")})
         for k in self.head:
-            np.copyto(self.head[k], params[f"head.{k}"], casting="unsafe")
+            if self.on_gpu:
+                self.head[k].copy_from(np.asarray(params[f"head.{k}"], np.float32))
+            else:
+                np.copyto(self.head[k], params[f"head.{k}"], casting="unsafe")
 
     # ---- state -------------------------------------------------------------
-    def zero_state(self, batch_size: int) -> tuple[np.ndarray, ...]:
-        """The recurrent state, one (layers, B, H) array per state (LSTM: h, c)."""
-        return tuple(np.zeros((self.L, batch_size, self.H), np.float32)
-                     for _ in range(self.n_states))
+    def zero_state(self, batch_size: int) -> tuple:
+        """The recurrent state, one (layers, B, H) array per state (LSTM: h, c);
+        DeviceArrays on a CUDA target."""
+        return self.as_state(np.zeros((self.L, batch_size, self.H), np.float32)
+                             for _ in range(self.n_states))
+
+    def as_state(self, arrays) -> tuple:
+        """Host arrays (a checkpoint's) as this model's state arrays."""
+        if self.on_gpu:
+            return tuple(cuda.DeviceArray.from_numpy(a) for a in arrays)
+        return tuple(np.array(a, np.float32) for a in arrays)
 
     # ---- forward / backward ------------------------------------------------
     def one_hot(self, ids: np.ndarray) -> np.ndarray:
@@ -91,10 +119,24 @@ class CharLM:
         """The top layer's outputs (T, B, H) and the final state."""
         timer = timer or _no_timer
         with timer("one-hot input"):
-            # the class indices themselves: on a CPU target the first layer
-            # gathers columns of W_ih (and backward scatter-adds dW_ih)
-            # instead of a GEMM with one-hot rows
-            x = np.ascontiguousarray(ids, dtype=np.int32)
+            if self.on_gpu:
+                # the CUDA layers have no class-index pipelines: the first
+                # layer takes one-hot rows (its projection one GEMM of K = V),
+                # built on the device from the uploaded indices (T*B int32)
+                # by the onehot kernel; building them here and uploading
+                # T*B*V floats took 0.30 ms of an 8.9 ms step (H100, default
+                # size, the section synchronised)
+                T, B = np.shape(ids)
+                if np.min(ids) < 0 or np.max(ids) >= self.V:
+                    raise ValueError(f"ids: class indices must lie in [0, {self.V}), got "
+                                     f"values from {np.min(ids)} to {np.max(ids)}")
+                k = self.kernels
+                x = k.onehot(k.targets(ids), self.V).reshape(T, B, self.V)
+            else:
+                # the class indices themselves: on a CPU target the first layer
+                # gathers columns of W_ih (and backward scatter-adds dW_ih)
+                # instead of a GEMM with one-hot rows
+                x = np.ascontiguousarray(ids, dtype=np.int32)
         with timer("rnn forward"):
             return self._rnn(x, state)
 
@@ -106,7 +148,9 @@ class CharLM:
         return y, (h,)
 
     def logits(self, y: np.ndarray) -> np.ndarray:
-        """(T, B, H) -> logits (T*B, V)."""
+        """(T, B, H) -> logits (T*B, V). CPU targets (sampling runs there)."""
+        if self.on_gpu:
+            raise ValueError("logits: CPU targets only; sample from a checkpoint on the CPU")
         out = y.reshape(-1, self.H) @ self.head["weight"].T
         out += self.head["bias"]
         return out
@@ -117,9 +161,25 @@ class CharLM:
         backward (halstm.no_grad)."""
         with no_grad():
             y, state = self.hidden(ids, state)
-        logits = self.logits(y)
-        nll = _log_softmax_nll(logits, targets.ravel())
+        if self.kernels is not None:
+            nll = np.asarray(self._head(y, targets, 0.0)[0])
+        else:
+            nll = _log_softmax_nll(self.logits(y), targets.ravel())
         return float(nll.sum(dtype=np.float64)), state
+
+    def _head(self, y, targets, scale):
+        """The head pipeline: loss rows (N,), dW, db, dy (T, B, H)."""
+        T, B, H = y.shape
+        k = self.kernels
+        targets = np.asarray(targets)
+        if targets.shape != (T, B):
+            raise ValueError(f"targets: expected shape {(T, B)}, got {targets.shape}")
+        if targets.min() < 0 or targets.max() >= self.V:
+            raise ValueError(f"targets: class indices must lie in [0, {self.V}), got values "
+                             f"from {targets.min()} to {targets.max()}")
+        loss, dw, db, dy = k.head(y.reshape(T * B, H), self.head["weight"], self.head["bias"],
+                                  k.targets(targets), scale)
+        return loss, dw, db, dy.reshape(T, B, H)
 
     def loss_and_grads(self, ids: np.ndarray, targets: np.ndarray, state, timer=None):
         """Mean cross-entropy over the T*B predictions, the gradient of every
@@ -127,6 +187,18 @@ class CharLM:
         the next batch; truncated BPTT: no gradient flows into it)."""
         timer = timer or _no_timer
         y, state = self.hidden(ids, state, timer)
+        if self.kernels is not None:
+            with timer("head"):
+                rows, dw, db, dy = self._head(y, targets, 1.0 / (y.shape[0] * y.shape[1]))
+            grads = {"head.weight": dw, "head.bias": db}
+            with timer("rnn backward"):
+                g = self.rnn.backward(dy, input_grad=False)
+            # read after backward is queued: the copy waits for the GPU, which
+            # then already has the backward's kernels to run
+            loss = float(np.asarray(rows).mean(dtype=np.float64))
+            for k in self.rnn.state_dict():
+                grads[f"rnn.{k}"] = g[k]
+            return loss, {k: grads[k] for k in self.parameters()}, state
         with timer("head"):
             n = y.shape[0] * y.shape[1]
             y2 = y.reshape(n, self.H)

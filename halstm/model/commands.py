@@ -120,8 +120,8 @@ def train(ctx, text, out, resume, plot, quiet, **options):
             config = Config(**{_FIELDS.get(k, k): v for k, v in options.items()})
             corpus = Corpus.from_text(raw, source, config.seq_len, config.batch_size)
             trainer = Trainer(config, corpus)
-    except (CorpusError, ckpt_mod.CheckpointError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
+    except (CorpusError, ckpt_mod.CheckpointError, ValueError, CompileError, KernelError) as e:
+        raise click.ClickException(str(e)) from None      # KernelError: CudaError, no GPU
     del raw
 
     n_train, n_val = len(corpus.train), len(corpus.val)
@@ -181,6 +181,10 @@ def sample(checkpoint, prime, length, temperature, seed, target, schedule):
         if missing:
             raise click.ClickException(f"--prime has characters outside the checkpoint's "
                                        f"vocabulary: {missing!r}")
+        from halstm import schedules
+        if schedules.family(target) != "cpu":
+            raise click.ClickException(f"--target {target}: sampling runs on CPU targets "
+                                       f"(a checkpoint trained on the GPU samples on the CPU)")
         config = ckpt.config.replace(target=target, schedule=schedule)
         model = CharLM.from_config(config, len(vocab))
         try:

@@ -1,7 +1,9 @@
 """Optimizers (Adam, SGD with momentum, both with PyTorch's update rules),
 global gradient-norm clipping and the learning-rate schedule. All updates
 are in place on the parameter arrays, in float32, with preallocated scratch,
-so that a step allocates nothing."""
+so that a step allocates nothing. Adam and SGD run in numpy (CPU training);
+KernelAdam and KernelSGD run the same rules as Halide pipelines
+(model/kernels.py) on a target's arrays: DeviceArrays for CUDA training."""
 from __future__ import annotations
 
 import math
@@ -78,6 +80,11 @@ class Optimizer:
         for k, p in params.items():
             self._update(k, p, grads[k], lr)
 
+    def clip_and_step(self, params: dict, grads: dict, lr: float, max_norm: float) -> None:
+        """clip_grad_norm(grads, max_norm) (in place), then step."""
+        clip_grad_norm(grads, max_norm)
+        self.step(params, grads, lr)
+
 
 class SGD(Optimizer):
     """p -= lr * g, or with momentum m: buf = m * buf + g; p -= lr * buf."""
@@ -139,7 +146,111 @@ class Adam(Optimizer):
             p_ -= tmp
 
 
-def make(config, params: dict) -> Optimizer:
+class _KernelOptimizer(Optimizer):
+    """An optimizer whose update is a Halide pipeline of `kernels` (a
+    model.library.Kernels); params and slots are that target's arrays. The
+    global gradient norm is reduced on the target (one sumsq call per
+    parameter into a (P,) array that the update reads), so a step never
+    waits for the device."""
+
+    def __init__(self, params: dict, kernels):
+        self.kernels, mem = kernels, kernels.mem
+        for k, p in params.items():
+            if isinstance(p, np.ndarray) == kernels.on_gpu or (
+                    isinstance(p, np.ndarray) and not (p.flags.c_contiguous and p.flags.writeable
+                                                       and p.dtype == np.float32)):
+                want = "a DeviceArray" if kernels.on_gpu else "a writable C-contiguous float32 array"
+                raise ValueError(f"parameter {k}: expected {want} (target {kernels.target}), "
+                                 f"got {type(p).__name__}")
+        self.t = 0
+        self.state = {s: {k: mem.zeros(tuple(p.shape)) for k, p in params.items()}
+                      for s in self.slots}
+        self._sq = mem.zeros((max(len(params), 1),))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """As Optimizer's, with host (numpy) copies of the slots."""
+        out = {"t": np.array(self.t, np.int64)}
+        for s, arrays in self.state.items():
+            out.update({f"{s}/{k}": np.array(a, np.float32) for k, a in arrays.items()})
+        return out
+
+    def load_state_dict(self, d: dict) -> None:
+        expected = {f"{s}/{k}": tuple(a.shape) for s, arrays in self.state.items()
+                    for k, a in arrays.items()}
+        missing = sorted(set(expected) - set(d) - {"t"})
+        if missing or "t" not in d:
+            raise KeyError(f"optimizer state: missing {missing or ['t']}")
+        for name, shape in expected.items():
+            if np.shape(d[name]) != shape:
+                raise ValueError(f"optimizer state {name}: expected shape {shape}, got {np.shape(d[name])}")
+        for name in expected:
+            s, k = name.split("/", 1)
+            a = np.asarray(d[name], np.float32)
+            dst = self.state[s][k]
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst, a)
+            else:
+                dst.copy_from(a)
+        self.t = int(d["t"])
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        self.clip_and_step(params, grads, lr, 0.0)
+
+    def clip_and_step(self, params: dict, grads: dict, lr: float, max_norm: float) -> None:
+        """One update with the gradients clipped to global norm max_norm
+        (0: none); grads are left as they are."""
+        self.t += 1
+        if max_norm > 0:
+            for i, k in enumerate(params):
+                self.kernels.sumsq(grads[k], self._sq[i:i + 1])
+        for k, p in params.items():
+            self._update(k, p, grads[k], lr, max_norm)
+
+
+class KernelAdam(_KernelOptimizer):
+    """Adam's rule as Adam's (the same scaled moments), on the target."""
+
+    slots = ("m", "v")
+
+    def __init__(self, params: dict, kernels, beta1: float = 0.9, beta2: float = 0.999,
+                 eps: float = 1e-8):
+        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+        super().__init__(params, kernels)
+
+    def _update(self, k, p, g, lr, max_norm):
+        b1, b2 = self.beta1, self.beta2
+        s = math.sqrt((1.0 - b2) / (1.0 - b2 ** self.t))
+        c = lr * (1.0 - b1) / ((1.0 - b1 ** self.t) * s)
+        self.kernels.adam(p, g, self.state["m"][k], self.state["v"][k], self._sq, c,
+                          self.eps / s, b1, b2, max_norm)
+
+
+class KernelSGD(_KernelOptimizer):
+    """SGD's rule (PyTorch's momentum), on the target."""
+
+    def __init__(self, params: dict, kernels, momentum: float = 0.0):
+        self.momentum = float(momentum)
+        self.slots = ("momentum",) if self.momentum else ()
+        super().__init__(params, kernels)
+        # without momentum the buffer is scratch: buf = 0 * buf + g
+        self._scratch = {} if self.momentum else {
+            k: kernels.mem.zeros(tuple(p.shape)) for k, p in params.items()}
+
+    def _update(self, k, p, g, lr, max_norm):
+        if self.momentum:
+            buf, mom = self.state["momentum"][k], (0.0 if self.t == 1 else self.momentum)
+        else:
+            buf, mom = self._scratch[k], 0.0
+        self.kernels.sgd(p, g, buf, self._sq, lr, mom, max_norm)
+
+
+def make(config, params: dict, kernels=None) -> Optimizer:
+    """config's optimizer over params: numpy, or with `kernels` (a
+    model.library.Kernels) the Halide pipelines on that target."""
+    if kernels is not None:
+        if config.optimizer == "adam":
+            return KernelAdam(params, kernels, config.beta1, config.beta2, config.eps)
+        return KernelSGD(params, kernels, config.momentum)
     if config.optimizer == "adam":
         return Adam(params, config.beta1, config.beta2, config.eps)
     return SGD(params, config.momentum)

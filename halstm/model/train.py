@@ -34,9 +34,10 @@ HISTORY = ("train_step", "train_loss", "val_step", "val_loss")
 class Timer:
     """Seconds spent per named section, summed over calls."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.seconds = collections.defaultdict(float)
         self.calls = collections.defaultdict(int)
+        self.sync = sync      # e.g. halstm.cuda.synchronize: a section ends when the GPU is done
 
     @contextmanager
     def __call__(self, name):
@@ -44,6 +45,8 @@ class Timer:
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.seconds[name] += time.perf_counter() - t
             self.calls[name] += 1
 
@@ -60,7 +63,7 @@ class Trainer:
         self.config, self.corpus, self.vocab = config, corpus, corpus.vocab
         self.model = CharLM.from_config(config, len(self.vocab))
         self.params = self.model.parameters()
-        self.optimizer = optim.make(config, self.params)
+        self.optimizer = optim.make(config, self.params, self.model.kernels)
         self.streams = Streams(corpus.train, config.seq_len, config.batch_size,
                                np.random.default_rng([config.seed, 1]))
         self.state = self.model.zero_state(config.batch_size)
@@ -73,8 +76,9 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------
     def checkpoint(self) -> ckpt_mod.Checkpoint:
         return ckpt_mod.Checkpoint(
-            config=self.config, vocab=self.vocab, step=self.step, params=self.params,
-            optimizer=self.optimizer.state_dict(), state=self.state,
+            config=self.config, vocab=self.vocab, step=self.step,
+            params={k: _host(v) for k, v in self.params.items()},
+            optimizer=self.optimizer.state_dict(), state=tuple(_host(s) for s in self.state),
             position=self.streams.position(),
             corpus={"source": self.corpus.source, "sha256": self.corpus.sha256,
                     "length": int(len(self.corpus.train) + len(self.corpus.val))},
@@ -113,7 +117,7 @@ class Trainer:
                     s.shape != e.shape for s, e in zip(ckpt.state, expected)):
                 raise ValueError(f"carried state: expected {len(expected)} arrays of shape "
                                  f"{expected[0].shape}, got {[s.shape for s in ckpt.state]}")
-            trainer.state = tuple(np.array(s, np.float32) for s in ckpt.state)
+            trainer.state = trainer.model.as_state(ckpt.state)
             if ckpt.position is None:
                 raise ValueError("no data position")
             trainer.streams.set_position(ckpt.position)
@@ -137,8 +141,7 @@ class Trainer:
         with threadpool_limits(1, user_api="blas"):
             loss, grads, self.state = self.model.loss_and_grads(x, y, self.state, timer)
         with timer("optimizer"):
-            optim.clip_grad_norm(grads, self.config.clip)
-            self.optimizer.step(self.params, grads, self.lr())
+            self.optimizer.clip_and_step(self.params, grads, self.lr(), self.config.clip)
         self.step += 1
         self.history["train_step"].append(self.step)
         self.history["train_loss"].append(loss)
@@ -237,6 +240,11 @@ class Trainer:
         """Training throughput of the last run() (its first step, which may
         compile kernels, and validation excluded)."""
         return self.train_chars / self.train_seconds if self.train_seconds else None
+
+
+def _host(a) -> np.ndarray:
+    """A numpy copy of a DeviceArray; numpy arrays as they are."""
+    return a if isinstance(a, np.ndarray) else np.array(a, np.float32)
 
 
 def _progress(total, initial, enabled):

@@ -1,0 +1,156 @@
+"""The char LM's head and optimizer as Halide algorithms (no schedules).
+
+    head   y (N, H), W (V, H), b (V,), targets (N,) int32, scale
+           -> loss (N,) = -log softmax(y W^T + b)[target], and the gradients
+              of scale * sum(loss): dW (V, H), db (V,), dy (N, H)
+    sumsq  g (n,) -> out (1,) = sum g^2 (one parameter's share of the
+           global gradient norm)
+    adam   p, g, m, v (n,), sq (P,) the parameters' sumsq, scalars
+           -> p, m, v updated (optim.Adam's scaled-moment rule, the gradient
+              clipped by the global norm sqrt(sum sq) to max_norm)
+    sgd    p, g, buf (n,), sq (P,), scalars -> p, buf updated (optim.SGD)
+    onehot ids (N,) int32 -> x (N, V) one-hot rows (V: the output's width)
+
+Shapes above are numpy's; Halide's axes are the reverse (runtime.py). Sizes
+are runtime values: one compiled library serves every model. Stages are
+named for the schedules (schedules/cpu.py, schedules/cuda.py: functions
+head, sumsq, adam, sgd, onehot).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import halide as hl
+
+KINDS = ("head", "sumsq", "adam", "sgd", "onehot")
+SUMSQ_LANES = 1024     # sumsq: partial sums over g(j), g(j + LANES), ...
+
+
+@dataclass
+class Pipe:
+    """A built pipeline: arguments in C ABI order (inputs, then the output
+    Funcs' buffers), named stages and their Vars."""
+
+    kind: str
+    args: list = field(default_factory=list)      # ImageParams and Params
+    outputs: list = field(default_factory=list)   # Funcs
+    stages: dict = field(default_factory=dict)
+    vars: dict = field(default_factory=dict)
+
+    def stage(self, name: str) -> hl.Func:
+        try:
+            return self.stages[name]
+        except KeyError:
+            raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
+                           f"it has {sorted(self.stages)}") from None
+
+    def pipeline(self) -> hl.Pipeline:
+        return hl.Pipeline(self.outputs)
+
+
+def _dense(p: hl.ImageParam) -> hl.ImageParam:
+    """Dense strides (numpy C order, reversed) and zero minima."""
+    stride = 1
+    for d in range(p.dimensions()):
+        p.dim(d).set_min(0).set_stride(stride)
+        stride = stride * p.dim(d).extent()
+    return p
+
+
+def _f32(name, dims):
+    return _dense(hl.ImageParam(hl.Float(32), dims, name))
+
+
+def build(kind: str) -> Pipe:
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    return globals()[f"_{kind}"]()
+
+
+def _head() -> Pipe:
+    y, w, b = _f32("y", 2), _f32("w", 2), _f32("b", 1)         # y(k, n), w(k, v), b(v)
+    targets = _dense(hl.ImageParam(hl.Int(32), 1, "targets"))  # targets(n)
+    scale = hl.Param(hl.Float(32), "scale")
+    H, N, V = y.dim(0).extent(), y.dim(1).extent(), w.dim(1).extent()
+    k, v, n = hl.Var("k"), hl.Var("v"), hl.Var("n")
+    rk, rv, rn = hl.RDom([(0, H)], "rk"), hl.RDom([(0, V)], "rv"), hl.RDom([(0, N)], "rn")
+    wt = hl.Func("wt")                     # W^T: v innermost, for products over v
+    wt[v, k] = w[k, v]
+    logits = hl.Func("logits")
+    logits[v, n] = b[v] + hl.sum(y[rk, n] * wt[v, rk])
+    mx = hl.Func("mx")
+    mx[n] = hl.maximum(logits[rv, n])
+    total = hl.Func("total")
+    total[n] = hl.sum(hl.exp(logits[rv, n] - mx[n]))
+    t = hl.Func("t")
+    t[n] = hl.clamp(targets[n], 0, V - 1)
+    loss = hl.Func("loss")
+    loss[n] = hl.log(total[n]) - (logits[t[n], n] - mx[n])
+    dlogits = hl.Func("dlogits")           # d(scale * sum loss) / d logits
+    dlogits[v, n] = scale * (hl.exp(logits[v, n] - mx[n]) / total[n]
+                             - hl.select(v == t[n], hl.f32(1), hl.f32(0)))
+    dw, db, dy = hl.Func("dw"), hl.Func("db"), hl.Func("dy")
+    dw[k, v] = hl.sum(dlogits[v, rn] * y[k, rn])
+    db[v] = hl.sum(dlogits[v, rn])
+    dy[k, n] = hl.sum(dlogits[rv, n] * w[k, rv])
+    # by the names given (Halide renames a Func whose name a process already used)
+    stages = dict(wt=wt, logits=logits, mx=mx, total=total, t=t, loss=loss, dlogits=dlogits,
+                  dw=dw, db=db, dy=dy)
+    return Pipe("head", [y, w, b, targets, scale], [loss, dw, db, dy], stages,
+                {"k": k, "v": v, "n": n})
+
+
+def _sumsq() -> Pipe:
+    g = _f32("g", 1)
+    n = g.dim(0).extent()
+    j, x = hl.Var("j"), hl.Var("x")
+    L = SUMSQ_LANES
+    r = hl.RDom([(0, (n + L - 1) // L)], "r")
+    i = j + r.x * L
+    partial = hl.Func("partial")           # lane j: g(j)^2 + g(j + L)^2 + ...
+    gi = g[hl.min(i, n - 1)]
+    partial[j] = hl.sum(hl.select(i < n, gi * gi, hl.f32(0)))
+    rj = hl.RDom([(0, L)], "rj")
+    out = hl.Func("out")
+    out[x] = hl.sum(partial[rj])
+    return Pipe("sumsq", [g], [out], {"partial": partial, "out": out}, {"j": j, "x": x})
+
+
+def _clip_coef(sq: hl.ImageParam, max_norm: hl.Param) -> hl.Expr:
+    """min(1, max_norm / (global norm + 1e-6)) as clip_grad_norm; 1 if max_norm <= 0."""
+    rp = hl.RDom([(0, sq.dim(0).extent())], "rp")
+    norm = hl.sqrt(hl.sum(sq[rp]))
+    return hl.select(max_norm > 0, hl.min(hl.f32(1), max_norm / (norm + hl.f32(1e-6))),
+                     hl.f32(1))
+
+
+def _adam() -> Pipe:
+    p, g, m, v, sq = (_f32(s, 1) for s in ("p", "g", "m", "v", "sq"))
+    c, e, b1, b2, max_norm = (hl.Param(hl.Float(32), s) for s in ("c", "e", "b1", "b2", "max_norm"))
+    i = hl.Var("i")
+    gc = g[i] * _clip_coef(sq, max_norm)
+    m2 = b1 * m[i] + gc                    # the moments scaled as optim.Adam's slots
+    v2 = b2 * v[i] + gc * gc
+    update = hl.Func("update")
+    update[i] = (p[i] - c * m2 / (hl.sqrt(v2) + e), m2, v2)
+    return Pipe("adam", [p, g, m, v, sq, c, e, b1, b2, max_norm], [update],
+                {"update": update}, {"i": i})
+
+
+def _onehot() -> Pipe:
+    ids = _dense(hl.ImageParam(hl.Int(32), 1, "ids"))
+    v, n = hl.Var("v"), hl.Var("n")
+    x = hl.Func("x")
+    x[v, n] = hl.select(v == ids[n], hl.f32(1), hl.f32(0))
+    return Pipe("onehot", [ids], [x], {"x": x}, {"v": v, "n": n})
+
+
+def _sgd() -> Pipe:
+    p, g, buf, sq = (_f32(s, 1) for s in ("p", "g", "buf", "sq"))
+    lr, momentum, max_norm = (hl.Param(hl.Float(32), s) for s in ("lr", "momentum", "max_norm"))
+    i = hl.Var("i")
+    b2 = momentum * buf[i] + g[i] * _clip_coef(sq, max_norm)
+    update = hl.Func("update")
+    update[i] = (p[i] - lr * b2, b2)
+    return Pipe("sgd", [p, g, buf, sq, lr, momentum, max_norm], [update],
+                {"update": update}, {"i": i})

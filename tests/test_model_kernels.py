@@ -1,0 +1,151 @@
+"""The char LM's head and optimizer as Halide pipelines (halstm/model/kernels.py,
+library.py): the CPU schedule against numpy (charlm's head, optim's Adam,
+SGD and clipping); the CUDA schedule compiles here (runs in tests/gpu)."""
+import numpy as np
+import pytest
+
+from halstm.model import CharLM, Config, optim
+from halstm.model.charlm import _log_softmax_nll
+from halstm.model.library import kernels
+
+CPU = "host"
+
+
+@pytest.fixture(scope="module")
+def k():
+    return kernels(CPU)           # compiled once per session (then cached on disk)
+
+
+@pytest.mark.parametrize("N,H,V", [(37, 19, 11), (64, 16, 65), (1, 3, 1)])
+def test_head_matches_numpy(k, N, H, V):
+    rng = np.random.default_rng(N)
+    y = rng.standard_normal((N, H)).astype(np.float32)
+    w = rng.standard_normal((V, H)).astype(np.float32)
+    b = rng.standard_normal(V).astype(np.float32)
+    t = rng.integers(0, V, N)
+    loss, dw, db, dy = k.head(y, w, b, k.targets(t), 1.0 / N)
+    dlogits = y @ w.T + b
+    nll = _log_softmax_nll(dlogits, t, grad=1.0 / N)     # dlogits now d(mean)/d logits
+    np.testing.assert_allclose(loss, nll, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, dlogits.T @ y, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(db, dlogits.sum(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dy, dlogits @ w, rtol=1e-4, atol=1e-6)
+
+
+def test_head_wrong_shape_names_the_argument(k):
+    y = np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match=r"b: expected shape \(5,\), got \(4,\)"):
+        k.head(y, np.zeros((5, 3), np.float32), np.zeros(4, np.float32),
+               k.targets(np.zeros(4)), 1.0)
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1025, 70000])
+def test_sumsq(k, n):
+    g = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    out = np.zeros(1, np.float32)
+    k.sumsq(g, out)
+    assert out[0] == pytest.approx(float(np.dot(g.astype(np.float64), g)), rel=1e-5)
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {"a": (64, 16), "b": (64,), "c": (3000,)}
+    return ({n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
+            lambda: {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()})
+
+
+@pytest.mark.parametrize("clip", [0.0, 5.0, 1e3])
+@pytest.mark.parametrize("name", ["adam", "sgd", "sgd_momentum"])
+def test_optimizer_steps_match_numpy(k, name, clip):
+    """Five steps, 4x-scaled gradients (so that clip 5 clips every step)."""
+    p0, grads = _params()
+    cfg = Config(optimizer="sgd" if name.startswith("sgd") else "adam",
+                 momentum=0.9 if name == "sgd_momentum" else 0.0)
+    want = {n: a.copy() for n, a in p0.items()}
+    got = {n: a.copy() for n, a in p0.items()}
+    numpy_opt, kernel_opt = optim.make(cfg, want), optim.make(cfg, got, k)
+    assert type(kernel_opt).__name__.startswith("Kernel")
+    for step in range(5):
+        g = {n: 4 * a for n, a in grads().items()}
+        g_copy = {n: a.copy() for n, a in g.items()}
+        numpy_opt.clip_and_step(want, g, 1e-2, clip)
+        kernel_opt.clip_and_step(got, g_copy, 1e-2, clip)
+    for n in p0:
+        np.testing.assert_allclose(got[n], want[n], rtol=2e-5, atol=2e-6, err_msg=n)
+    sd, sd2 = numpy_opt.state_dict(), kernel_opt.state_dict()
+    assert sorted(sd) == sorted(sd2)
+    for key in sd:
+        np.testing.assert_allclose(sd2[key], sd[key], rtol=2e-5, atol=2e-6, err_msg=key)
+    # and the state goes back in
+    other = optim.make(cfg, {n: a.copy() for n, a in p0.items()}, k)
+    other.load_state_dict(sd)
+    assert other.t == 5
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_charlm_with_kernels_matches_numpy_head(cell):
+    """The model's kernels path (the one a CUDA target takes) on the CPU."""
+    a = CharLM(16, cell, hidden_size=16, layers=2, seed=3)
+    b = CharLM(16, cell, hidden_size=16, layers=2, seed=3, kernels=True)
+    rng = np.random.default_rng(0)
+    ids, targets = (rng.integers(0, 16, (6, 3)).astype(np.int32) for _ in range(2))
+    state = a.zero_state(3)
+    la, ga, _ = a.loss_and_grads(ids, targets, state)
+    lb, gb, _ = b.loss_and_grads(ids, targets, state)
+    assert lb == pytest.approx(la, rel=1e-5)
+    assert list(ga) == list(gb)
+    for key in ga:
+        np.testing.assert_allclose(gb[key], ga[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert b.loss(ids, targets, state)[0] == pytest.approx(a.loss(ids, targets, state)[0],
+                                                           rel=1e-5)
+
+
+def test_cuda_schedules_compile_without_gpu(tmp_path):
+    from halstm.model import library
+    m = library.build("host-cuda-cuda_capability_80", tmp_path)
+    assert m["device"] == "cuda" and (tmp_path / m["library"]).is_file()
+    assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd", "onehot")]
+
+
+def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
+    """Trainer with the kernels path (as on a CUDA target, here on the CPU):
+    the numpy run's losses; a checkpoint saved mid-run resumes exactly."""
+    from halstm.model import Trainer, checkpoint
+    from test_model import TINY, make_corpus
+    config = Config(**TINY, steps=6, eval_every=3, clip=0.5)
+    corpus = make_corpus(config)
+    plain = Trainer(config, corpus)
+    plain.run(progress=False, handle_sigint=False)
+
+    def with_kernels(cfg, vocab_size):
+        m = CharLM(vocab_size, cfg.cell, cfg.hidden_size, cfg.layers, cfg.target, cfg.schedule,
+                   cfg.seed, kernels=True)
+        assert m.kernels is not None
+        return m
+    monkeypatch.setattr(CharLM, "from_config", staticmethod(with_kernels))
+    fused = Trainer(config, corpus)
+    assert type(fused.optimizer).__name__ == "KernelAdam"
+    fused.run(until=3, progress=False, handle_sigint=False)
+    fused.save(tmp_path / "c.npz")
+    fused.run(progress=False, handle_sigint=False)
+    np.testing.assert_allclose(fused.history["train_loss"], plain.history["train_loss"],
+                               rtol=1e-4)
+    np.testing.assert_allclose(fused.history["val_loss"], plain.history["val_loss"], rtol=1e-4)
+    resumed = Trainer.resume(checkpoint.load(tmp_path / "c.npz"), corpus)
+    resumed.run(progress=False, handle_sigint=False)
+    np.testing.assert_allclose(resumed.history["train_loss"], fused.history["train_loss"],
+                               rtol=1e-6)
+
+
+def test_kernels_model_checks_targets():
+    m = CharLM(16, "lstm", hidden_size=16, layers=1, seed=0, kernels=True)
+    ids = np.zeros((4, 2), np.int32)
+    with pytest.raises(ValueError, match=r"targets: class indices must lie in \[0, 16\)"):
+        m.loss_and_grads(ids, np.full((4, 2), 16), m.zero_state(2))
+    with pytest.raises(ValueError, match=r"targets: expected shape \(4, 2\), got \(8,\)"):
+        m.loss(ids, np.zeros(8, np.int32), m.zero_state(2))
+
+
+def test_onehot_kernel(k):
+    ids = np.array([3, 0, 6, 6, 1], np.int32)
+    np.testing.assert_array_equal(k.onehot(k.targets(ids), 7), np.eye(7, dtype=np.float32)[ids])
