@@ -235,3 +235,8 @@ def test_backward_without_input_grad(cell):
     assert set(got) == set(want) - {"input"}
     for k, g in got.items():
         np.testing.assert_array_equal(g, want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_no_grad_runs_the_step_infer_kernels(cell):
+    tm.check_no_grad(cell, target=TARGET)
