@@ -9,13 +9,16 @@ rounds of the two blocks' median ratio, so a burst of load on a shared
 machine slows both sides of a pair instead of whichever happened to be
 timed during it. Each (shape, mode) also records the share of CPU time
 the hypervisor stole while it was timed (Linux /proc/stat; column
-"steal"): where it is high, other guests were busy, and every figure of
-that group is slower than this machine's own.
+"steal": other guests of the host) and the share other processes of this
+machine used (column "others": a build or test run beside the bench):
+where either is high, every figure of that group is slower than this
+machine's own.
 """
 from __future__ import annotations
 
 import importlib.resources
 import json
+import os
 import statistics
 import sys
 import time
@@ -55,6 +58,7 @@ class Result:
     runs: int
     max_rel_err: float | None = None   # vs the reference (halstm only)
     steal: float | None = None   # share of CPU time the hypervisor took while this group ran
+    others: float | None = None  # share of CPU time other processes of this machine used meanwhile
     times_ms: list = field(default_factory=list, repr=False)   # every timed run
     rounds_ms: list = field(default_factory=list, repr=False)  # each round's median
 
@@ -235,25 +239,46 @@ def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd")
             else:
                 timed.append(prepare_halstm(cell, name, s, impl, mode, target))
         bar.set_description(f"{name} {mode}: timing {len(timed)} interleaved")
-        before = _cpu_jiffies()
+        before, own = _cpu_jiffies(), _own_seconds()
         measured = _interleaved(timed, **(timing or {}))
-        steal = _steal(before, _cpu_jiffies())
+        after = _cpu_jiffies()
+        steal, others = _steal(before, after), _others(before, after, own, _own_seconds())
         for t, times, rounds in zip(timed, *measured):
             ms = statistics.median(times)
             results.append(Result(name, cell, mode, t.impl, ms, flops(cell, s, mode) / ms / 1e6,
-                                  len(times), t.max_rel_err, steal, times, rounds))
+                                  len(times), t.max_rel_err, steal, others, times, rounds))
     return results, notes
 
 
 def _cpu_jiffies(path="/proc/stat"):
-    """(steal, total) CPU time since boot from /proc/stat's first line, or
-    None where there is none (not Linux)."""
+    """(steal, total, busy) CPU time since boot from /proc/stat's first
+    line (busy: user, nice, system, irq, softirq), or None where there is
+    none (not Linux)."""
     try:
         with open(path) as f:
             fields = [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+    fields += [0] * (8 - len(fields))
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+    return fields[7], sum(fields[:8]), busy
+
+
+def _own_seconds() -> float:
+    """CPU time this process (all its threads) has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _others(before, after, own_before, own_after) -> float | None:
+    """The share of all CPUs' time that processes other than this one used
+    between two readings: other jobs on this machine (a build, a test run)
+    slow every figure measured meanwhile, and steal does not show them."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = (after[2] - before[2]) / hz - (own_after - own_before)
+    return max(0.0, busy / ((after[1] - before[1]) / hz))
 
 
 def _steal(before, after) -> float | None:
@@ -292,7 +317,7 @@ def table(results) -> str:
     rows = ratios(results)
     peer_cols = sorted({k for row in rows for k in row if k.startswith("x_")})
     head = ["shape", "mode", "impl", "ms", "GFLOP/s", *[f"vs {c[2:]}" for c in peer_cols],
-            "max rel err", "steal"]
+            "max rel err", "steal", "others"]
     lines = [head]
     for row in rows:
         err = row["max_rel_err"]
@@ -300,7 +325,8 @@ def table(results) -> str:
                       f"{row['gflops']:.1f}",
                       *[f"{row[c]:.2f}x" if c in row else "" for c in peer_cols],
                       f"{err:.1e}" if err is not None else "",
-                      f"{100 * row['steal']:.0f}%" if row["steal"] is not None else ""])
+                      *[f"{100 * row[k]:.0f}%" if row[k] is not None else ""
+                        for k in ("steal", "others")]])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).rjust(w) if i >= 3 else str(c).ljust(w)
                                for i, (c, w) in enumerate(zip(line, widths)))

@@ -172,8 +172,9 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     rounds interleaved, after a warm-up: times are medians, and a ratio to a
     peer is the median of the per-round ratios, so that load on a shared
     machine hits both sides alike. Forward passes run under halstm.no_grad()
-    (PyTorch's under torch.no_grad()). The steal column: the share of CPU
-    time the hypervisor took while a shape was timed (other guests)."""
+    (PyTorch's under torch.no_grad()). Columns steal and others: the share
+    of CPU time the hypervisor gave other guests, and other processes of
+    this machine used, while a shape was timed."""
     from . import benchmark as B
     known = B.shapes()
     names = list(known) if shapes == "all" else [s.strip() for s in shapes.split(",") if s]

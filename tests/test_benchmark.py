@@ -1,4 +1,5 @@
 """halstm.benchmark's timing: interleaved rounds and paired ratios (no kernels)."""
+import os
 import time
 
 from halstm import benchmark as B
@@ -29,7 +30,7 @@ def test_blocks_fill_block_seconds_and_runs_stop_at_max_runs():
 
 def test_ratio_pairs_rounds():
     def result(impl, rounds):
-        return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None, None,
+        return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None, None, None,
                         list(rounds), list(rounds))
     peer = result("torch", [2.0, 20.0, 20.0])     # a burst of load in rounds 2 and 3
     ours = result("halstm:cpu", [1.0, 10.0, 10.0])
@@ -44,8 +45,11 @@ def test_steal_share_from_proc_stat(tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
     before = B._cpu_jiffies(str(stat))
-    assert before == (35, 1000)
+    assert before == (35, 1000, 155)
     stat.write_text("cpu  300 0 50 1000 10 0 5 135 0 0\n")
     after = B._cpu_jiffies(str(stat))
     assert B._steal(before, after) == 100 / 500      # 100 of the 500 jiffies since
     assert B._steal(before, before) is None and B._cpu_jiffies(str(tmp_path / "none")) is None
+    hz = os.sysconf("SC_CLK_TCK")                   # 200 busy jiffies, this process 50 of them
+    assert B._others(before, after, 0.0, 50 / hz) == 150 / 500
+    assert B._others(before, after, 0.0, 400 / hz) == 0.0   # never below zero
