@@ -314,13 +314,22 @@ def grads(p, target, ids=False):
     # where numpy's sgemm of the same size ran at 105 GF/s, both under load;
     # unpacked operands ran at 15 GF/s.
     for name, vec in (("dw_hh", v["k"]),) if ids else (("dw_ih", i), ("dw_hh", v["k"])):
+        width, jo = (p.K if vec is i else H), hl.Var("jo")
+        if width >= p.dw_cols and H >= p.dw_rows:
+            # tiles straight into the output, the edge tiles shifted inwards
+            # (they recompute a few units): no buffer of whole tiles to copy
+            # out afterwards (16 MB each for dW_ih and dW_hh at deepbench_1024)
+            out = p.stage(name)
+            _tile(out, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, SHIFT)], [rn.x],
+                  vec_tail=SHIFT)
+            out.fuse(jo, gate, jo).parallel(jo)
+            continue
         tiles = p.stage(name + "_tiles").compute_root()
         _tile(tiles, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, ROUND)], [rn.x])
-        jo = hl.Var("jo")
         tiles.fuse(jo, gate, jo).parallel(jo)
         # the copy out of whole tiles, one gate a task: it ran on one thread,
         # 7 ms each for dW_ih and dW_hh at deepbench_1024 (host-profile)
-        p.stage(name).vectorize(vec, _vw(target, p.K if vec is i else H)).parallel(gate)
+        p.stage(name).vectorize(vec, _vw(target, width)).parallel(gate)
     for bias in ("db_ih", "db_hh"):
         _bias(p.stage(bias), p.stage(bias + "_acc"), j, gate, rn, _vw(target, H), H)
 

@@ -112,6 +112,24 @@ def test_cpu_schedule_matches_reference(schedule, cell, B):
         assert_close(k, grads[k], rgrads[k])
 
 
+def test_cpu_weight_gradients_where_tiles_write_the_output():
+    """From K, H >= the weight-gradient tile (64 x 6 with AVX-512, 16 x 6
+    with AVX2), the cpu schedule writes dW tiles straight into the output,
+    the edge tiles shifted inwards; the sizes above are below it. Here
+    65 and 70 units: partial tiles along both axes, two layers."""
+    rng = np.random.default_rng(7)
+    m = halstm.LSTM(65, 70, num_layers=2, schedule="cpu", seed=4)
+    x = rng.standard_normal((4, 3, 65)).astype(np.float32)
+    dy = rng.standard_normal((4, 3, 70)).astype(np.float32)
+    m(x)
+    grads = m.backward(dy)
+    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
+    _, _, cache = ref.forward("lstm", params, x.astype(np.float64))
+    rgrads = ref.backward("lstm", cache, dy.astype(np.float64))
+    for k in rgrads:
+        assert_close(k, grads[k], rgrads[k])
+
+
 # ---- GPU schedules compile --------------------------------------------------
 
 @pytest.mark.parametrize("direction", aot.DIRECTIONS)
