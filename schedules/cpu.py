@@ -281,6 +281,15 @@ def grads_ids(p, target):
     out.parallel(gate)
 
 
+# Input panels (dw_cols units each) that one pass over the weight
+# gradient's unit tiles covers. Measured (bench/cpu_layer.py backward ms,
+# two alternations, quiet host, 2026-11-23 01:00): 1 (one panel a pass)
+# 138.8/145.7 at deepbench_1024's layer, 2: 133.9/135.9, 4: 131.9/127.0,
+# 8: 128.1/127.6; K=H=512, B=64, T=100: 143.0/144.0 -> 138.0/138.5 with 4;
+# K=H=128 and K=H=256 the same within 1-3%.
+DW_PANELS = 4
+
+
 def grads(p, target, ids=False):
     v, H = p.vars, p.H
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
@@ -319,9 +328,14 @@ def grads(p, target, ids=False):
             # tiles straight into the output, the edge tiles shifted inwards
             # (they recompute a few units): no buffer of whole tiles to copy
             # out afterwards (16 MB each for dW_ih and dW_hh at deepbench_1024)
-            out = p.stage(name)
-            _tile(out, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, SHIFT)], [rn.x],
-                  vec_tail=SHIFT)
+            out, acc = p.stage(name), p.stage(name + "_acc")
+            _tile(out, acc, vec, p.dw_cols, [(j, p.dw_rows, SHIFT)], [rn.x], vec_tail=SHIFT)
+            # DW_PANELS input panels per pass over the unit tiles: each tile's
+            # dxp panel is then read from memory once per DW_PANELS input
+            # panels (kept in L2), not once per panel
+            vo, voo, voi = (hl.Var(vec.name() + n) for n in ("o", "oo", "oi"))
+            out.split(vo, voo, voi, DW_PANELS, GUARD).reorder(voi, jo, gate)
+            acc.compute_at(out, voi)
             out.fuse(jo, gate, jo).parallel(jo)
             continue
         tiles = p.stage(name + "_tiles").compute_root()
