@@ -42,8 +42,23 @@ FORWARD_IDS = ("pack", "gather", "step", "step_infer")
 BACKWARD_IDS = ("pack_bwd", "step_bwd", "grads_ids")
 
 
+class Stages:
+    """Lookup of a built pipeline's named stages (kind, stages and outputs
+    are the subclass's fields), for schedules, which name stages only."""
+
+    def stage(self, name: str) -> hl.Func:
+        try:
+            return self.stages[name]
+        except KeyError:
+            raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
+                           f"it has {sorted(self.stages)}") from None
+
+    def pipeline(self) -> hl.Pipeline:
+        return hl.Pipeline(self.outputs)
+
+
 @dataclass
-class Pipe:
+class Pipe(Stages):
     """A built pipeline: its arguments in C ABI order and its named stages.
 
     P is the panel width of the packed weights (set by the schedule: a
@@ -76,13 +91,6 @@ class Pipe:
     def Kp(self) -> int:
         return padded(self.K, self.P)
 
-    def stage(self, name: str) -> hl.Func:
-        try:
-            return self.stages[name]
-        except KeyError:
-            raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
-                           f"it has {sorted(self.stages)}") from None
-
     def param(self, name: str) -> hl.ImageParam:
         """The input called `name`."""
         for q in self.inputs:
@@ -90,8 +98,6 @@ class Pipe:
                 return q
         raise KeyError(f"pipeline {self.kind!r} has no input {name!r}")
 
-    def pipeline(self) -> hl.Pipeline:
-        return hl.Pipeline(self.outputs)
 
 
 def padded(n: int, p: int) -> int:

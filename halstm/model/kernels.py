@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 import halide as hl
 
+from ..pipeline import Stages
+
 KINDS = ("head", "sumsq", "adam", "sgd", "onehot")
 SUMSQ_LANES = 1024     # sumsq: partial sums over g(j), g(j + LANES), ...
 
 
 @dataclass
-class Pipe:
+class Pipe(Stages):
     """A built pipeline: arguments in C ABI order (inputs, then the output
     Funcs' buffers), named stages and their Vars."""
 
@@ -36,16 +38,6 @@ class Pipe:
     outputs: list = field(default_factory=list)   # Funcs
     stages: dict = field(default_factory=dict)
     vars: dict = field(default_factory=dict)
-
-    def stage(self, name: str) -> hl.Func:
-        try:
-            return self.stages[name]
-        except KeyError:
-            raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
-                           f"it has {sorted(self.stages)}") from None
-
-    def pipeline(self) -> hl.Pipeline:
-        return hl.Pipeline(self.outputs)
 
 
 def _dense(p: hl.ImageParam) -> hl.ImageParam:

@@ -63,7 +63,8 @@ class Optimizer:
 
     def load_state_dict(self, d: dict) -> None:
         """Strict: every slot of every parameter, with its shape."""
-        expected = {f"{s}/{k}": a.shape for s, arrays in self.state.items() for k, a in arrays.items()}
+        expected = {f"{s}/{k}": tuple(a.shape) for s, arrays in self.state.items()
+                    for k, a in arrays.items()}
         missing = sorted(set(expected) - set(d) - {"t"})
         if missing or "t" not in d:
             raise KeyError(f"optimizer state: missing {missing or ['t']}")
@@ -72,8 +73,13 @@ class Optimizer:
                 raise ValueError(f"optimizer state {name}: expected shape {shape}, got {np.shape(d[name])}")
         for name in expected:
             s, k = name.split("/", 1)
-            np.copyto(self.state[s][k], d[name], casting="unsafe")
+            self._put(self.state[s][k], d[name])
         self.t = int(d["t"])
+
+    @staticmethod
+    def _put(dst, value) -> None:
+        """Copy a loaded slot into the optimizer's own array."""
+        np.copyto(dst, value, casting="unsafe")
 
     def step(self, params: dict, grads: dict, lr: float) -> None:
         self.t += 1
@@ -174,24 +180,14 @@ class _KernelOptimizer(Optimizer):
             out.update({f"{s}/{k}": np.array(a, np.float32) for k, a in arrays.items()})
         return out
 
-    def load_state_dict(self, d: dict) -> None:
-        expected = {f"{s}/{k}": tuple(a.shape) for s, arrays in self.state.items()
-                    for k, a in arrays.items()}
-        missing = sorted(set(expected) - set(d) - {"t"})
-        if missing or "t" not in d:
-            raise KeyError(f"optimizer state: missing {missing or ['t']}")
-        for name, shape in expected.items():
-            if np.shape(d[name]) != shape:
-                raise ValueError(f"optimizer state {name}: expected shape {shape}, got {np.shape(d[name])}")
-        for name in expected:
-            s, k = name.split("/", 1)
-            a = np.asarray(d[name], np.float32)
-            dst = self.state[s][k]
-            if isinstance(dst, np.ndarray):
-                np.copyto(dst, a)
-            else:
-                dst.copy_from(a)
-        self.t = int(d["t"])
+    @staticmethod
+    def _put(dst, value) -> None:
+        """Copy a loaded slot into a host or device array."""
+        a = np.asarray(value, np.float32)
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, a)
+        else:
+            dst.copy_from(a)
 
     def step(self, params: dict, grads: dict, lr: float) -> None:
         self.clip_and_step(params, grads, lr, 0.0)
