@@ -336,6 +336,9 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
                "K": spec.input_size, "H": spec.hidden_size, "P": panel,
                "DXP_IS_DHG": int(cell.dxp_is_dhg), "HALSTM_ONEHOT": int(spec.onehot),
                "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
+    if layout.get("split_steps"):   # the driver splits each step over threads
+        defines["HALSTM_SPLIT"] = 1
+        defines["HALSTM_SPLIT_MACS"] = int(layout["split_macs"])
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     if cuda:                 # the driver passes device pointers (see driver.cpp)
         defines["HALSTM_CUDA"] = 1

@@ -28,6 +28,13 @@
 #include <cstdio>
 #include <initializer_list>
 #include <mutex>
+#if HALSTM_SPLIT
+#include <atomic>
+#include <sched.h>
+#include <string>
+#include <thread>
+#include <vector>
+#endif
 #ifdef HALSTM_CUDA
 #include <dlfcn.h>
 #endif
@@ -340,6 +347,137 @@ struct BlockCache {
     }
 };
 
+#if HALSTM_SPLIT
+// Steps split across threads by the driver (the layout's split_steps): each
+// thread runs the whole time loop over its own range of unit panels (the
+// step pipelines take panel0 and panels, and their output views are cropped
+// to that range), and the threads meet at a spin barrier after every step,
+// since the next step reads every unit of this one's state. A thread pool's
+// fork and join per step (Halide's parallel loop) cost more than the step
+// itself at small sizes: the profiler counted 13% of a K=H=512 B=64 step
+// waiting for the other thread.
+
+// A view with axis 0 cropped to [j0, j0 + w) (host points at the min).
+View crop(View v, int j0, int w) {
+    v.buf.host += (int64_t)j0 * v.dim[0].stride * (int64_t)sizeof(float);
+    v.dim[0].min = j0;
+    v.dim[0].extent = w;
+    return v;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+struct SpinBarrier {
+    explicit SpinBarrier(int n) : n(n) {}
+    const int n;
+    std::atomic<int> arrived{0}, phase{0};
+    std::atomic<bool> failed{false};
+    // Wait until all n threads arrive; false if any thread failed.
+    bool wait() {
+        int ph = phase.load(std::memory_order_acquire);
+        if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+            arrived.store(0, std::memory_order_relaxed);
+            phase.store(ph + 1, std::memory_order_release);
+        } else {
+            // spin (a step's wait is microseconds), then let others run
+            for (long spins = 0; phase.load(std::memory_order_acquire) == ph; spins++) {
+                if (spins < (1 << 16)) cpu_relax();
+                else std::this_thread::yield();
+            }
+        }
+        return !failed.load(std::memory_order_acquire);
+    }
+};
+
+std::atomic<int> g_threads{0};      // halstm_set_num_threads; 0: unset
+std::atomic<int> g_last_threads{0}; // threads the last time loop ran on
+
+// Threads this process may use: as set by halstm_set_num_threads, else
+// HL_NUM_THREADS as for Halide's own pool, else the CPUs it may run on.
+int threads_available() {
+    int n = g_threads.load();
+    if (n > 0) return n;
+    const char *env = getenv("HL_NUM_THREADS");
+    n = env ? atoi(env) : 0;
+    if (n > 0) return n;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+    if (n <= 0) n = (int)std::thread::hardware_concurrency();
+    return n > 0 ? n : 1;
+}
+
+// Run body(panel0, panels, barrier) over the HP / P unit panels on as many
+// threads as the work of a step (macs) is worth (HALSTM_SPLIT_MACS each),
+// each on a contiguous range; barrier NULL when one thread runs them all.
+// Returns the first nonzero code; a worker's error message is copied into
+// this thread's.
+template <class F>
+int run_split(double macs, F body) {
+    const int panels = HP / P;
+    int n = threads_available();
+    double worth = macs / HALSTM_SPLIT_MACS;
+    if (worth < n) n = worth < 1 ? 1 : (int)worth;
+    if (n > panels) n = panels;
+    if (n < 1) n = 1;
+    g_last_threads.store(n);
+    if (n == 1) return body(0, panels, nullptr);
+    SpinBarrier barrier(n);
+    std::vector<int> rcs(n, 0);
+    std::vector<std::string> errors(n);
+    std::atomic<int> go{0};   // 1: run; -1: a thread could not be started
+    std::vector<std::thread> workers;
+    auto range = [&](int r, int &q0, int &nq) {
+        q0 = (int)((int64_t)r * panels / n);
+        nq = (int)((int64_t)(r + 1) * panels / n) - q0;
+    };
+    try {
+        for (int r = 1; r < n; r++) {
+            workers.emplace_back([&, r]() {
+                while (go.load(std::memory_order_acquire) == 0) cpu_relax();
+                if (go.load() < 0) return;
+                int q0, nq;
+                range(r, q0, nq);
+                g_error[0] = 0;
+                rcs[r] = body(q0, nq, &barrier);
+                if (rcs[r]) errors[r] = g_error;
+            });
+        }
+    } catch (...) {   // no thread to spare: run the steps here
+        go.store(-1, std::memory_order_release);
+        for (auto &w : workers) w.join();
+        g_last_threads.store(1);
+        return body(0, panels, nullptr);
+    }
+    go.store(1, std::memory_order_release);
+    int q0, nq;
+    range(0, q0, nq);
+    rcs[0] = body(q0, nq, &barrier);
+    for (auto &w : workers) w.join();
+    for (int r = 0; r < n; r++) {
+        if (!rcs[r]) continue;
+        if (r > 0) {
+            size_t used = strnlen(g_error, sizeof(g_error) - 1);
+            std::strncat(g_error, errors[r].c_str(), sizeof(g_error) - 1 - used);
+        }
+        return rcs[r];
+    }
+    return 0;
+}
+
+// After a step: false if this thread or another failed (stop the loop).
+inline bool step_done(SpinBarrier *barrier, int rc) {
+    if (!barrier) return rc == 0;
+    if (rc) barrier->failed.store(true, std::memory_order_release);
+    return barrier->wait();
+}
+#endif  // HALSTM_SPLIT
+
 BlockCache g_blocks;
 
 }  // namespace
@@ -371,7 +509,22 @@ void halide_free(void *user_context, void *ptr) {
     if (ptr && !g_blocks.keep(ptr)) halide_default_free(user_context, ptr);
 }
 
-void halstm_set_num_threads(int n) { halide_set_num_threads(n); }
+// Threads for Halide's parallel loops and (HALSTM_SPLIT) the driver's steps.
+void halstm_set_num_threads(int n) {
+    halide_set_num_threads(n);
+#if HALSTM_SPLIT
+    g_threads.store(n > 0 ? n : 0);
+#endif
+}
+
+// Threads the last time loop's steps ran on (HALSTM_SPLIT; else 0).
+int halstm_step_threads(void) {
+#if HALSTM_SPLIT
+    return g_last_threads.load();
+#else
+    return 0;
+#endif
+}
 
 #ifdef HALSTM_CUDA
 static int acquire_context(void *, void **ctx, bool) {
@@ -436,24 +589,27 @@ int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halid
 #else
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
-// inputs xp, wp_hh, b_hh, prev[NS]; outputs new[NS], saved channels[S]
+// inputs xp, wp_hh, b_hh, prev[NS] (with HALSTM_SPLIT then int panel0, panels);
+// outputs new[NS], saved channels[S]
 static_assert(S == 4, "the driver passes four saved channels; extend it for other cells");
-#if NS == 1
-int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
-                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
-                halide_buffer_t *);
+#define HB halide_buffer_t *
+#if HALSTM_SPLIT
+#define RANGE_ARGS , int, int
 #else
-int halstm_step(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
-                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *,
-                halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#define RANGE_ARGS
+#endif
+#if NS == 1
+int halstm_step(HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB);
+#else
+int halstm_step(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB, HB);
 #endif
 // the same without the saved channels (a forward that no backward follows)
-#define HB halide_buffer_t *
 #if NS == 1
-int halstm_step_infer(HB, HB, HB, HB, HB);
+int halstm_step_infer(HB, HB, HB, HB RANGE_ARGS, HB);
 #else
-int halstm_step_infer(HB, HB, HB, HB, HB, HB, HB);
+int halstm_step_infer(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
 #endif
+#undef RANGE_ARGS
 #undef HB
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
@@ -481,35 +637,62 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
 #endif
     if (rc) return rc;
-    auto steps = [&]() {
+#if HALSTM_SPLIT
+    // the units of panels [q0, q0 + nq) of every step (see run_split)
+#define UNITS(v) crop(v, q0 * P, (q0 + nq) * P < H ? nq * P : H - q0 * P)
+#define RANGE , q0, nq
+#else
+#define UNITS(v) v
+#define RANGE
+#endif
+    auto units_steps = [&](int q0, int nq, void *barrier) {
+        (void)q0, (void)nq, (void)barrier;
         int rc = 0;
-        for (int t = 0; t < T && rc == 0; t++) {
+        for (int t = 0; t < T; t++) {
             View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
-            View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
+            View h0 = bh(states[0], t, B), h1 = UNITS(bh(states[0], t + 1, B));
 #if NS == 2
-            View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
+            View c0 = bh(states[1], t, B), c1 = UNITS(bh(states[1], t + 1, B));
 #endif
             if (!saved) {
 #if NS == 1
-                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), h1.hb());
+                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb());
 #else
-                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(),
+                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb() RANGE,
                                        h1.hb(), c1.hb());
 #endif
-                continue;
-            }
-            const float *saved_t = saved + (int64_t)t * B * S * H;
-            View s0(saved_t, {{H, 1}, {B, S * H}}), s1(saved_t + H, {{H, 1}, {B, S * H}});
-            View s2(saved_t + 2 * H, {{H, 1}, {B, S * H}}), s3(saved_t + 3 * H, {{H, 1}, {B, S * H}});
+            } else {
+                const float *saved_t = saved + (int64_t)t * B * S * H;
+                View s0 = UNITS(View(saved_t, {{H, 1}, {B, S * H}}));
+                View s1 = UNITS(View(saved_t + H, {{H, 1}, {B, S * H}}));
+                View s2 = UNITS(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}));
+                View s3 = UNITS(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}));
 #if NS == 1
-            rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), h1.hb(), s0.hb(), s1.hb(),
-                             s2.hb(), s3.hb());
+                rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb(),
+                                 s0.hb(), s1.hb(), s2.hb(), s3.hb());
 #else
-            rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(),
-                             s0.hb(), s1.hb(), s2.hb(), s3.hb());
+                rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb() RANGE,
+                                 h1.hb(), c1.hb(), s0.hb(), s1.hb(), s2.hb(), s3.hb());
+#endif
+            }
+#if HALSTM_SPLIT
+            if (!step_done((SpinBarrier *)barrier, rc)) break;
+#else
+            if (rc) break;
 #endif
         }
         return rc;
+    };
+#undef UNITS
+#undef RANGE
+    auto steps = [&]() {
+#if HALSTM_SPLIT
+        return run_split((double)G * H * H * B, [&](int q0, int nq, SpinBarrier *barrier) {
+            return units_steps(q0, nq, barrier);
+        });
+#else
+        return units_steps(0, HP / P, nullptr);
+#endif
     };
     return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                      u64(states[0]), u64(states[NS - 1])}, steps);
@@ -518,16 +701,23 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
 
 #ifdef HALSTM_BACKWARD
 #define HB halide_buffer_t *
-// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh; outputs dxp, [dhg], dprev[NS]
-#if NS == 1 && DXP_IS_DHG
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB);
-#elif NS == 1
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB);
-#elif DXP_IS_DHG
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh (with HALSTM_SPLIT then
+// int panel0, panels); outputs dxp, [dhg], dprev[NS]
+#if HALSTM_SPLIT
+#define RANGE_ARGS , int, int
 #else
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#define RANGE_ARGS
 #endif
+#if NS == 1 && DXP_IS_DHG
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
+#elif NS == 1
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
+#elif DXP_IS_DHG
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
+#else
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB);
+#endif
+#undef RANGE_ARGS
 int halstm_pack_bwd(HB, HB, HB, HB);
 #if HALSTM_ONEHOT && DXP_IS_DHG
 int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB);
@@ -559,35 +749,66 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
-    auto steps = [&]() {
+#if HALSTM_SPLIT
+    // the units of panels [q0, q0 + nq) of every step (see run_split)
+#define UNITS(v) crop(v, q0 * P, (q0 + nq) * P < H ? nq * P : H - q0 * P)
+#define PANELS(v) crop(v, q0 * P, nq * P)
+#define RANGE , q0, nq
+#else
+#define UNITS(v) v
+#define PANELS(v) v
+#define RANGE
+#endif
+    auto units_steps = [&](int q0, int nq, void *barrier) {
+        (void)q0, (void)nq, (void)barrier;
         int rc = 0;
-        for (int t = T - 1; t >= 0 && rc == 0; t--) {
+        for (int t = T - 1; t >= 0; t--) {
             int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
             View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
-            View dxp_t(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
+            View dxp_t = UNITS(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}));
             View dy_t = bh(dy, t, B);
             View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
-            View dh1 = dstate_row(dstate[0], cur, B, H), dh0 = dstate_row(dstate[0], nxt, B, HP);
+            View dh1 = dstate_row(dstate[0], cur, B, H);
+            View dh0 = PANELS(dstate_row(dstate[0], nxt, B, HP));
 #if !DXP_IS_DHG
-            View dhg_t(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}});
+            View dhg_t = UNITS(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}));
 #endif
 #if NS == 1 && DXP_IS_DHG
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb(), dxp_t.hb(), dh0.hb());
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
+                                 dxp_t.hb(), dh0.hb());
 #elif NS == 1
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb(), dxp_t.hb(), dhg_t.hb(), dh0.hb());
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
+                                 dxp_t.hb(), dhg_t.hb(), dh0.hb());
 #else
             View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
-            View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = dstate_row(dstate[1], nxt, B, H);
+            View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = UNITS(dstate_row(dstate[1], nxt, B, H));
 #if DXP_IS_DHG
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vwq_hh.hb(),
-                                 dxp_t.hb(), dh0.hb(), dc0.hb());
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
+                                 dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dh0.hb(), dc0.hb());
 #else
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(), dc1.hb(), vwq_hh.hb(),
-                                 dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
+                                 dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
 #endif
+#endif
+#if HALSTM_SPLIT
+            if (!step_done((SpinBarrier *)barrier, rc)) break;
+#else
+            if (rc) break;
 #endif
         }
         return rc;
+    };
+#undef UNITS
+#undef PANELS
+#undef RANGE
+    auto steps = [&]() {
+#if HALSTM_SPLIT
+        return run_split((double)G * H * H * B, [&](int q0, int nq, SpinBarrier *barrier) {
+            return units_steps(q0, nq, barrier);
+        });
+#else
+        return units_steps(0, HP / P, nullptr);
+#endif
     };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
                    u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg)},

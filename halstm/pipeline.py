@@ -72,6 +72,7 @@ class Pipe(Stages):
     dw_cols: int = 1     # weight-gradient tile: input units per tile (a panel of x or h)
     dw_rows: int = 1     # ... and hidden units per tile (a panel of dxp)
     read_outputs: bool = False   # later stages may read an output (see _step_bwd)
+    split_steps: bool = False    # the driver runs a step's units in ranges (see _unit_range)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -181,7 +182,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: dict | None = None) -> 
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     layout = layout or {}
     p = Pipe(kind, cell, K, H, layout.get("panel", 1), layout.get("dw_cols", 1),
-             layout.get("dw_rows", 1), layout.get("read_outputs", False))
+             layout.get("dw_rows", 1), layout.get("read_outputs", False),
+             layout.get("split_steps", False))
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     _SHAPES.clear()
     globals()["_" + kind](p)
@@ -304,11 +306,29 @@ def _step(p: Pipe, save: bool = True) -> None:
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
     # of saved[t] (B, S, H), so a row stride of S*H
     for n, q in enumerate(out.output_buffers()):
-        _constrain(q, [H, None], None if n < len(cell.states) else [1, S * H], bounds=n == 0)
+        _constrain(q, [H, None], None if n < len(cell.states) else [1, S * H],
+                   bounds=n == 0 and not p.split_steps)
     _SHAPES[out.name()] = [H, None]
+    if p.split_steps:
+        _unit_range(p, [(out.output_buffers()[0], H)])
     p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
                 **{"new_" + s: new[s] for s in cell.states}}
     p.rdoms = {"k": r}
+
+
+def _unit_range(p: Pipe, bufs) -> None:
+    """With split_steps, a step computes the units of panels [panel0,
+    panel0 + panels) only: the driver calls it on each of its threads with
+    output views cropped to that range (inputs whole), so that the threads
+    meet at a spin barrier between steps rather than in a thread pool's
+    fork and join. The range starts at a multiple of P, which the compiler
+    then knows (a panel's units stay aligned). bufs: (output buffer, its
+    whole extent along units)."""
+    panel0, panels = hl.Param(hl.Int(32), "panel0"), hl.Param(hl.Int(32), "panels")
+    p.inputs += [panel0, panels]
+    start = p.P * panel0
+    for q, extent in bufs:
+        q.dim(0).set_bounds(start, hl.min(p.P * panels, extent - start))
 
 
 def _step_infer(p: Pipe) -> None:
@@ -379,6 +399,8 @@ def _step_bwd(p: Pipe) -> None:
     for s in cell.states[1:]:
         _fix_output(dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
     p.rdoms = {"jg": r}
+    if p.split_steps:   # every thread computes the pointwise part for all units
+        _unit_range(p, [(f.output_buffer(), Hp if f is dh_prev else H) for f in p.outputs])
 
 
 def _grads(p: Pipe) -> None:

@@ -159,7 +159,14 @@ class Library:
         return dict(zip(("replays", "captures", "direct"), out))
 
     def set_num_threads(self, n: int) -> None:
+        """Threads for this library's parallel loops and time steps (0:
+        HL_NUM_THREADS, else the CPUs this process may use)."""
         self._lib.halstm_set_num_threads(int(n))
+
+    def step_threads(self) -> int:
+        """Threads the last time loop's steps ran on, where the driver
+        splits steps itself (manifest layout split_steps); else 0."""
+        return self._lib.halstm_step_threads()
 
     def _call(self, *args) -> None:
         rc = self._entry(*args)

@@ -53,10 +53,11 @@ class Auto:
         """The family's packed layout; the pipelines as the CPU has them (no
         output read back: Anderson2021 fails with an empty error on such a
         step_bwd, Halide 21); no CUDA graphs (an autoscheduler may give a
-        step a stage of its own in device memory)."""
+        step a stage of its own in device memory); no steps split over the
+        driver's threads (an autoscheduler parallelizes the step itself)."""
         from . import cpu, cuda
         layout = (cuda if self.family == "gpu" else cpu).layout(target)
-        return {k: v for k, v in layout.items() if k not in ("read_outputs", "cuda_graphs")}
+        return {k: v for k, v in layout.items() if k not in ("read_outputs", "cuda_graphs", "split_steps", "split_macs")}
 
     def __getattr__(self, kind):
         if kind in ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads"):

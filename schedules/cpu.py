@@ -34,7 +34,8 @@ def layout(target: hl.Target) -> dict:
     accumulators), 2 vectors x 6 units otherwise (12 of 16)."""
     P = panel(target)
     wide = target.has_feature(hl.TargetFeature.AVX512)
-    return {"panel": P, "dw_cols": (4 if wide else 2) * P, "dw_rows": 6}
+    return {"panel": P, "dw_cols": (4 if wide else 2) * P, "dw_rows": 6,
+            "split_steps": True, "split_macs": SPLIT_MACS}
 
 
 def _vw(target, extent: int) -> int:
@@ -140,27 +141,30 @@ def _panels(extent: int, P: int, want: int) -> int:
     return n
 
 
-# Work below which a stage stays on one thread: waking the pool costs more.
-# Was 1 << 20, from a measurement on a loaded host where forking
-# latency_256_b1's step GEMM (256 x 1024 MACs) cost more than its math. On a
-# quiet host (no steal, 23:30-23:40 on 2026-11-22, `halstm bench --shapes
-# latency_256_b1,small_128_b16 --schedules cpu --peers torch`, three runs)
-# the step on two threads, each with half of W_hh (512 KB) in its own L2,
-# took latency_256_b1 forward from 9.6-10.0 ms (1.31-1.48x PyTorch) to
-# 5.8-7.9 ms (0.74-0.85x); small_128_b16 (4 x 128 x 512 MACs a tile row)
-# 1.11-1.31x -> 0.99-1.02x forward.
-PARALLEL_MACS = 1 << 17
-PARALLEL_ELEMENTS = 1 << 15
+# The time steps run on the driver's threads, not Halide's pool (layout
+# split_steps; see driver.cpp run_split): one thread per SPLIT_MACS
+# multiply-adds of a step, up to the threads available, each on its own
+# range of unit panels, meeting at a spin barrier between steps.
+# History: in Halide's pool, a step forked and joined every time (from 2^17
+# MACs, a threshold that took latency_256_b1 forward from 1.31-1.48x to
+# 0.74-0.85x PyTorch on a quiet host), and the profiler counted 13% of a
+# K=H=512 B=64 step waiting for the other thread. With the driver's
+# threads (2026-11-23, quiet host, host-profile): that step 0.395-0.419 ->
+# 0.344 ms; the layer's forward (no_grad, bench-style medians, two
+# alternations) 68.6/69.0 -> 60.0-63.3 ms. One thread against two at B=1,
+# T=1000 (forward ms): H=128 2.98 vs 1.58, H=256 10.7 vs 6.2, so steps of
+# 2^16 MACs gain from a second thread; H=64 (2^14) stays on one.
+SPLIT_MACS = 1 << 15
 
 
-def _pointwise(f, vw, batch, units):
-    """A pointwise stage f(j, [gate,] b): vectorize units, unroll gates, and
-    run batch rows in parallel where there are enough elements."""
+def _pointwise(f, vw):
+    """A pointwise stage f(j, [gate,] b): vectorize units (guarded: the
+    driver may ask for fewer units than a vector, split_steps), unroll
+    gates."""
     args = f.args()
-    f.vectorize(args[0], vw)
+    f.vectorize(args[0], vw, GUARD)
     if len(args) == 3:
         f.unroll(args[1])
-    f.specialize(batch * units >= PARALLEL_ELEMENTS).parallel(args[-1])
     return f
 
 
@@ -215,7 +219,6 @@ def step(p, target):
     j, b, gate = v["j"], v["b"], v["gate"]
     out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
     batch = p.param("h_prev").dim(1).extent()
-    macs = p.G * H * H
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
     rows = ROWS
@@ -223,9 +226,9 @@ def step(p, target):
     # enough to hide the FMA latency) where H allows whole aligned tiles.
     aligned = H % P == 0
     small_panels = _panels(p.Hp, P, 2) if aligned else 1
-    _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x],
-          par="jo" if rows * macs >= PARALLEL_MACS else None, vec_tail=j_tail,
-          small=(batch < rows, small_panels, "jo" if macs >= PARALLEL_MACS else None))
+    # one thread: the driver runs ranges of units on its threads (split_steps)
+    _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
+          small=(batch < rows, small_panels, None))
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
     if not aligned:                    # whole panels at the guarded edge too
         for f in (acc, act):
@@ -240,20 +243,21 @@ step_infer = step
 
 
 def step_bwd(p, target):
+    """One thread (the driver runs ranges of units on its threads,
+    split_steps): the pointwise backward for every unit (the product reads
+    them all), then dh_prev = W_hh^T dhg for this thread's units."""
     v, H = p.vars, p.H
-    j, k, b = v["j"], v["k"], v["b"]
-    batch = p.param("saved").dim(2).extent()
+    k, b = v["k"], v["b"]
     vw = _vw(target, H)
     names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
     for name in names:
-        _pointwise(p.stage(name).compute_root(), vw, batch, p.G * H)
-        _pointwise(p.stage(name + "_out"), vw, batch, p.G * H)
+        _pointwise(p.stage(name).compute_root(), vw)
+        _pointwise(p.stage(name + "_out"), vw)
     r = p.rdoms["jg"]
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
-          [(b, 4, GUARD)], [r.x, r.y], par="ko" if 4 * p.G * H * H >= PARALLEL_MACS else None,
-          panels=_panels(p.Hp, p.P, 2))
+          [(b, 4, GUARD)], [r.x, r.y], panels=_panels(p.Hp, p.P, 2))
     for s in p.cell.states[1:]:
-        _pointwise(p.stage("dprev_" + s), vw, batch, H)
+        _pointwise(p.stage("dprev_" + s), vw)
 
 
 def gather(p, target):

@@ -84,6 +84,10 @@ CASES = {
     "unbatched_batch_first": dict(unbatched=True, batch_first=True, hx=True, dstate=True),
     "no_bias": dict(bias=False, hx=True, dstate=True),
     "no_bias_L1": dict(bias=False, L=1),
+    # enough work a step for the driver to run its units on several threads
+    # (schedule cpu: one per 2^15 multiply-adds, up to the CPUs; 37 units
+    # are three 16-unit panels, the last one partial)
+    "split_steps": dict(B=24, hx=True, dstate=True),
 }
 
 
@@ -91,6 +95,17 @@ CASES = {
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_matches_reference(cell, case):
     check_case(cell, case)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_steps_split_over_three_threads(cell, monkeypatch):
+    """Each step's units on three threads (one panel each; two CPUs in CI,
+    so the spin barrier between steps also has to yield)."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = check_case(cell, "split_steps")
+    for lib in m._libs.values():
+        if lib.manifest["layout"].get("split_steps"):
+            assert lib.step_threads() == 3, lib.manifest["direction"]
 
 
 def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
@@ -159,6 +174,7 @@ def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
         else:
             assert g.shape == st_shape, k
             assert_close(k, st_out(g), rgrads[k])
+    return m
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
