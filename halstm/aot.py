@@ -339,6 +339,8 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
     if layout.get("split_steps"):   # the driver splits each step over threads
         defines["HALSTM_SPLIT"] = 1
         defines["HALSTM_SPLIT_MACS"] = int(layout["split_macs"])
+    if layout.get("xp_panels"):     # xp stored in panels of P units
+        defines["HALSTM_XP_PANELS"] = 1
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     if cuda:                 # the driver passes device pointers (see driver.cpp)
         defines["HALSTM_CUDA"] = 1

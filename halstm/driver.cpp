@@ -614,7 +614,8 @@ int halstm_step_infer(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
-// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP)
+// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP), or
+// with HALSTM_XP_PANELS (HP/P, T, B, G, P)
 // out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
 // forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
@@ -628,7 +629,11 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     if (rc) return rc;
     // batch and time merged: N = T*B rows
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
+#if HALSTM_XP_PANELS   // xp (HP/P, T*B, G, P): panels of P units (pipeline.py _xp_out)
+    View vxp(xp, {{P, 1}, {G, P}, {T * B, G * P}, {HP / P, T * B * G * P}});
+#else
     View vxp(xp, {{HP, 1}, {G, HP}, {T * B, G * HP}});
+#endif
 #if HALSTM_ONEHOT
     View vids = View::ints(x, T * B);
     rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
@@ -649,7 +654,11 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         (void)q0, (void)nq, (void)barrier;
         int rc = 0;
         for (int t = 0; t < T; t++) {
+#if HALSTM_XP_PANELS
+            View xp_t(xp + (int64_t)t * B * G * P, {{P, 1}, {G, P}, {B, G * P}, {HP / P, T * B * G * P}});
+#else
             View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
+#endif
             View h0 = bh(states[0], t, B), h1 = UNITS(bh(states[0], t + 1, B));
 #if NS == 2
             View c0 = bh(states[1], t, B), c1 = UNITS(bh(states[1], t + 1, B));

@@ -35,7 +35,7 @@ def layout(target: hl.Target) -> dict:
     P = panel(target)
     wide = target.has_feature(hl.TargetFeature.AVX512)
     return {"panel": P, "dw_cols": (4 if wide else 2) * P, "dw_rows": 6,
-            "split_steps": True, "split_macs": SPLIT_MACS}
+            "split_steps": True, "split_macs": SPLIT_MACS, "xp_panels": True}
 
 
 def _vw(target, extent: int) -> int:
@@ -205,10 +205,22 @@ PROJ_CHUNK = 32
 
 
 def proj(p, target):
-    v = p.vars
-    _tile(p.stage("xp"), p.stage("xp_acc"), v["j"], p.P,
-          [(v["gate"], None, None), (v["t"], PROJ_ROWS, GUARD)], [p.rdoms["i"].x], par="jo",
-          chunk=(v["t"], PROJ_CHUNK))
+    """Tiles of PROJ_ROWS rows x every gate of one panel (xp_panels: the
+    tile is one contiguous run of xp), rows in chunks of PROJ_CHUNK tiles;
+    one parallel loop over (chunk, panel) pairs, chunk-major."""
+    out, acc = p.stage("xp"), p.stage("xp_acc")
+    ji, gate, n, jo = out.args()
+    j, r = p.vars["j"], p.rdoms["i"].x
+    rows = out.output_buffer().dim(2).extent()
+    nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
+    for stage, f in ((out.specialize(rows >= PROJ_ROWS), PROJ_ROWS), (out, 1)):
+        stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, PROJ_CHUNK, GUARD)
+        stage.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate).unroll(ni)
+        stage.fuse(jo, nc, jo).parallel(jo)
+    acc.compute_at(out, no)
+    for stage in (acc, acc.update()):
+        stage.vectorize(j, p.P).unroll(gate).unroll(n)
+    acc.update().reorder(j, gate, n, r)
 
 
 def step(p, target):
@@ -261,15 +273,15 @@ def step_bwd(p, target):
 
 
 def gather(p, target):
-    """The one-hot projection: rows of the transposed weights copied, 64
-    rows a task."""
+    """The one-hot projection: rows of the transposed weights copied into
+    xp's panels, 64 rows a task."""
     v = p.vars
-    j, n = v["j"], v["t"]
     wt, xp = p.stage("wt"), p.stage("xp")
-    vw = _vw(target, p.H)
-    wt.compute_root().vectorize(j, vw, ROUND).parallel(v["k"])
+    wt.compute_root().vectorize(v["j"], _vw(target, p.H), ROUND).parallel(v["k"])
+    ji, gate, n, jo = xp.args()
     no, ni = hl.Var("no"), hl.Var("ni")
-    xp.vectorize(j, vw, ROUND).split(n, no, ni, 64, GUARD).parallel(no)
+    xp.reorder(ji, gate, jo, n).vectorize(ji).unroll(gate)
+    xp.split(n, no, ni, 64, GUARD).parallel(no)
 
 
 def grads_ids(p, target):
