@@ -373,6 +373,13 @@ inline void cpu_relax() {
 #endif
 }
 
+// Pauses a thread spins at the barrier before it yields its core at every
+// further check: a step's wait is microseconds, but another runtime's
+// spinning threads (PyTorch's OpenMP pool after its work) may hold a core.
+#ifndef SPIN_PAUSES
+#define SPIN_PAUSES 256
+#endif
+
 struct SpinBarrier {
     explicit SpinBarrier(int n) : n(n) {}
     const int n;
@@ -385,9 +392,8 @@ struct SpinBarrier {
             arrived.store(0, std::memory_order_relaxed);
             phase.store(ph + 1, std::memory_order_release);
         } else {
-            // spin (a step's wait is microseconds), then let others run
             for (long spins = 0; phase.load(std::memory_order_acquire) == ph; spins++) {
-                if (spins < (1 << 16)) cpu_relax();
+                if (spins < SPIN_PAUSES) cpu_relax();
                 else std::this_thread::yield();
             }
         }
