@@ -16,6 +16,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -311,9 +312,11 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
             raise ValueError(f"one-hot index input: schedule {schedule!r} on this target "
                              f"has no {', '.join(missing) or 'CUDA'} pipelines")
         panel = layout["panel"]
+        quantum = 1    # split_steps: the driver's ranges are made of this many panels
         for kind in kinds:
             p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, layout)
             getattr(module, kind)(p, target)
+            quantum = math.lcm(quantum, p.split_quantum)
             files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
             if link:
                 files[hl.OutputFileType.object] = str(out / f"{kind}.o")
@@ -339,6 +342,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
     if layout.get("split_steps"):   # the driver splits each step over threads
         defines["HALSTM_SPLIT"] = 1
         defines["HALSTM_SPLIT_MACS"] = int(layout["split_macs"])
+        defines["HALSTM_SPLIT_QUANTUM"] = quantum
     if layout.get("xp_panels"):     # xp stored in panels of P units
         defines["HALSTM_XP_PANELS"] = 1
     cuda = target.has_feature(hl.TargetFeature.CUDA)

@@ -420,16 +420,19 @@ int threads_available() {
 
 // Run body(panel0, panels, barrier) over the HP / P unit panels on as many
 // threads as the work of a step (macs) is worth (HALSTM_SPLIT_MACS each),
-// each on a contiguous range; barrier NULL when one thread runs them all.
+// each on a contiguous range of whole quanta (HALSTM_SPLIT_QUANTUM panels:
+// the step pipelines' tiles span that many panels at most); barrier NULL
+// when one thread runs them all.
 // Returns the first nonzero code; a worker's error message is copied into
 // this thread's.
 template <class F>
 int run_split(double macs, F body) {
-    const int panels = HP / P;
+    const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
+    static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
     int n = threads_available();
     double worth = macs / HALSTM_SPLIT_MACS;
     if (worth < n) n = worth < 1 ? 1 : (int)worth;
-    if (n > panels) n = panels;
+    if (n > groups) n = groups;
     if (n < 1) n = 1;
     g_last_threads.store(n);
     if (n == 1) return body(0, panels, nullptr);
@@ -438,9 +441,9 @@ int run_split(double macs, F body) {
     std::vector<std::string> errors(n);
     std::atomic<int> go{0};   // 1: run; -1: a thread could not be started
     std::vector<std::thread> workers;
-    auto range = [&](int r, int &q0, int &nq) {
-        q0 = (int)((int64_t)r * panels / n);
-        nq = (int)((int64_t)(r + 1) * panels / n) - q0;
+    auto range = [&](int r, int &q0, int &nq) {   // whole quanta of panels
+        q0 = (int)((int64_t)r * groups / n) * HALSTM_SPLIT_QUANTUM;
+        nq = (int)((int64_t)(r + 1) * groups / n) * HALSTM_SPLIT_QUANTUM - q0;
     };
     try {
         for (int r = 1; r < n; r++) {

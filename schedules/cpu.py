@@ -8,6 +8,8 @@ step reads one contiguous block of the panel. Batch axes (runtime sizes)
 split with GuardWithIf; the pipeline clamps batch reads, so a tile may
 overrun B.
 """
+import math
+
 import halide as hl
 
 SHIFT = hl.TailStrategy.ShiftInwards
@@ -241,6 +243,7 @@ def step(p, target):
     # one thread: the driver runs ranges of units on its threads (split_steps)
     _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
           small=(batch < rows, small_panels, None))
+    p.split_quantum = small_panels     # the driver's ranges: whole tiles
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
     if not aligned:                    # whole panels at the guarded edge too
         for f in (acc, act):
@@ -266,8 +269,16 @@ def step_bwd(p, target):
         _pointwise(p.stage(name).compute_root(), vw)
         _pointwise(p.stage(name + "_out"), vw)
     r = p.rdoms["jg"]
+    # dh tiles of 4 panels x 4 rows (16 accumulators), or below 4 rows 8
+    # panels x 1 row (8), where the panels divide Hp / P and leave the
+    # driver at least two ranges of whole tiles. Was 2 panels for both: 8
+    # accumulators a tile, and 2 at B = 1 (FMA latency-bound).
+    batch = p.param("saved").dim(2).extent()
+    half = max(1, p.Hp // p.P // 2)
+    wide, narrow = _panels(p.Hp, p.P, min(4, half)), _panels(p.Hp, p.P, min(8, half))
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
-          [(b, 4, GUARD)], [r.x, r.y], panels=_panels(p.Hp, p.P, 2))
+          [(b, 4, GUARD)], [r.x, r.y], panels=wide, small=(batch < 4, narrow, None))
+    p.split_quantum = math.lcm(wide, narrow)
     for s in p.cell.states[1:]:
         _pointwise(p.stage("dprev_" + s), vw)
 

@@ -108,6 +108,27 @@ def test_steps_split_over_three_threads(cell, monkeypatch):
             assert lib.step_threads() == 3, lib.manifest["direction"]
 
 
+@pytest.mark.parametrize("batch", [2, 5])
+def test_split_ranges_are_whole_tiles(batch, monkeypatch):
+    """H=128: eight panels; the forward's tiles below 4 rows span two, the
+    backward's four. Three threads asked for: the forward runs ranges of
+    1, 1 and 2 two-panel tiles, the backward two four-panel ones (none
+    overruns into the next range), and the results stay right."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, 128, seed=3)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, batch, I)).astype(np.float32)
+    dy = rng.standard_normal((3, batch, 128)).astype(np.float32)
+    y, finals = call(m, "lstm", x)
+    grads = backward(m, "lstm", dy)
+    ry, rfinals, rgrads = ref_run("lstm", m, x, None, dy, None)
+    assert_close("y", y, ry)
+    for k in ("weight_hh_l0", "weight_ih_l0", "input", "h0", "c0"):
+        assert_close(k, grads[k], rgrads[k])
+    threads = {lib.manifest["direction"]: lib.step_threads() for lib in m._libs.values()}
+    assert threads == {"fwd": 3, "bwd": 2}
+
+
 def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
     """One CASES entry against the reference. put: how the caller's arrays
     are handed to the module (tests/gpu passes device arrays through it)."""
