@@ -269,18 +269,29 @@ def step_bwd(p, target):
         _pointwise(p.stage(name).compute_root(), vw)
         _pointwise(p.stage(name + "_out"), vw)
     r = p.rdoms["jg"]
-    # dh tiles of 4 panels x 4 rows (16 accumulators), or below 4 rows 8
-    # panels x 1 row (8), where the panels divide Hp / P and leave the
-    # driver at least two ranges of whole tiles. Was 2 panels for both: 8
-    # accumulators a tile, and 2 at B = 1 (FMA latency-bound).
+    # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
+    # panels of W_hh^T (G*H*P floats each) would not fit in half an L2
+    # (DH_PANEL_BYTES; they are read once per row tile); below that many
+    # rows, 8 panels x 1 row. Tiles span panels that divide Hp / P and
+    # leave the driver at least two ranges of whole tiles. Was 2 panels x
+    # 4 rows (8 accumulators), and 2 x 1 below 4 rows (FMA latency-bound at
+    # B = 1: latency_256_b1's backward step 6.3 -> 4.2 us with 8 panels,
+    # host-profile). 4 x 4 at H = 1024 (1 MB of panels) took deepbench_1024's
+    # backward step 1.62 -> 2.00 ms.
     batch = p.param("saved").dim(2).extent()
     half = max(1, p.Hp // p.P // 2)
-    wide, narrow = _panels(p.Hp, p.P, min(4, half)), _panels(p.Hp, p.P, min(8, half))
+    fit = max(1, DH_PANEL_BYTES // (p.G * p.H * p.P * 4))
+    wide = _panels(p.Hp, p.P, min(4, half, fit))
+    rows = 4 if wide >= 4 else 8
+    narrow = _panels(p.Hp, p.P, min(8, half))
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
-          [(b, 4, GUARD)], [r.x, r.y], panels=wide, small=(batch < 4, narrow, None))
+          [(b, rows, GUARD)], [r.x, r.y], panels=wide, small=(batch < rows, narrow, None))
     p.split_quantum = math.lcm(wide, narrow)
     for s in p.cell.states[1:]:
         _pointwise(p.stage("dprev_" + s), vw)
+
+
+DH_PANEL_BYTES = 512 << 10
 
 
 def gather(p, target):
