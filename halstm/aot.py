@@ -313,10 +313,12 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
                              f"has no {', '.join(missing) or 'CUDA'} pipelines")
         panel = layout["panel"]
         quantum = 1    # split_steps: the driver's ranges are made of this many panels
+        batch_bytes = 0  # ... or of batch rows, where W_hh is at most this size
         for kind in kinds:
             p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, layout)
             getattr(module, kind)(p, target)
             quantum = math.lcm(quantum, p.split_quantum)
+            batch_bytes = max(batch_bytes, p.split_batch_bytes)
             files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
             if link:
                 files[hl.OutputFileType.object] = str(out / f"{kind}.o")
@@ -343,6 +345,8 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         defines["HALSTM_SPLIT"] = 1
         defines["HALSTM_SPLIT_MACS"] = int(layout["split_macs"])
         defines["HALSTM_SPLIT_QUANTUM"] = quantum
+        defines["HALSTM_SPLIT_ROWS"] = int(layout["split_rows"])
+        defines["HALSTM_SPLIT_BATCH_BYTES"] = batch_bytes
     if layout.get("xp_panels"):     # xp stored in panels of P units
         defines["HALSTM_XP_PANELS"] = 1
     cuda = target.has_feature(hl.TargetFeature.CUDA)

@@ -357,11 +357,11 @@ struct BlockCache {
 // itself at small sizes: the profiler counted 13% of a K=H=512 B=64 step
 // waiting for the other thread.
 
-// A view with axis 0 cropped to [j0, j0 + w) (host points at the min).
-View crop(View v, int j0, int w) {
-    v.buf.host += (int64_t)j0 * v.dim[0].stride * (int64_t)sizeof(float);
-    v.dim[0].min = j0;
-    v.dim[0].extent = w;
+// A view with axis d cropped to [x0, x0 + w) (host points at the min).
+View crop(View v, int d, int x0, int w) {
+    v.buf.host += (int64_t)(x0 - v.dim[d].min) * v.dim[d].stride * (int64_t)sizeof(float);
+    v.dim[d].min = x0;
+    v.dim[d].extent = w;
     return v;
 }
 
@@ -418,42 +418,66 @@ int threads_available() {
     return n > 0 ? n : 1;
 }
 
-// Run body(panel0, panels, barrier) over the HP / P unit panels on as many
-// threads as the work of a step (macs) is worth (HALSTM_SPLIT_MACS each),
-// each on a contiguous range of whole quanta (HALSTM_SPLIT_QUANTUM panels:
-// the step pipelines' tiles span that many panels at most); barrier NULL
-// when one thread runs them all.
-// Returns the first nonzero code; a worker's error message is copied into
-// this thread's.
+// The part of each step one thread computes: the units of panels
+// [q0, q0 + nq) of the batch rows [b0, b0 + nb).
+struct Part {
+    int q0, nq, b0, nb;
+};
+
+// A view with axis 0 (units; `units` of them in the array) cropped to the
+// part's panels and axis `rows` (batch) to its rows.
+View part_of(View v, const Part &part, int units, int rows) {
+    int j0 = part.q0 * P, j1 = (part.q0 + part.nq) * P;
+    v = crop(v, 0, j0, (j1 < units ? j1 : units) - j0);
+    return crop(v, rows, part.b0, part.nb);
+}
+
+// Run body(part, barrier) on as many threads as the work of a step (macs)
+// is worth (HALSTM_SPLIT_MACS each). Batch rows are independent through the
+// whole time loop, so where every thread gets at least HALSTM_SPLIT_ROWS
+// rows (a multiple of every step tile's rows) and W_hh is small enough to
+// be read by every thread (HALSTM_SPLIT_BATCH_BYTES), each thread takes a
+// range of rows and runs without meeting the others (barrier NULL).
+// Otherwise each takes a range of whole quanta of unit panels
+// (HALSTM_SPLIT_QUANTUM panels: the step tiles span that many at most)
+// and they meet at a barrier after every step. Barrier NULL when one
+// thread runs it all. Returns the first nonzero code; a worker's error
+// message is copied into this thread's.
 template <class F>
-int run_split(double macs, F body) {
+int run_split(double macs, int B, F body) {
     const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
     static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
+    const bool by_rows = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES &&
+                         B >= 2 * HALSTM_SPLIT_ROWS;
+    const int units = by_rows ? B / HALSTM_SPLIT_ROWS : groups;
     int n = threads_available();
     double worth = macs / HALSTM_SPLIT_MACS;
     if (worth < n) n = worth < 1 ? 1 : (int)worth;
-    if (n > groups) n = groups;
+    if (n > units) n = units;
     if (n < 1) n = 1;
     g_last_threads.store(n);
-    if (n == 1) return body(0, panels, nullptr);
+    const Part whole{0, panels, 0, B};
+    if (n == 1) return body(whole, nullptr);
+    auto part = [&](int r) {
+        int lo = (int)((int64_t)r * units / n), hi = (int)((int64_t)(r + 1) * units / n);
+        if (by_rows)   // the last range also takes the rows past the whole units
+            return Part{0, panels, lo * HALSTM_SPLIT_ROWS,
+                        (r == n - 1 ? B : hi * HALSTM_SPLIT_ROWS) - lo * HALSTM_SPLIT_ROWS};
+        return Part{lo * HALSTM_SPLIT_QUANTUM, (hi - lo) * HALSTM_SPLIT_QUANTUM, 0, B};
+    };
     SpinBarrier barrier(n);
+    SpinBarrier *meet = by_rows ? nullptr : &barrier;
     std::vector<int> rcs(n, 0);
     std::vector<std::string> errors(n);
     std::atomic<int> go{0};   // 1: run; -1: a thread could not be started
     std::vector<std::thread> workers;
-    auto range = [&](int r, int &q0, int &nq) {   // whole quanta of panels
-        q0 = (int)((int64_t)r * groups / n) * HALSTM_SPLIT_QUANTUM;
-        nq = (int)((int64_t)(r + 1) * groups / n) * HALSTM_SPLIT_QUANTUM - q0;
-    };
     try {
         for (int r = 1; r < n; r++) {
             workers.emplace_back([&, r]() {
                 while (go.load(std::memory_order_acquire) == 0) cpu_relax();
                 if (go.load() < 0) return;
-                int q0, nq;
-                range(r, q0, nq);
                 g_error[0] = 0;
-                rcs[r] = body(q0, nq, &barrier);
+                rcs[r] = body(part(r), meet);
                 if (rcs[r]) errors[r] = g_error;
             });
         }
@@ -461,12 +485,10 @@ int run_split(double macs, F body) {
         go.store(-1, std::memory_order_release);
         for (auto &w : workers) w.join();
         g_last_threads.store(1);
-        return body(0, panels, nullptr);
+        return body(whole, nullptr);
     }
     go.store(1, std::memory_order_release);
-    int q0, nq;
-    range(0, q0, nq);
-    rcs[0] = body(q0, nq, &barrier);
+    rcs[0] = body(part(0), meet);
     for (auto &w : workers) w.join();
     for (int r = 0; r < n; r++) {
         if (!rcs[r]) continue;
@@ -652,15 +674,15 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
 #endif
     if (rc) return rc;
 #if HALSTM_SPLIT
-    // the units of panels [q0, q0 + nq) of every step (see run_split)
-#define UNITS(v) crop(v, q0 * P, (q0 + nq) * P < H ? nq * P : H - q0 * P)
-#define RANGE , q0, nq
+    // this thread's part of every step (see run_split)
+#define PART(v, rows) part_of(v, part, H, rows)
+#define RANGE , part.q0, part.nq
 #else
-#define UNITS(v) v
+#define PART(v, rows) v
 #define RANGE
 #endif
-    auto units_steps = [&](int q0, int nq, void *barrier) {
-        (void)q0, (void)nq, (void)barrier;
+    auto part_steps = [&](const auto &part, void *barrier) {
+        (void)part, (void)barrier;
         int rc = 0;
         for (int t = 0; t < T; t++) {
 #if HALSTM_XP_PANELS
@@ -668,9 +690,9 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
 #else
             View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
 #endif
-            View h0 = bh(states[0], t, B), h1 = UNITS(bh(states[0], t + 1, B));
+            View h0 = bh(states[0], t, B), h1 = PART(bh(states[0], t + 1, B), 1);
 #if NS == 2
-            View c0 = bh(states[1], t, B), c1 = UNITS(bh(states[1], t + 1, B));
+            View c0 = bh(states[1], t, B), c1 = PART(bh(states[1], t + 1, B), 1);
 #endif
             if (!saved) {
 #if NS == 1
@@ -681,10 +703,10 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
 #endif
             } else {
                 const float *saved_t = saved + (int64_t)t * B * S * H;
-                View s0 = UNITS(View(saved_t, {{H, 1}, {B, S * H}}));
-                View s1 = UNITS(View(saved_t + H, {{H, 1}, {B, S * H}}));
-                View s2 = UNITS(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}));
-                View s3 = UNITS(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}));
+                View s0 = PART(View(saved_t, {{H, 1}, {B, S * H}}), 1);
+                View s1 = PART(View(saved_t + H, {{H, 1}, {B, S * H}}), 1);
+                View s2 = PART(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}), 1);
+                View s3 = PART(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}), 1);
 #if NS == 1
                 rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb(),
                                  s0.hb(), s1.hb(), s2.hb(), s3.hb());
@@ -701,15 +723,15 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         }
         return rc;
     };
-#undef UNITS
+#undef PART
 #undef RANGE
     auto steps = [&]() {
 #if HALSTM_SPLIT
-        return run_split((double)G * H * H * B, [&](int q0, int nq, SpinBarrier *barrier) {
-            return units_steps(q0, nq, barrier);
+        return run_split((double)G * H * H * B, B, [&](const Part &part, SpinBarrier *barrier) {
+            return part_steps(part, barrier);
         });
 #else
-        return units_steps(0, HP / P, nullptr);
+        return part_steps(0, nullptr);
 #endif
     };
     return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
@@ -768,28 +790,26 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
 #if HALSTM_SPLIT
-    // the units of panels [q0, q0 + nq) of every step (see run_split)
-#define UNITS(v) crop(v, q0 * P, (q0 + nq) * P < H ? nq * P : H - q0 * P)
-#define PANELS(v) crop(v, q0 * P, nq * P)
-#define RANGE , q0, nq
+    // this thread's part of every step (see run_split)
+#define PART(v, units, rows) part_of(v, part, units, rows)
+#define RANGE , part.q0, part.nq
 #else
-#define UNITS(v) v
-#define PANELS(v) v
+#define PART(v, units, rows) v
 #define RANGE
 #endif
-    auto units_steps = [&](int q0, int nq, void *barrier) {
-        (void)q0, (void)nq, (void)barrier;
+    auto part_steps = [&](const auto &part, void *barrier) {
+        (void)part, (void)barrier;
         int rc = 0;
         for (int t = T - 1; t >= 0; t--) {
             int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
             View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
-            View dxp_t = UNITS(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}));
+            View dxp_t = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
             View dy_t = bh(dy, t, B);
             View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
             View dh1 = dstate_row(dstate[0], cur, B, H);
-            View dh0 = PANELS(dstate_row(dstate[0], nxt, B, HP));
+            View dh0 = PART(dstate_row(dstate[0], nxt, B, HP), HP, 1);
 #if !DXP_IS_DHG
-            View dhg_t = UNITS(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}));
+            View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
 #endif
 #if NS == 1 && DXP_IS_DHG
             rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
@@ -799,7 +819,8 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
                                  dxp_t.hb(), dhg_t.hb(), dh0.hb());
 #else
             View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
-            View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = UNITS(dstate_row(dstate[1], nxt, B, H));
+            View dc1 = dstate_row(dstate[1], cur, B, H);
+            View dc0 = PART(dstate_row(dstate[1], nxt, B, H), H, 1);
 #if DXP_IS_DHG
             rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
                                  dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dh0.hb(), dc0.hb());
@@ -816,16 +837,15 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
         }
         return rc;
     };
-#undef UNITS
-#undef PANELS
+#undef PART
 #undef RANGE
     auto steps = [&]() {
 #if HALSTM_SPLIT
-        return run_split((double)G * H * H * B, [&](int q0, int nq, SpinBarrier *barrier) {
-            return units_steps(q0, nq, barrier);
+        return run_split((double)G * H * H * B, B, [&](const Part &part, SpinBarrier *barrier) {
+            return part_steps(part, barrier);
         });
 #else
-        return units_steps(0, HP / P, nullptr);
+        return part_steps(0, nullptr);
 #endif
     };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),

@@ -75,6 +75,7 @@ class Pipe(Stages):
     split_steps: bool = False    # the driver runs a step's units in ranges (see _unit_range)
     xp_panels: bool = False      # xp stored in panels of P units (see _xp_out)
     split_quantum: int = 1       # (set by the schedule) panels the driver's ranges are made of
+    split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func

@@ -84,10 +84,13 @@ CASES = {
     "unbatched_batch_first": dict(unbatched=True, batch_first=True, hx=True, dstate=True),
     "no_bias": dict(bias=False, hx=True, dstate=True),
     "no_bias_L1": dict(bias=False, L=1),
-    # enough work a step for the driver to run its units on several threads
-    # (schedule cpu: one per 2^15 multiply-adds, up to the CPUs; 37 units
-    # are three 16-unit panels, the last one partial)
-    "split_steps": dict(B=24, hx=True, dstate=True),
+    # enough work a step for the driver to run it on several threads
+    # (schedule cpu: one per 2^15 multiply-adds, up to the CPUs): batch rows
+    # in ranges of 8 or more (the last one 11 rows), or from fewer than 16
+    # rows, ranges of units (37 units: three 16-unit panels, the last one
+    # partial)
+    "split_rows": dict(B=27, hx=True, dstate=True),
+    "split_units": dict(B=12, hx=True, dstate=True),
 }
 
 
@@ -97,15 +100,19 @@ def test_matches_reference(cell, case):
     check_case(cell, case)
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_steps_split_over_three_threads(cell, monkeypatch):
-    """Each step's units on three threads (one panel each; two CPUs in CI,
-    so the spin barrier between steps also has to yield)."""
+@pytest.mark.parametrize("cell, case, threads", [("lstm", "split_rows", 3),
+                                                 ("gru", "split_rows", 3),
+                                                 ("lstm", "split_units", 2)])
+def test_steps_split_over_threads(cell, case, threads, monkeypatch):
+    """Three threads asked for: 27 batch rows run as three ranges of rows;
+    12 rows (too few for ranges of 8) as two ranges of units, which meet at
+    a spin barrier after every step (two CPUs in CI: with three threads the
+    barrier also has to yield). (A GRU step of 12 rows at H=37 is worth one
+    thread, so ranges of units are tested on the LSTM.)"""
     monkeypatch.setenv("HL_NUM_THREADS", "3")
-    m = check_case(cell, "split_steps")
+    m = check_case(cell, case)
     for lib in m._libs.values():
-        if lib.manifest["layout"].get("split_steps"):
-            assert lib.step_threads() == 3, lib.manifest["direction"]
+        assert lib.step_threads() == threads, lib.manifest["direction"]
 
 
 @pytest.mark.parametrize("batch", [2, 5])
