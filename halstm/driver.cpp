@@ -509,6 +509,22 @@ inline bool step_done(SpinBarrier *barrier, int rc) {
 }
 #endif  // HALSTM_SPLIT
 
+#ifndef HALSTM_MODEL
+// A time loop's steps: part_steps(part, barrier) on the driver's threads
+// (HALSTM_SPLIT, see run_split), else the whole of every step here.
+template <class F>
+int run_steps(int B, F part_steps) {
+#if HALSTM_SPLIT
+    return run_split((double)G * H * H * B, B, [&](const Part &part, SpinBarrier *barrier) {
+        return part_steps(part, barrier);
+    });
+#else
+    (void)B;
+    return part_steps(0, nullptr);
+#endif
+}
+#endif
+
 BlockCache g_blocks;
 
 }  // namespace
@@ -725,15 +741,7 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     };
 #undef PART
 #undef RANGE
-    auto steps = [&]() {
-#if HALSTM_SPLIT
-        return run_split((double)G * H * H * B, B, [&](const Part &part, SpinBarrier *barrier) {
-            return part_steps(part, barrier);
-        });
-#else
-        return part_steps(0, nullptr);
-#endif
-    };
+    auto steps = [&]() { return run_steps(B, part_steps); };
     return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                      u64(states[0]), u64(states[NS - 1])}, steps);
 }
@@ -839,15 +847,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     };
 #undef PART
 #undef RANGE
-    auto steps = [&]() {
-#if HALSTM_SPLIT
-        return run_split((double)G * H * H * B, B, [&](const Part &part, SpinBarrier *barrier) {
-            return part_steps(part, barrier);
-        });
-#else
-        return part_steps(0, nullptr);
-#endif
-    };
+    auto steps = [&]() { return run_steps(B, part_steps); };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
                    u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg)},
                   steps);
