@@ -41,6 +41,12 @@
 
 #define HP ((H + P - 1) / P * P)
 #define KP ((K + P - 1) / P * P)
+// the step pipelines' extra arguments with HALSTM_SPLIT: int panel0, panels
+#if HALSTM_SPLIT
+#define RANGE_ARGS , int, int
+#else
+#define RANGE_ARGS
+#endif
 
 namespace {
 
@@ -640,11 +646,6 @@ int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
 // outputs new[NS], saved channels[S]
 static_assert(S == 4, "the driver passes four saved channels; extend it for other cells");
 #define HB halide_buffer_t *
-#if HALSTM_SPLIT
-#define RANGE_ARGS , int, int
-#else
-#define RANGE_ARGS
-#endif
 #if NS == 1
 int halstm_step(HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB);
 #else
@@ -656,7 +657,6 @@ int halstm_step_infer(HB, HB, HB, HB RANGE_ARGS, HB);
 #else
 int halstm_step_infer(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
 #endif
-#undef RANGE_ARGS
 #undef HB
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
@@ -751,11 +751,6 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
 #define HB halide_buffer_t *
 // inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh (with HALSTM_SPLIT then
 // int panel0, panels); outputs dxp, [dhg], dprev[NS]
-#if HALSTM_SPLIT
-#define RANGE_ARGS , int, int
-#else
-#define RANGE_ARGS
-#endif
 #if NS == 1 && DXP_IS_DHG
 int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
 #elif NS == 1
@@ -765,7 +760,6 @@ int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
 #else
 int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB);
 #endif
-#undef RANGE_ARGS
 int halstm_pack_bwd(HB, HB, HB, HB);
 #if HALSTM_ONEHOT && DXP_IS_DHG
 int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB);
