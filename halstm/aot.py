@@ -346,6 +346,7 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         defines["HALSTM_SPLIT_MACS"] = int(layout["split_macs"])
         defines["HALSTM_SPLIT_QUANTUM"] = quantum
         defines["HALSTM_SPLIT_ROWS"] = int(layout["split_rows"])
+        defines["HALSTM_SPLIT_CALL_MACS"] = int(layout["split_call_macs"])
         defines["HALSTM_SPLIT_BATCH_BYTES"] = batch_bytes
     if layout.get("xp_panels"):     # xp stored in panels of P units
         defines["HALSTM_XP_PANELS"] = 1

@@ -439,7 +439,8 @@ View part_of(View v, const Part &part, int units, int rows) {
 }
 
 // Run body(part, barrier) on as many threads as the work of a step (macs)
-// is worth (HALSTM_SPLIT_MACS each). Batch rows are independent through the
+// is worth (HALSTM_SPLIT_MACS each), where the whole loop (T steps) is
+// worth starting threads for (HALSTM_SPLIT_CALL_MACS). Batch rows are independent through the
 // whole time loop, so where every thread gets at least HALSTM_SPLIT_ROWS
 // rows (a multiple of every step tile's rows) and W_hh is small enough to
 // be read by every thread (HALSTM_SPLIT_BATCH_BYTES), each thread takes a
@@ -450,7 +451,7 @@ View part_of(View v, const Part &part, int units, int rows) {
 // thread runs it all. Returns the first nonzero code; a worker's error
 // message is copied into this thread's.
 template <class F>
-int run_split(double macs, int B, F body) {
+int run_split(double macs, int T, int B, F body) {
     const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
     static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
     const bool by_rows = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES &&
@@ -459,6 +460,7 @@ int run_split(double macs, int B, F body) {
     int n = threads_available();
     double worth = macs / HALSTM_SPLIT_MACS;
     if (worth < n) n = worth < 1 ? 1 : (int)worth;
+    if (macs * T < HALSTM_SPLIT_CALL_MACS) n = 1;   // starting a thread costs more
     if (n > units) n = units;
     if (n < 1) n = 1;
     g_last_threads.store(n);
@@ -519,13 +521,13 @@ inline bool step_done(SpinBarrier *barrier, int rc) {
 // A time loop's steps: part_steps(part, barrier) on the driver's threads
 // (HALSTM_SPLIT, see run_split), else the whole of every step here.
 template <class F>
-int run_steps(int B, F part_steps) {
+int run_steps(int T, int B, F part_steps) {
 #if HALSTM_SPLIT
-    return run_split((double)G * H * H * B, B, [&](const Part &part, SpinBarrier *barrier) {
+    return run_split((double)G * H * H * B, T, B, [&](const Part &part, SpinBarrier *barrier) {
         return part_steps(part, barrier);
     });
 #else
-    (void)B;
+    (void)T, (void)B;
     return part_steps(0, nullptr);
 #endif
 }
@@ -741,7 +743,7 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     };
 #undef PART
 #undef RANGE
-    auto steps = [&]() { return run_steps(B, part_steps); };
+    auto steps = [&]() { return run_steps(T, B, part_steps); };
     return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                      u64(states[0]), u64(states[NS - 1])}, steps);
 }
@@ -841,7 +843,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     };
 #undef PART
 #undef RANGE
-    auto steps = [&]() { return run_steps(B, part_steps); };
+    auto steps = [&]() { return run_steps(T, B, part_steps); };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
                    u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg)},
                   steps);

@@ -38,7 +38,7 @@ def layout(target: hl.Target) -> dict:
     wide = target.has_feature(hl.TargetFeature.AVX512)
     return {"panel": P, "dw_cols": (4 if wide else 2) * P, "dw_rows": 6,
             "split_steps": True, "split_macs": SPLIT_MACS, "split_rows": SPLIT_ROWS,
-            "xp_panels": True}
+            "split_call_macs": SPLIT_CALL_MACS, "xp_panels": True}
 
 
 def _vw(target, extent: int) -> int:
@@ -158,6 +158,11 @@ def _panels(extent: int, P: int, want: int) -> int:
 # T=1000 (forward ms): H=128 2.98 vs 1.58, H=256 10.7 vs 6.2, so steps of
 # 2^16 MACs gain from a second thread; H=64 (2^14) stays on one.
 SPLIT_MACS = 1 << 15
+# ... and only where the whole time loop has SPLIT_CALL_MACS multiply-adds
+# or more: starting a thread costs about 25 us a call (a T=1 forward at
+# K=H=128 B=16: 88.7 us on one thread, 113.3 on two), the time 3 M MACs
+# take on one core.
+SPLIT_CALL_MACS = 1 << 23
 # Batch rows are independent through a whole time loop: where each thread
 # gets SPLIT_ROWS rows or more (a multiple of every step tile's rows) and
 # W_hh (G*H*H floats, read whole by every thread each step) is small enough

@@ -84,13 +84,13 @@ CASES = {
     "unbatched_batch_first": dict(unbatched=True, batch_first=True, hx=True, dstate=True),
     "no_bias": dict(bias=False, hx=True, dstate=True),
     "no_bias_L1": dict(bias=False, L=1),
-    # enough work a step for the driver to run it on several threads
-    # (schedule cpu: one per 2^15 multiply-adds, up to the CPUs): batch rows
-    # in ranges of 8 or more (the last one 11 rows), or from fewer than 16
-    # rows, ranges of units (37 units: three 16-unit panels, the last one
-    # partial)
-    "split_rows": dict(B=27, hx=True, dstate=True),
-    "split_units": dict(B=12, hx=True, dstate=True),
+    # enough work for the driver to run the steps on several threads
+    # (schedule cpu: one per 2^15 multiply-adds of a step, up to the CPUs,
+    # where the loop has 2^23 or more): batch rows in ranges of 8 or more
+    # (the last one 11 rows), or from fewer than 16 rows, ranges of units
+    # (37 units: three 16-unit panels, the last one partial)
+    "split_rows": dict(T=80, B=27, hx=True, dstate=True),
+    "split_units": dict(T=130, B=12, hx=True, dstate=True),
 }
 
 
@@ -115,6 +115,18 @@ def test_steps_split_over_threads(cell, case, threads, monkeypatch):
         assert lib.step_threads() == threads, lib.manifest["direction"]
 
 
+def test_a_short_loop_stays_on_one_thread(monkeypatch):
+    """A step worth 32 threads (H=128, B=16), but one step a call (as when
+    sampling): starting a thread would cost more than the loop."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, 128, seed=3)
+    x = np.random.default_rng(5).standard_normal((1, 16, I)).astype(np.float32)
+    y, _ = call(m, "lstm", x)
+    ry, _, _ = ref_run("lstm", m, x, None, np.zeros_like(y), None)
+    assert_close("y", y, ry)
+    assert [lib.step_threads() for lib in m._libs.values()] == [1]
+
+
 @pytest.mark.parametrize("batch", [2, 5])
 def test_split_ranges_are_whole_tiles(batch, monkeypatch):
     """H=128: eight panels; the forward's tiles below 4 rows span two, the
@@ -124,8 +136,8 @@ def test_split_ranges_are_whole_tiles(batch, monkeypatch):
     monkeypatch.setenv("HL_NUM_THREADS", "3")
     m = halstm.LSTM(I, 128, seed=3)
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((3, batch, I)).astype(np.float32)
-    dy = rng.standard_normal((3, batch, 128)).astype(np.float32)
+    x = rng.standard_normal((64, batch, I)).astype(np.float32)
+    dy = rng.standard_normal((64, batch, 128)).astype(np.float32)
     y, finals = call(m, "lstm", x)
     grads = backward(m, "lstm", dy)
     ry, rfinals, rgrads = ref_run("lstm", m, x, None, dy, None)
