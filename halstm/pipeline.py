@@ -350,7 +350,8 @@ def _unit_range(p: Pipe, bufs) -> None:
     panel0 + panels) only: the driver calls it on each of its threads with
     output views cropped to that range (inputs whole), so that the threads
     meet at a spin barrier between steps rather than in a thread pool's
-    fork and join. The range starts at a multiple of P, which the compiler
+    fork and join (or with the whole range and a crop of batch rows: see
+    driver.cpp run_split). The range starts at a multiple of P, which the compiler
     then knows (a panel's units stay aligned). bufs: (output buffer, its
     whole extent along units)."""
     panel0, panels = hl.Param(hl.Int(32), "panel0"), hl.Param(hl.Int(32), "panels")
@@ -428,7 +429,7 @@ def _step_bwd(p: Pipe) -> None:
     for s in cell.states[1:]:
         _fix_output(dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
     p.rdoms = {"jg": r}
-    if p.split_steps:   # every thread computes the pointwise part for all units
+    if p.split_steps:   # with ranges of units, each thread computes the pointwise part for all
         _unit_range(p, [(f.output_buffer(), Hp if f is dh_prev else H) for f in p.outputs])
 
 
