@@ -355,9 +355,10 @@ struct BlockCache {
 
 #if HALSTM_SPLIT
 // Steps split across threads by the driver (the layout's split_steps): each
-// thread runs the whole time loop over its own range of unit panels (the
-// step pipelines take panel0 and panels, and their output views are cropped
-// to that range), and the threads meet at a spin barrier after every step,
+// thread runs the whole time loop over its own part of every step, a range
+// of batch rows or of unit panels (the step pipelines take panel0 and
+// panels, and their output views are cropped to the part; see run_split);
+// threads with ranges of units meet at a spin barrier after every step,
 // since the next step reads every unit of this one's state. A thread pool's
 // fork and join per step (Halide's parallel loop) cost more than the step
 // itself at small sizes: the profiler counted 13% of a K=H=512 B=64 step
@@ -509,15 +510,34 @@ int run_split(double macs, int T, int B, F body) {
     return 0;
 }
 
-// After a step: false if this thread or another failed (stop the loop).
-inline bool step_done(SpinBarrier *barrier, int rc) {
-    if (!barrier) return rc == 0;
-    if (rc) barrier->failed.store(true, std::memory_order_release);
-    return barrier->wait();
-}
 #endif  // HALSTM_SPLIT
 
 #ifndef HALSTM_MODEL
+// In a time loop, the views a thread's part of a step writes (PART: axis 0
+// of `units` units, batch axis `rows`) and the step pipelines' range
+// arguments (RANGE); with one thread doing all of it, the views whole.
+#if HALSTM_SPLIT
+#define PART(v, units, rows) part_of(v, part, units, rows)
+#define RANGE , part.q0, part.nq
+#else
+#define PART(v, units, rows) v
+#define RANGE
+#endif
+
+// After a step: false if this thread or another failed (stop the loop).
+inline bool step_done(void *barrier, int rc) {
+#if HALSTM_SPLIT
+    if (barrier) {
+        auto *b = (SpinBarrier *)barrier;
+        if (rc) b->failed.store(true, std::memory_order_release);
+        return b->wait();
+    }
+#else
+    (void)barrier;
+#endif
+    return rc == 0;
+}
+
 // A time loop's steps: part_steps(part, barrier) on the driver's threads
 // (HALSTM_SPLIT, see run_split), else the whole of every step here.
 template <class F>
@@ -678,11 +698,15 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     if (rc) return rc;
     // batch and time merged: N = T*B rows
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
-#if HALSTM_XP_PANELS   // xp (HP/P, T*B, G, P): panels of P units (pipeline.py _xp_out)
-    View vxp(xp, {{P, 1}, {G, P}, {T * B, G * P}, {HP / P, T * B * G * P}});
-#else
-    View vxp(xp, {{HP, 1}, {G, HP}, {T * B, G * HP}});
+    // xp's rows [n0, n0 + rows) of N = T*B (rows n = t*B + b)
+    auto xp_rows = [&](int n0, int rows) {
+#if HALSTM_XP_PANELS   // (HP/P, T*B, G, P): panels of P units (pipeline.py _xp_out)
+        return View(xp + (int64_t)n0 * G * P, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, T * B * G * P}});
+#else                  // (T*B, G, HP)
+        return View(xp + (int64_t)n0 * G * HP, {{HP, 1}, {G, HP}, {rows, G * HP}});
 #endif
+    };
+    View vxp = xp_rows(0, T * B);
 #if HALSTM_ONEHOT
     View vids = View::ints(x, T * B);
     rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
@@ -691,26 +715,14 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
 #endif
     if (rc) return rc;
-#if HALSTM_SPLIT
-    // this thread's part of every step (see run_split)
-#define PART(v, rows) part_of(v, part, H, rows)
-#define RANGE , part.q0, part.nq
-#else
-#define PART(v, rows) v
-#define RANGE
-#endif
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
         for (int t = 0; t < T; t++) {
-#if HALSTM_XP_PANELS
-            View xp_t(xp + (int64_t)t * B * G * P, {{P, 1}, {G, P}, {B, G * P}, {HP / P, T * B * G * P}});
-#else
-            View xp_t(xp + (int64_t)t * B * G * HP, {{HP, 1}, {G, HP}, {B, G * HP}});
-#endif
-            View h0 = bh(states[0], t, B), h1 = PART(bh(states[0], t + 1, B), 1);
+            View xp_t = xp_rows(t * B, B);
+            View h0 = bh(states[0], t, B), h1 = PART(bh(states[0], t + 1, B), H, 1);
 #if NS == 2
-            View c0 = bh(states[1], t, B), c1 = PART(bh(states[1], t + 1, B), 1);
+            View c0 = bh(states[1], t, B), c1 = PART(bh(states[1], t + 1, B), H, 1);
 #endif
             if (!saved) {
 #if NS == 1
@@ -721,10 +733,10 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
 #endif
             } else {
                 const float *saved_t = saved + (int64_t)t * B * S * H;
-                View s0 = PART(View(saved_t, {{H, 1}, {B, S * H}}), 1);
-                View s1 = PART(View(saved_t + H, {{H, 1}, {B, S * H}}), 1);
-                View s2 = PART(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}), 1);
-                View s3 = PART(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}), 1);
+                View s0 = PART(View(saved_t, {{H, 1}, {B, S * H}}), H, 1);
+                View s1 = PART(View(saved_t + H, {{H, 1}, {B, S * H}}), H, 1);
+                View s2 = PART(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}), H, 1);
+                View s3 = PART(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}), H, 1);
 #if NS == 1
                 rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb(),
                                  s0.hb(), s1.hb(), s2.hb(), s3.hb());
@@ -733,16 +745,10 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
                                  h1.hb(), c1.hb(), s0.hb(), s1.hb(), s2.hb(), s3.hb());
 #endif
             }
-#if HALSTM_SPLIT
-            if (!step_done((SpinBarrier *)barrier, rc)) break;
-#else
-            if (rc) break;
-#endif
+            if (!step_done(barrier, rc)) break;
         }
         return rc;
     };
-#undef PART
-#undef RANGE
     auto steps = [&]() { return run_steps(T, B, part_steps); };
     return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                      u64(states[0]), u64(states[NS - 1])}, steps);
@@ -793,14 +799,6 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
-#if HALSTM_SPLIT
-    // this thread's part of every step (see run_split)
-#define PART(v, units, rows) part_of(v, part, units, rows)
-#define RANGE , part.q0, part.nq
-#else
-#define PART(v, units, rows) v
-#define RANGE
-#endif
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
@@ -833,16 +831,10 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
                                  dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
 #endif
 #endif
-#if HALSTM_SPLIT
-            if (!step_done((SpinBarrier *)barrier, rc)) break;
-#else
-            if (rc) break;
-#endif
+            if (!step_done(barrier, rc)) break;
         }
         return rc;
     };
-#undef PART
-#undef RANGE
     auto steps = [&]() { return run_steps(T, B, part_steps); };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
                    u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg)},
