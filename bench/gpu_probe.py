@@ -39,14 +39,27 @@ def main():
     ap.add_argument("--target", default="host-cuda")
     ap.add_argument("--schedule", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--forward-only", action="store_true", help="time the forward pass only")
+    ap.add_argument("--check", action="store_true",
+                    help="compare the forward's output with the numpy reference first")
     a = ap.parse_args()
     cls = halstm.LSTM if a.cell == "lstm" else halstm.GRU
     m = cls(a.input_size, a.hidden_size, target=a.target, schedule=a.schedule, seed=0)
     rng = np.random.default_rng(0)
     x = cuda.DeviceArray.from_numpy(rng.standard_normal((a.steps, a.batch, a.input_size)))
     dy = cuda.DeviceArray.from_numpy(rng.standard_normal((a.steps, a.batch, a.hidden_size)))
+    if a.check:
+        from halstm import reference
+        params = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v))
+                  for k, v in m.state_dict().items()}
+        want = reference.forward(a.cell, params, x.numpy())[0]
+        got = m(x)[0].numpy()
+        err = float(np.max(np.abs(got - want)))
+        print(f"forward max |halstm - reference| = {err:.2e}")
+        if not err < 1e-4:
+            raise SystemExit(f"forward differs from the reference by {err:.2e}")
     fwd = median_ms(lambda: m(x), a.reps)
-    bwd = median_ms(lambda: m.backward(dy), a.reps)
+    bwd = float("nan") if a.forward_only else median_ms(lambda: m.backward(dy), a.reps)
     lib = m._lib(0, "fwd")
     print(f"{a.cell} I={a.input_size} H={a.hidden_size} B={a.batch} T={a.steps} "
           f"target {lib.manifest['target']}, schedule {lib.manifest['schedule']}")

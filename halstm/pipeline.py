@@ -248,7 +248,7 @@ def _proj(p: Pipe) -> None:
     xp_acc, xp = _matmul("xp", [j, gate, n], b_ih[hl.min(j, H - 1), gate],
                          lambda: w(gate, r.x) * xin[r.x, n])
     p.inputs = [x, wp_ih, b_ih]
-    p.stages = {"xp_acc": xp_acc, "xp": _xp_out(p, xp)}
+    p.stages = {"xp_acc": xp_acc, "xp": _xp_out(p, xp), "x_in": xin}
     p.rdoms = {"i": r}
 
 
@@ -341,7 +341,8 @@ def _step(p: Pipe, save: bool = True) -> None:
     if p.split_steps:
         _unit_range(p, [(out.output_buffers()[0], H)])
     p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
-                **{"new_" + s: new[s] for s in cell.states}}
+                **{"new_" + s: new[s] for s in cell.states},
+                **{"prev_in_" + s: prev_in[s] for s in cell.states}}   # (a schedule may stage h)
     p.rdoms = {"k": r}
 
 
@@ -461,8 +462,9 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     if not ids:
         wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
         w = _packed(wq_ih, i, P)
+        dxp_in = stages["dxp_in"] = _clamp(dxp, (2,))
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
-            "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * _clamp(dxp, (2,))[rg.x, rg.y, n])
+            "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * dxp_in[rg.x, rg.y, n])
     # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are
     # first packed into panels contiguous along n (C input units, resp. R
     # hidden units with all gates), so that a tile streams two dense blocks.

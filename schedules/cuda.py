@@ -231,6 +231,14 @@ def _batch_rows(H: int) -> int:
 # 0.50/1.06 against 0.44-0.64/0.94-1.17. L2 traffic does not limit them.
 def proj(p, target):
     v = p.vars
+    if _lanes_fit(p.H):
+        notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
+                     "(T*B) where T*B >= 8, one row otherwise; x staged in chunks and shuffled")
+        out = p.stage("xp")
+        _lanes_product(out, p.stage("xp_acc"), v["j"], v["t"], 8, [v["gate"]], p.rdoms["i"].x,
+                       p.K, out.output_buffers()[0].dim(2).extent(), p.stage("x_in"), 1,
+                       out_tile=[v["gate"]])
+        return
     rows = ROWS if p.H < 512 else ROWS // 2      # more tiles (see DW_WARPS)
     notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
                  f"where T*B >= {rows}, one row otherwise")
@@ -253,6 +261,110 @@ def step(p, target):
           tile_from=first)
 
 
+def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,
+                   staged, slices, units=1, gates=None, chunk=LANES, unroll=8, out_tile=()):
+    """A per-step product in the style of Halide's apps/conv_layer: blocks of
+    `slices` warps over (32*units units x `rows` batch rows); each warp sums
+    one slice of the reduction for the block's whole tile in registers
+    striped across its lanes (MemoryType.Register at block level with
+    gpu_lanes: every lane keeps its units' accumulators, units lane + 32*u),
+    chunk by chunk; each chunk of the broadcast operand (`staged`, chunk x
+    ... x rows values) is loaded by the lanes together, coalesced, and
+    handed out by warp shuffles, where the register-tile schedule issued a
+    broadcast load per value per reduction step. The warps' sums meet in
+    shared memory and warp 0 finishes (bias, cell, stores).
+    out(lane, rows_var) or acc's copy; acc(lane, *tile, rows_var): the
+    accumulator, its update over `reduce` (extent reduce_extent, split into
+    slices and chunks) and `gates` (a second, small RVar, unrolled); extent:
+    the runtime extent of rows_var. Below `rows` rows, one row a block."""
+    lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
+    lu = hl.Var(lane.name() + "u")
+    bo, bi = hl.Var(rows_var.name() + "o"), hl.Var(rows_var.name() + "i")
+    for stage, f in ((out.specialize(extent >= rows), rows), (out, 1)):
+        stage.split(lane, lo, li, LANES * units, GUARD).split(li, lu, li, LANES) \
+             .split(rows_var, bo, bi, f, SHIFT) \
+             .reorder(bi, *out_tile, lu, li, lo, bo).gpu_blocks(lo, bo).gpu_lanes(li) \
+             .unroll(bi).unroll(lu)
+        for v in out_tile:
+            stage.unroll(v)
+    inner = list(tile) + [rows_var]
+    if units > 1:
+        acc.bound_extent(lane, LANES * units)      # a guarded edge block still computes it all
+    ro, ri = hl.RVar(acc.name() + "_ro"), hl.RVar(acc.name() + "_ri")
+    rko, rki, rkii = (hl.RVar(acc.name() + n) for n in ("_rko", "_rki", "_rkii"))
+    u = hl.Var(acc.name() + "_u")
+    part = acc.update().split(reduce, ro, ri, -(-reduce_extent // slices), GUARD).rfactor(ro, u)
+    whole = part.in_(acc)               # the warps' sums (shared memory)
+    g = [] if gates is None else [gates]
+
+    def lanes(stage, *outer):
+        """lane split into in-lane units and the lanes, the lanes outermost
+        of the listed loops (one thread loop, no barrier between elements)"""
+        stage.split(lane, lu, li, LANES).reorder(*inner, lu, li, *outer) \
+             .gpu_lanes(li).unroll(lu)
+        for v in inner:
+            stage.unroll(v)
+        return stage
+
+    acc.compute_at(out, lo).store_in(hl.MemoryType.Register)
+    lanes(acc)
+    lanes(acc.update(), ro).unroll(ro)
+    whole.compute_at(out, lo)
+    lanes(whole, u).gpu_threads(u)
+    part.compute_at(whole, u).store_in(hl.MemoryType.Register)
+    lanes(part, u).unroll(u)
+    pu = part.update()
+    pu.split(ri, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
+    pu.split(lane, lu, li, LANES).reorder(*inner, lu, li, u, *g, rkii, rki, rko) \
+      .gpu_lanes(li).unroll(lu).unroll(u).unroll(rkii)
+    for v in inner + g:
+        pu.unroll(v)
+    sv = staged.args()
+    st = staged.in_(part).compute_at(part, rko).store_in(hl.MemoryType.Register) \
+        .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
+    for v in sv[1:]:
+        st.unroll(v)
+    return out
+
+
+def _lanes_slices(H: int, want: int) -> int:
+    """Warps a lanes product's reduction is split over: at most `want`, and
+    each slice at least a warp's width (a chunk staged in lanes)."""
+    while want > 1 and H < want * LANES:
+        want //= 2
+    return want
+
+
+def _step_lanes(p, target):
+    """The forward step as a lanes product (see _lanes_product); used where
+    it measured faster than the register tiles (step below)."""
+    v = p.vars
+    rows = 8 if p.H >= 1024 else 4
+    slices = _lanes_slices(p.H, 8)
+    notes.append(f"step: one kernel; a lane holds every gate of one unit for {rows} batch rows "
+                 f"where B >= {rows}, one row otherwise; the {p.H}-long reduction split over "
+                 f"{slices} warps, h staged in chunks of {LANES} and shuffled")
+    extent = p.stage("out").output_buffers()[0].dim(1).extent()
+    _lanes_product(p.stage("out"), p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
+                   p.rdoms["k"].x, p.H, extent, p.stage("prev_in_h"), slices)
+
+
+def _lanes_fit(H: int) -> bool:
+    """Where the per-step products use _lanes_product: from H = 512 (below
+    it the register tiles were faster: small_128_b16's forward step 4.2 ->
+    11.6 us, H100), and H a multiple of a warp (at other H the GRU's
+    accumulator was not striped across lanes: Halide refused its index)."""
+    return H >= 512 and H % LANES == 0
+
+
+def _step_choice(p, target):
+    if _lanes_fit(p.H):
+        return _step_lanes(p, target)
+    return _step_tile(p, target)
+
+
+_step_tile = step
+step = _step_choice
 # A step that stores the new states only: the same loop nest.
 step_infer = step
 
@@ -285,6 +397,18 @@ def step_bwd(p, target):
     first_rows = _tile_from(p.H)
     notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
+    if _lanes_fit(p.H):
+        units = 2 if p.H >= 1024 else 1
+        slices = _lanes_slices(p.H, 8)
+        notes.append(f"step_bwd: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
+                     f"batch rows a lane where B >= 8, one row otherwise; {slices} warps, "
+                     f"dhg staged in chunks of {LANES} and shuffled")
+        out = p.stage("dprev_h")
+        _lanes_product(out, p.stage("dh_prev_acc"), v["k"], v["b"], 8, [], r.x, p.H,
+                       out.output_buffers()[0].dim(1).extent(),
+                       p.stage("dxp_out" if p.cell.dxp_is_dhg else "dhg_out"), slices,
+                       units=units, gates=r.y, unroll=4)
+        return
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
           [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H,
           tile_from=first_rows)
@@ -337,14 +461,22 @@ def grads(p, target):
     # (and from H = 512 too: see _gemm_unroll)
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
     unroll = _gemm_unroll(p.H)[1]
-    notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread; dW with "
-                 f"4 input x 4 hidden units x every gate a thread")
+    notes.append("grads: dW with 4 input x 4 hidden units x every gate a thread")
+    if not _lanes_fit(p.H):
+        notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread")
     # From H = 512, dx sums each gate's part on the grid of its own (4x the
     # tiles), then the four parts: backward (bench/gpu_probe.py, H100,
     # results/gpu_dx_variants.txt) 5.48 -> 4.19 ms at H=1024 B=64 T=25
     # (4.45-4.48 in other runs), 14.87 -> 13.79 at H=2048 B=32 T=50, 4.90 ->
     # 4.77 at H=512 B=64 T=100.
-    if p.H >= 512:
+    if _lanes_fit(p.H):
+        notes.append("grads: dx = W_ih^T dxp as a lanes product; 4 input units x 8 rows a lane, "
+                     "the reduction over 2 warps, dxp staged in chunks and shuffled")
+        out = p.stage("dx")
+        _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
+                       out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
+                       _lanes_slices(p.H, 2), units=4, gates=rg.y, unroll=4)
+    elif p.H >= 512:
         notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")
         part = p.stage("dx_acc").update().rfactor(rg.y, g)

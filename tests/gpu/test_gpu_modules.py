@@ -99,17 +99,25 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B):
         tm.assert_close(k, g, rgrads[k])
 
 
-# From H=512 the projection takes 8 rows a thread and the steps 8 batch
-# rows; dW splits its rows into parts only below that.
-@pytest.mark.parametrize("T,B", [(3, 9), (20, 1)])
-def test_cuda_schedule_large_hidden(T, B):
+# From H=512 (a multiple of 32) the per-step products, the projection and
+# dx are lanes products (schedules/cuda.py _lanes_product): 8 rows a lane
+# (4 in the forward step below H=1024) where there are that many, one row
+# otherwise; two units a lane in dh from H=1024, four in dx. These (T, B)
+# give whole tiles with a shifted edge tile (9, 17), too few rows for a
+# tile (3, and N = T*B = 3), and batch 1 over 20 steps; two layers, so that
+# layer 2's projection and dx reduce over K = H. dW splits its rows into
+# parts only below H=512.
+@pytest.mark.parametrize("T,B", [(3, 9), (1, 3), (20, 1), (2, 17)])
+@pytest.mark.parametrize("H", [512, 1024])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_cuda_schedule_large_hidden(cell, H, T, B):
     rng = np.random.default_rng(T + B)
-    m = halstm.LSTM(tm.I, 512, seed=0, target=TARGET)
+    m = tm.CLASSES[cell](tm.I, H, num_layers=2, seed=0, target=TARGET)
     x = rng.standard_normal((T, B, tm.I)).astype(np.float32)
-    dy = rng.standard_normal((T, B, 512)).astype(np.float32)
-    y, _ = m(x)
-    grads = m.backward(dy)
-    ry, _, rgrads = tm.ref_run("lstm", m, x, None, dy, None)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    y, _ = tm.call(m, cell, x)
+    grads = tm.backward(m, cell, dy)
+    ry, _, rgrads = tm.ref_run(cell, m, x, None, dy, None)
     tm.assert_close("y", y, ry)
     for k, g in grads.items():
         tm.assert_close(k, g, rgrads[k])
