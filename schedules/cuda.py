@@ -231,7 +231,9 @@ def _batch_rows(H: int) -> int:
 # 0.50/1.06 against 0.44-0.64/0.94-1.17. L2 traffic does not limit them.
 def proj(p, target):
     v = p.vars
-    if _lanes_fit(p.H):
+    # (K a multiple of a warp too: the chunks of x staged in lanes are a
+    # warp wide, and x is clamped along its rows only)
+    if _lanes_fit(p.H) and p.K % LANES == 0:
         notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
                      "(T*B) where T*B >= 8, one row otherwise; x staged in chunks and shuffled")
         out = p.stage("xp")
@@ -398,7 +400,7 @@ def step_bwd(p, target):
     notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
     if _lanes_fit(p.H):
-        units = 2 if p.H >= 1024 else 1
+        units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
         slices = _lanes_slices(p.H, 8)
         notes.append(f"step_bwd: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
                      f"batch rows a lane where B >= 8, one row otherwise; {slices} warps, "
@@ -470,12 +472,13 @@ def grads(p, target):
     # (4.45-4.48 in other runs), 14.87 -> 13.79 at H=2048 B=32 T=50, 4.90 ->
     # 4.77 at H=512 B=64 T=100.
     if _lanes_fit(p.H):
-        notes.append("grads: dx = W_ih^T dxp as a lanes product; 4 input units x 8 rows a lane, "
-                     "the reduction over 2 warps, dxp staged in chunks and shuffled")
+        units = _slices(p.Kp // LANES, 4)       # whole blocks of panels
+        notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
+                     f"a lane, the reduction over 2 warps, dxp staged in chunks and shuffled")
         out = p.stage("dx")
         _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
                        out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
-                       _lanes_slices(p.H, 2), units=4, gates=rg.y, unroll=4)
+                       _lanes_slices(p.H, 2), units=units, gates=rg.y, unroll=4)
     elif p.H >= 512:
         notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")
