@@ -1,11 +1,21 @@
 """Hand-written CUDA schedules.
 
-Every product is a register-tiled GEMM: blocks of one warp, a lane per
-output unit along the packed axis (weight panels are a warp wide, so the
-32 lanes read one coalesced 128-byte row of a panel per reduction step),
-and per lane a tile of every gate x a few batch rows (or time x batch
-rows) held in registers, the reduction loop outside the tile. The other
-operand's values are the same for every lane of a warp: broadcast loads.
+Two kinds of product:
+
+- Register tiles (`_tile`): blocks of one warp (or a few sharing one
+  reduction), a lane per output unit along the packed axis (weight panels
+  are a warp wide, so the 32 lanes read one coalesced 128-byte row of a
+  panel per reduction step), and per lane a tile of every gate x a few
+  batch rows (or time x batch rows) in registers. The other operand's
+  values are the same for every lane: one broadcast load each, per step.
+- Lanes products (`_lanes_product`, from H = 512 where H is a multiple of
+  32): the same lanes and tiles, but the tile is a block-level register
+  allocation striped across the lanes (Halide's gpu_lanes), so the
+  reduction can run in chunks around the lanes: each chunk of the
+  broadcast operand is loaded by the lanes together (coalesced) and handed
+  out by warp shuffles. The forward step, dh = W_hh^T dhg, the projection
+  and dx use them there.
+
 The forward step is one kernel: product, cell and every store. Pointwise
 and packing stages are one kernel each, every axis on the grid.
 """
@@ -249,7 +259,7 @@ def proj(p, target):
           unroll=_gemm_unroll(p.H)[0])
 
 
-def step(p, target):
+def _step_tile(p, target):
     """One kernel per step: per thread, every gate of one unit for a few
     batch rows in registers, then the cell and the stores."""
     v = p.vars
@@ -265,7 +275,7 @@ def step(p, target):
 
 def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,
                    staged, slices, units=1, gates=None, chunk=LANES, unroll=8, out_tile=()):
-    """A per-step product in the style of Halide's apps/conv_layer: blocks of
+    """A product in the style of Halide's apps/conv_layer: blocks of
     `slices` warps over (32*units units x `rows` batch rows); each warp sums
     one slice of the reduction for the block's whole tile in registers
     striped across its lanes (MemoryType.Register at block level with
@@ -352,21 +362,40 @@ def _step_lanes(p, target):
 
 
 def _lanes_fit(H: int) -> bool:
-    """Where the per-step products use _lanes_product: from H = 512 (below
-    it the register tiles were faster: small_128_b16's forward step 4.2 ->
-    11.6 us, H100), and H a multiple of a warp (at other H the GRU's
-    accumulator was not striped across lanes: Halide refused its index)."""
+    """Where the products use _lanes_product: from H = 512 (below it the
+    register tiles were faster: small_128_b16's forward step 4.2 -> 11.6 us
+    a step, H100), and H a multiple of a warp (at other H Halide refused to
+    stripe the GRU step's accumulator across the lanes: its index was not
+    affine in the lane)."""
     return H >= 512 and H % LANES == 0
 
 
-def _step_choice(p, target):
+# What the lanes products measured (H100, bench/gpu_variants.sh, forward /
+# backward ms of one layer, bench/gpu_probe.py; each run also timed the
+# register tiles; results/gpu_lanes_variants_{step,dh,proj_dx}.txt):
+# - forward step, 8 warps: at H=2048 B=32 T=50 6.03-6.25 -> 5.12 with 8 rows
+#   a lane (4 rows 6.46, 16 rows on 4 warps 14.3); at H=512 B=64 T=100
+#   2.38-2.58 -> 2.08 with 4 rows (8 rows 2.41); at H=1024 B=64 T=25
+#   1.58-1.68 -> 1.61 with 8 rows (no gain; 4 rows 1.94); at H=128 B=16
+#   0.42 -> 0.69-1.56 (so not below H=512).
+# - dh, 8 rows a lane: backward at H=1024 3.88 -> 3.50 with 2 units a lane
+#   (4 units 3.80, 1 unit 3.75; 4 units x 4 rows 3.48, the same), at H=2048
+#   13.12 -> 12.03 (2 units; 4: 14.71, 4 x 4 rows: 12.46), at H=512 4.50 ->
+#   4.05 (1 unit; 2: 4.44).
+# - projection, one warp a block: 8 rows a lane took the forward 1.75 ->
+#   1.54 at H=1024, 5.29 -> 5.09 at H=2048, 2.17 -> 2.11 at H=512 (16 rows:
+#   1.86, 6.36, 2.31; 2 units x 8 rows: 1.61, 5.41, 2.15).
+# - dx: 4 units x 8 rows a lane on 2 warps took the backward 3.31 -> 3.05
+#   at H=1024, 11.69 -> 11.23 at H=2048, 3.85 -> 3.84 at H=512 (one warp:
+#   3.23, 11.49, 3.73; 2 units x 16 rows: 3.36, 12.07, 3.99).
+
+
+def step(p, target):
     if _lanes_fit(p.H):
         return _step_lanes(p, target)
     return _step_tile(p, target)
 
 
-_step_tile = step
-step = _step_choice
 # A step that stores the new states only: the same loop nest.
 step_infer = step
 
@@ -386,7 +415,7 @@ def step_bwd(p, target):
     for f in others:
         _grid(f, along=pointwise)
     r = p.rdoms["jg"]
-    # Tried: 2-4 units a thread here (where 8 unit blocks remain, 4 batch
+    # (Register tiles, below.) Tried: 2-4 units a thread (where 8 unit blocks remain, 4 batch
     # rows), so that a broadcast load of dhg feeds more FMAs: no gain on an
     # H100 (deepbench_1024 forward+backward 6.27 ms against 6.19, large_2048
     # 22.45 against 21.64), so one unit a thread stays.
