@@ -143,6 +143,8 @@ def inspect(folder, as_json):
         click.echo(f"\n{part['dir']}: {m['direction']} input {m['input_size']}, panel "
                    f"{m['panel']}, {kind}, compiled in {m['compile_seconds']:.1f} s")
         click.echo(f"  pipelines: {', '.join(m['pipelines'])}")
+        for note in m.get("schedule_notes", []):      # the schedule's shape-dependent choices
+            click.echo(f"  schedule: {note}")
         for entry, args in m["entry_points"].items():
             click.echo(f"  {entry}(" + ", ".join(args) + ")")
         if m.get("driver_build"):

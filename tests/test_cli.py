@@ -173,6 +173,17 @@ def test_inspect(host_dir):
     assert "halstm_forward(" in text and "halstm_backward(" in text
 
 
+def test_inspect_lists_the_schedule_notes(cuda_dir):
+    """The cuda schedule's shape-dependent choices, as in each part's manifest."""
+    out, _ = cuda_dir
+    text = invoke("inspect", out).output
+    for _, d in parts(out):
+        notes = manifest(d)["schedule_notes"]
+        assert notes
+        for note in notes:
+            assert f"  schedule: {note}" in text
+
+
 def test_inspect_json(host_dir):
     out, _ = host_dir
     data = json.loads(invoke("inspect", "--json", out).output)

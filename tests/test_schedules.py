@@ -148,6 +148,46 @@ def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, tmp_path):
         assert any(n.startswith(want) for n in m["schedule_notes"]), m["schedule_notes"]
 
 
+def _cuda_pipe(cell, kind, K, H):
+    """Pipeline `kind` with the cuda schedule applied (nothing compiled) and
+    the notes the schedule wrote for it."""
+    import halide as hl
+    from halstm import cells, pipeline
+    target = hl.Target(CUDA_TARGET)
+    mod = schedules.for_target(target, "cuda")
+    p = pipeline.build(cells.get(cell), kind, K, H, mod.layout(target))
+    getattr(mod, kind)(p, target)
+    return p, list(mod.notes), target
+
+
+# From H=512 (a multiple of 32) the cuda schedule computes the per-step
+# products, the projection and dx as lanes products (accumulators striped
+# across a warp's lanes, the shared operand handed out by warp shuffles);
+# below, and at other H, register tiles. The choice is in the notes.
+@pytest.mark.parametrize("kind", ["proj", "step", "step_infer", "step_bwd", "grads"])
+def test_cuda_lanes_products_from_h512(kind):
+    for H, lanes in ((128, False), (528, False), (512, True), (1024, True)):
+        _, notes, _ = _cuda_pipe("lstm", kind, 64, H)
+        assert any("shuffled" in n for n in notes) == lanes, (H, notes)
+
+
+# Lowered for a CUDA target (no GPU needed): a lanes product's PTX uses warp
+# shuffles and no local memory. Local memory would mean Halide no longer
+# keeps the striped tile in registers (a per-thread copy of the whole tile).
+@pytest.mark.parametrize("cell,kind", [("lstm", "step"), ("lstm", "step_bwd"), ("lstm", "proj"),
+                                       ("lstm", "grads"), ("gru", "step")])
+def test_cuda_lanes_products_use_shuffles_and_no_local_memory(cell, kind, tmp_path):
+    import halide as hl
+    p, _, target = _cuda_pipe(cell, kind, 64, 512)
+    stmt = tmp_path / "k.stmt"
+    p.pipeline().compile_to({hl.OutputFileType.stmt: str(stmt)},
+                            [hl.Argument(q) for q in p.inputs], "k",
+                            target.with_feature(hl.TargetFeature.NoRuntime))
+    ptx = stmt.read_bytes()
+    assert b"shfl.sync" in ptx
+    assert b"ld.local" not in ptx and b"st.local" not in ptx
+
+
 # ---- the registry -----------------------------------------------------------
 
 @pytest.mark.parametrize("target,default", [
