@@ -381,7 +381,10 @@ def _lanes_fit(H: int) -> bool:
 # - dh, 8 rows a lane: backward at H=1024 3.88 -> 3.50 with 2 units a lane
 #   (4 units 3.80, 1 unit 3.75; 4 units x 4 rows 3.48, the same), at H=2048
 #   13.12 -> 12.03 (2 units; 4: 14.71, 4 x 4 rows: 12.46), at H=512 4.50 ->
-#   4.05 (1 unit; 2: 4.44).
+#   4.05 (1 unit; 2: 4.44). With 2 units a lane, 8 warps made 128 blocks at
+#   H=1024 and 2048 (under one per SM; Nsight: 95.8 us a step at H=2048);
+#   16 warps took the backward 3.36 -> 3.20 at H=1024 and 11.65 -> 10.59 at
+#   H=2048 (results/gpu_lanes_variants_dh_slices.txt).
 # - projection, one warp a block: 8 rows a lane took the forward 1.75 ->
 #   1.54 at H=1024, 5.29 -> 5.09 at H=2048, 2.17 -> 2.11 at H=512 (16 rows:
 #   1.86, 6.36, 2.31; 2 units x 8 rows: 1.61, 5.41, 2.15).
@@ -430,7 +433,7 @@ def step_bwd(p, target):
                  f"one otherwise; the reduction split over {slices} warp(s)")
     if _lanes_fit(p.H):
         units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
-        slices = _lanes_slices(p.H, 8)
+        slices = _lanes_slices(p.H, 16 if p.H >= 1024 else 8)
         notes.append(f"step_bwd: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
                      f"batch rows a lane where B >= 8, one row otherwise; {slices} warps, "
                      f"dhg staged in chunks of {LANES} and shuffled")
