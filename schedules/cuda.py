@@ -349,7 +349,7 @@ def _lanes_slices(H: int, want: int) -> int:
 
 def _step_lanes(p, target):
     """The forward step as a lanes product (see _lanes_product); used where
-    it measured faster than the register tiles (step below)."""
+    it measured faster than the register tiles (_step_tile; see _lanes_fit)."""
     v = p.vars
     rows = 8 if p.H >= 1024 else 4
     slices = _lanes_slices(p.H, 8)
@@ -427,10 +427,6 @@ def step_bwd(p, target):
     # 16 batch rows a thread rather than 8, each weight panel read by half
     # the blocks: 4.54 -> 5.45, 3.88 -> 3.81, 13.81 -> 13.81; 32 rows: 7.79,
     # 5.18, 20.5; results/gpu_dh_rows_variants.txt)
-    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
-    first_rows = _tile_from(p.H)
-    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
-                 f"one otherwise; the reduction split over {slices} warp(s)")
     if _lanes_fit(p.H):
         units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
         slices = _lanes_slices(p.H, 16 if p.H >= 1024 else 8)
@@ -443,6 +439,10 @@ def step_bwd(p, target):
                        p.stage("dxp_out" if p.cell.dxp_is_dhg else "dhg_out"), slices,
                        units=units, gates=r.y, unroll=4)
         return
+    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    first_rows = _tile_from(p.H)
+    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
+                 f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
           [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H,
           tile_from=first_rows)
