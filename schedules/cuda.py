@@ -327,9 +327,8 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     lanes(part, u).unroll(u)
     pu = part.update()
     pu.split(ri, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
-    pu.split(lane, lu, li, LANES).reorder(*inner, lu, li, u, *g, rkii, rki, rko) \
-      .gpu_lanes(li).unroll(lu).unroll(u).unroll(rkii)
-    for v in inner + g:
+    lanes(pu, u, *g, rkii, rki, rko).unroll(u).unroll(rkii)
+    for v in g:
         pu.unroll(v)
     sv = staged.args()
     st = staged.in_(part).compute_at(part, rko).store_in(hl.MemoryType.Register) \
