@@ -41,7 +41,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--forward-only", action="store_true", help="time the forward pass only")
     ap.add_argument("--check", action="store_true",
-                    help="compare the forward's output with the numpy reference first")
+                    help="compare the forward's output (and, unless --forward-only, the "
+                         "gradients) with the numpy reference first")
     a = ap.parse_args()
     cls = halstm.LSTM if a.cell == "lstm" else halstm.GRU
     m = cls(a.input_size, a.hidden_size, target=a.target, schedule=a.schedule, seed=0)
@@ -52,12 +53,22 @@ def main():
         from halstm import reference
         params = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v))
                   for k, v in m.state_dict().items()}
-        want = reference.forward(a.cell, params, x.numpy())[0]
+        params = {k: v.astype(np.float64) for k, v in params.items()}
+        ref = reference.forward(a.cell, params, x.numpy().astype(np.float64))
         got = m(x)[0].numpy()
-        err = float(np.max(np.abs(got - want)))
+        err = float(np.max(np.abs(got - ref[0])))
         print(f"forward max |halstm - reference| = {err:.2e}")
         if not err < 1e-4:
             raise SystemExit(f"forward differs from the reference by {err:.2e}")
+        if not a.forward_only:      # every gradient, relative to its largest value
+            want = reference.backward(a.cell, ref[-1], dy.numpy().astype(np.float64))
+            got = m.backward(dy)
+            errs = {k: float(np.max(np.abs(np.asarray(got[k].numpy()) - w)) /
+                             max(float(np.max(np.abs(w))), 1e-30)) for k, w in want.items()}
+            worst = max(errs, key=errs.get)
+            print(f"backward max relative error {errs[worst]:.2e} ({worst})")
+            if not errs[worst] < 1e-3:
+                raise SystemExit(f"backward differs from the reference: {errs}")
     fwd = median_ms(lambda: m(x), a.reps)
     bwd = float("nan") if a.forward_only else median_ms(lambda: m.backward(dy), a.reps)
     lib = m._lib(0, "fwd")

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Time variants against each other on a GPU machine, in one run. A variant is
-# a name and environment settings ("name:VAR=v,VAR=v"; "name:" for none),
+# a name and environment settings ("name:VAR=v VAR=v"; "name:" for none),
 # e.g. HALSTM_CUDA_GRAPHS=0, or a knob added to a schedule for the
 # experiment. Each variant compiles into a cache folder of its own (all of
 # them first, in parallel), then each shape's forward is checked against the
 # numpy reference and timed by bench/gpu_probe.py.
 #   [SHAPES="I H B T;I H B T"] bench/gpu_variants.sh OUT.txt VARIANT ... [-- probe options]
 # SHAPES defaults to the five below (the shared benchmark shapes' layers).
+# COMPILE_ONLY=1: compile, time nothing (so that several scripts can compile
+# at once and then time one after another).
 set -uo pipefail
 out=$1; shift
 variants=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
@@ -18,17 +20,25 @@ IFS=';' read -ra rows <<< "$shapes"
 run() {
   local name=${1%%:*} envs=${1#*:}; shift
   [ "$envs" = "$name" ] && envs=""
-  env ${envs//,/ } HALSTM_CACHE=/tmp/halstm-variant-$name "$@"
+  env $envs HALSTM_CACHE=/tmp/halstm-variant-$name "$@"
 }
 
+pids=(); what=()
 for v in "${variants[@]}"; do
   for s in "${rows[@]}"; do
     read -r I H B T <<< "$s"
+    log=/tmp/halstm-variant-${v%%:*}-$H.log
     run "$v" python3 -c "import halstm; halstm.LSTM($I, $H, target='host-cuda').compile()" \
-      > /dev/null 2>&1 &
+      > "$log" 2>&1 &
+    pids+=($!); what+=("$v H=$H (log $log)")
   done
 done
-wait
+failed=0
+for k in "${!pids[@]}"; do
+  wait "${pids[$k]}" || { echo "compile failed: ${what[$k]}" >&2; failed=1; }
+done
+[ "$failed" = 0 ] || exit 1
+[ -n "${COMPILE_ONLY:-}" ] && exit 0     # (compile now, time in a later call)
 for v in "${variants[@]}"; do
   for s in "${rows[@]}"; do
     read -r I H B T <<< "$s"

@@ -8,13 +8,13 @@ Two kinds of product:
   panel per reduction step), and per lane a tile of every gate x a few
   batch rows (or time x batch rows) in registers. The other operand's
   values are the same for every lane: one broadcast load each, per step.
-- Lanes products (`_lanes_product`, from H = 512 where H is a multiple of
-  32): the same lanes and tiles, but the tile is a block-level register
-  allocation striped across the lanes (Halide's gpu_lanes), so the
-  reduction can run in chunks around the lanes: each chunk of the
-  broadcast operand is loaded by the lanes together (coalesced) and handed
-  out by warp shuffles. The forward step, dh = W_hh^T dhg, the projection
-  and dx use them there.
+- Lanes products (`_lanes_product`): the same lanes and tiles, but the
+  tile is a block-level register allocation striped across the lanes
+  (Halide's gpu_lanes), so the reduction can run in chunks around the
+  lanes: each chunk of the broadcast operand is loaded by the lanes
+  together (coalesced) and handed out by warp shuffles. The forward step
+  and dh = W_hh^T dhg use them from H = 512 where H is a multiple of 32;
+  the projection and dx wherever H (and K, for the projection) is one.
 
 The forward step is one kernel: product, cell and every store. Pointwise
 and packing stages are one kernel each, every axis on the grid.
@@ -241,9 +241,16 @@ def _batch_rows(H: int) -> int:
 # 0.50/1.06 against 0.44-0.64/0.94-1.17. L2 traffic does not limit them.
 def proj(p, target):
     v = p.vars
-    # (K a multiple of a warp too: the chunks of x staged in lanes are a
-    # warp wide, and x is clamped along its rows only)
-    if _lanes_fit(p.H) and p.K % LANES == 0:
+    # Where H and K are multiples of a warp (the chunks of x staged in lanes
+    # are a warp wide, and x is clamped along its rows only), at every H:
+    # below H = 512 too, the lanes projection measured faster than the
+    # register tiles of 16 rows a thread, whose few tiles (400 warps at
+    # small_128_b16) left most of the GPU idle (H100, bench/gpu_ab.py,
+    # interleaved, results/gpu_ab_s8_small.txt: with dx as a lanes product
+    # too, the layer's forward 0.961-0.987x and backward 0.939-0.943x the
+    # register tiles' at H=128 B=16 T=100 in two runs; at H=256 B=1 T=1000
+    # forward 1.004-1.008x, backward 0.981-0.985x).
+    if _lanes_proj(p):
         notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
                      "(T*B) where T*B >= 8, one row otherwise; x staged in chunks and shuffled")
         out = p.stage("xp")
@@ -257,6 +264,10 @@ def proj(p, target):
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
           [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x],
           unroll=_gemm_unroll(p.H)[0])
+
+
+def _lanes_proj(p) -> bool:
+    return p.H % LANES == 0 and p.K % LANES == 0
 
 
 def _step_tile(p, target):
@@ -387,6 +398,13 @@ def _lanes_fit(H: int) -> bool:
 # - projection, one warp a block: 8 rows a lane took the forward 1.75 ->
 #   1.54 at H=1024, 5.29 -> 5.09 at H=2048, 2.17 -> 2.11 at H=512 (16 rows:
 #   1.86, 6.36, 2.31; 2 units x 8 rows: 1.61, 5.41, 2.15).
+# - Tried in the eighth session (bench/gpu_ab.py, variants interleaved in one
+#   process, results/gpu_ab_s8_step.txt), all slower at H=512, 1024 and
+#   2048: the forward step with 4 rows a lane (1.19-1.22x the time) or 2
+#   units x 4 rows a lane on 8 or 4 warps (1.15-1.28x); the projection with
+#   4 rows a lane or 2 units a lane (0.99-1.00x, no gain). 2 units x 8 rows
+#   on 8 warps, or 8 rows on 16 warps, do not launch (64 KB of shared
+#   memory for the warps' sums).
 # - dx: 4 units x 8 rows a lane on 2 warps took the backward 3.31 -> 3.05
 #   at H=1024, 11.69 -> 11.23 at H=2048, 3.85 -> 3.84 at H=512 (one warp:
 #   3.23, 11.49, 3.73; 2 units x 16 rows: 3.36, 12.07, 3.99).
@@ -495,21 +513,27 @@ def grads(p, target):
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
     unroll = _gemm_unroll(p.H)[1]
     notes.append("grads: dW with 4 input x 4 hidden units x every gate a thread")
-    if not _lanes_fit(p.H):
+    if p.H % LANES:
         notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread")
     # From H = 512, dx sums each gate's part on the grid of its own (4x the
     # tiles), then the four parts: backward (bench/gpu_probe.py, H100,
     # results/gpu_dx_variants.txt) 5.48 -> 4.19 ms at H=1024 B=64 T=25
     # (4.45-4.48 in other runs), 14.87 -> 13.79 at H=2048 B=32 T=50, 4.90 ->
     # 4.77 at H=512 B=64 T=100.
-    if _lanes_fit(p.H):
-        units = _slices(p.Kp // LANES, 4)       # whole blocks of panels
+    # dx as a lanes product wherever H is a multiple of a warp (the chunks of
+    # dxp staged in lanes): from H = 512 4 input units a lane on 2 warps,
+    # below it 1 unit on one warp, for more blocks (see proj for the figures).
+    if p.H % LANES == 0:
+        big = p.H >= 512
+        units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
+        slices = _lanes_slices(p.H, 2 if big else 1)
         notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
-                     f"a lane, the reduction over 2 warps, dxp staged in chunks and shuffled")
+                     f"a lane, the reduction over {slices} warp(s), dxp staged in chunks and "
+                     f"shuffled")
         out = p.stage("dx")
         _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
                        out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
-                       _lanes_slices(p.H, 2), units=units, gates=rg.y, unroll=4)
+                       slices, units=units, gates=rg.y, unroll=4)
     elif p.H >= 512:
         notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")

@@ -160,25 +160,32 @@ def _cuda_pipe(cell, kind, K, H):
     return p, list(mod.notes), target
 
 
-# From H=512 (a multiple of 32) the cuda schedule computes the per-step
-# products, the projection and dx as lanes products (accumulators striped
-# across a warp's lanes, the shared operand handed out by warp shuffles);
-# below, and at other H, register tiles. The choice is in the notes.
-@pytest.mark.parametrize("kind", ["proj", "step", "step_infer", "step_bwd", "grads"])
-def test_cuda_lanes_products_from_h512(kind):
-    for H, lanes in ((128, False), (528, False), (512, True), (1024, True)):
+# The cuda schedule computes the per-step products as lanes products
+# (accumulators striped across a warp's lanes, the shared operand handed out
+# by warp shuffles) from H=512 where H is a multiple of 32, and the
+# projection and dx wherever H (and, for the projection, K) is a multiple of
+# 32; elsewhere register tiles. The choice is in the notes.
+@pytest.mark.parametrize("kind,lanes_from", [("proj", 32), ("grads", 32), ("step", 512),
+                                             ("step_infer", 512), ("step_bwd", 512)])
+def test_cuda_lanes_products_where_the_warps_fit(kind, lanes_from):
+    for H in (128, 528, 512, 1024):
         _, notes, _ = _cuda_pipe("lstm", kind, 64, H)
+        lanes = H % 32 == 0 and H >= lanes_from
         assert any("shuffled" in n for n in notes) == lanes, (H, notes)
+    _, notes, _ = _cuda_pipe("lstm", kind, 65, 128)     # K not a multiple of 32
+    assert any("shuffled" in n for n in notes) == (kind == "grads"), notes
 
 
 # Lowered for a CUDA target (no GPU needed): a lanes product's PTX uses warp
 # shuffles and no local memory. Local memory would mean Halide no longer
 # keeps the striped tile in registers (a per-thread copy of the whole tile).
-@pytest.mark.parametrize("cell,kind", [("lstm", "step"), ("lstm", "step_bwd"), ("lstm", "proj"),
-                                       ("lstm", "grads"), ("gru", "step")])
-def test_cuda_lanes_products_use_shuffles_and_no_local_memory(cell, kind, tmp_path):
+@pytest.mark.parametrize("cell,kind,H", [("lstm", "step", 512), ("lstm", "step_bwd", 512),
+                                         ("lstm", "proj", 512), ("lstm", "grads", 512),
+                                         ("gru", "step", 512), ("lstm", "proj", 128),
+                                         ("lstm", "grads", 128)])
+def test_cuda_lanes_products_use_shuffles_and_no_local_memory(cell, kind, H, tmp_path):
     import halide as hl
-    p, _, target = _cuda_pipe(cell, kind, 64, 512)
+    p, _, target = _cuda_pipe(cell, kind, 64, H)
     stmt = tmp_path / "k.stmt"
     p.pipeline().compile_to({hl.OutputFileType.stmt: str(stmt)},
                             [hl.Argument(q) for q in p.inputs], "k",
