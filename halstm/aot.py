@@ -51,6 +51,8 @@ ENTRY_POINTS = {
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
         "inout dstate[NS] (2, B, HP): in [0], out [T & 1]", "ws wq_ih (KP/P, G, H, P)", "ws wq_hh (HP/P, G, H, P)",
         "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
+        "ws fused_bwd: 3*B*HP + 3*B*G*H floats, the first B*G*H zero, where the manifest's "
+        "pipelines include halstm_step_bwd_fused (else unused)",
         "out dx (T, B, KP), or NULL on a CPU target where dx is not wanted", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
         "out dw_hh (G*H, H)", "out db_hh (G*H,)"]},
 }
@@ -64,6 +66,18 @@ def _entry_points(spec) -> dict:
     return {name: [ids if a.startswith("x ") else
                    "dx: unused (NULL)" if a.startswith("out dx") else a for a in args]
             for name, args in ENTRY_POINTS[spec.direction].items()}
+
+
+def pipeline_kinds(spec, layout: dict) -> tuple:
+    """The pipelines (pipeline.KINDS) a library of spec is made of, given its
+    schedule's layout."""
+    from . import pipeline
+    if spec.onehot:
+        return pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
+    kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
+    if spec.hidden_size < layout.get("fused_bwd_below", 0):
+        kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
+    return kinds
 
 
 class CompileError(RuntimeError):
@@ -298,15 +312,12 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         raise CompileError(f"{spec.describe()}: code for target {target} cannot run on this "
                            f"machine ({hl.get_host_target()}); `halstm compile --out DIR` "
                            f"writes static libraries and headers for it")
-    if spec.onehot:
-        kinds = pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
-    else:
-        kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
     objects = []
     try:
         lowered = target.with_feature(hl.TargetFeature.NoRuntime)
         module = schedules.for_target(target, schedule)
         layout = module.layout(target)
+        kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
         if missing or (spec.onehot and target.has_feature(hl.TargetFeature.CUDA)):
             raise ValueError(f"one-hot index input: schedule {schedule!r} on this target "
@@ -350,6 +361,8 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         defines["HALSTM_SPLIT_BATCH_BYTES"] = batch_bytes
     if layout.get("xp_panels"):     # xp stored in panels of P units
         defines["HALSTM_XP_PANELS"] = 1
+    if "step_bwd_fused" in kinds:   # one call a backward step (pipeline.py _step_bwd_fused)
+        defines["HALSTM_FUSED_BWD"] = 1
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     if cuda:                 # the driver passes device pointers (see driver.cpp)
         defines["HALSTM_CUDA"] = 1

@@ -768,6 +768,17 @@ int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
 #else
 int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB);
 #endif
+#if HALSTM_FUSED_BWD
+// inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh;
+// outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], the next call's dh_add
+#if NS == 1 && !DXP_IS_DHG && G == 3
+int halstm_step_bwd_fused(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#elif NS == 2 && DXP_IS_DHG && G == 4
+int halstm_step_bwd_fused(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#else
+#error "HALSTM_FUSED_BWD: the driver passes the LSTM's and the GRU's arguments; extend it for this cell"
+#endif
+#endif
 int halstm_pack_bwd(HB, HB, HB, HB);
 #if HALSTM_ONEHOT && DXP_IS_DHG
 int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB);
@@ -784,7 +795,8 @@ int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 // dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
 // on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
 // workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
-//   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG)
+//   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG);
+//   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then 3*B*HP + 2*B*G*H floats
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
 // dx NULL (CPU builds): the input gradient is not wanted and not computed
 // (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
@@ -792,13 +804,61 @@ int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
 int halstm_backward(int T, int B, const void *x, const float *w_ih, const float *w_hh,
                     const float *saved, const float *const *states, const float *dy,
                     float *const *dstate, float *wq_ih, float *wq_hh, float *dxp, float *dhg,
-                    float *dx, float *dw_ih, float *db_ih, float *dw_hh, float *db_hh) {
+                    float *fused_ws, float *dx, float *dw_ih, float *db_ih, float *dw_hh,
+                    float *db_hh) {
     g_error[0] = 0;
-    (void)dhg;
+    (void)dhg, (void)fused_ws;
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
+#if HALSTM_FUSED_BWD
+    // One call a step (pipeline.py _step_bwd_fused): call t (T-1 down to -1)
+    // finishes step t+1's product and runs step t's pointwise backward.
+    // fused_ws: zeros (B, G, H): dhg_next of the first call; add (2, B, HP):
+    // the dh_add rows passed from call to call; dh (B, HP): dh of calls
+    // t >= 0 (unused); scratch (2, B, G, H): call -1's dxp and dhg (unused).
+    float *zeros = fused_ws, *add = zeros + (int64_t)B * G * H, *dh_scratch = add + 2 * B * HP;
+    float *scratch = dh_scratch + (int64_t)B * HP;
+    (void)scratch;
+    auto part_steps = [&](const auto &part, void *barrier) {
+        (void)part, (void)barrier;
+        int rc = 0;
+        for (int t = T - 1; t >= -1; t--) {
+            int u = t < 0 ? 0 : t;     // the step whose pointwise inputs are read
+            int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
+            View saved_t(saved + (int64_t)u * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
+            View dy_t = bh(dy, u, B);
+            View h0 = bh(states[0], u, B), h1 = bh(states[0], u + 1, B);
+            const float *dhg_src = DXP_IS_DHG ? dxp : dhg;
+            View dhg_next(t == T - 1 ? zeros : dhg_src + (int64_t)(t + 1) * B * G * H,
+                          {{H, 1}, {G, H}, {B, G * H}});
+            View dh_add = t == T - 1 ? dstate_row(dstate[0], 0, B, H) : dstate_row(add, (t + 1) & 1, B, H);
+            View add_out = dstate_row(add, t & 1, B, H);
+            View dh = t < 0 ? dstate_row(dstate[0], T & 1, B, H) : dstate_row(dh_scratch, 0, B, H);
+            // a gate's plane of (B, G, H)
+            auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {B, G * H}}); };
+            float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
+#if NS == 1
+            float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + (int64_t)t * B * G * H;
+            View d0 = plane(dxp_t, 0), d1 = plane(dxp_t, 1), d2 = plane(dxp_t, 2);
+            View e0 = plane(dhg_t, 0), e1 = plane(dhg_t, 1), e2 = plane(dhg_t, 2);
+            rc = halstm_step_bwd_fused(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh_add.hb(),
+                                       dhg_next.hb(), vwq_hh.hb(), dh.hb(), d0.hb(), d1.hb(),
+                                       d2.hb(), e0.hb(), e1.hb(), e2.hb(), add_out.hb());
+#else
+            View c0 = bh(states[1], u, B), c1 = bh(states[1], u + 1, B);
+            View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = dstate_row(dstate[1], nxt, B, H);
+            View d0 = plane(dxp_t, 0), d1 = plane(dxp_t, 1), d2 = plane(dxp_t, 2), d3 = plane(dxp_t, 3);
+            rc = halstm_step_bwd_fused(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(),
+                                       dc1.hb(), dh_add.hb(), dhg_next.hb(), vwq_hh.hb(), dh.hb(),
+                                       d0.hb(), d1.hb(), d2.hb(), d3.hb(), dc0.hb(), add_out.hb());
+#endif
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
+#else
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
@@ -835,9 +895,11 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
         }
         return rc;
     };
+#endif  // HALSTM_FUSED_BWD
     auto steps = [&]() { return run_steps(T, B, part_steps); };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
-                   u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg)},
+                   u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg),
+                   u64(fused_ws)},
                   steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)

@@ -223,6 +223,9 @@ class _RNN:
             raise ValueError(f"input: expected {layout} or unbatched (T, input_size), with "
                              f"input_size={self.input_size} and no empty axis, got shape {x.shape}")
         unbatched = x.ndim == 2
+        if self.on_gpu and not host and not self.batch_first and not is_grad_enabled():
+            # no backward will read it: the caller's device array itself (a view)
+            return (x.reshape(x.shape[0], 1, x.shape[1]) if unbatched else x), unbatched, host
         # a copy: backward reads it, and the caller may change theirs meanwhile
         return self._seq_in(x, unbatched), unbatched, host
 
@@ -234,13 +237,14 @@ class _RNN:
             return self._mem.swap01(a) if self.on_gpu else self._array(a.transpose(1, 0, 2))
         return self._array(a)
 
-    def _seq_out(self, y, host):
+    def _seq_out(self, y, host, taped=True):
         """(T, B, n) internal -> the caller's layout, as a new array (never a
-        view of the tape, which backward still reads)."""
+        view of the tape, which backward still reads; taped False: no
+        backward will, and a device array may be a view of it)."""
         unbatched = self._tape[1]
         if self.batch_first and not unbatched:
             y = self._mem.swap01(y) if self.on_gpu else y.transpose(1, 0, 2)
-        elif self.on_gpu and not host:
+        elif self.on_gpu and not host and taped:
             y = y.copy()
         if unbatched:
             y = y.reshape(y.shape[0], y.shape[2])
@@ -275,7 +279,7 @@ class _RNN:
                 f[layer] = t[1][s][-1]
             f = f.reshape(self.num_layers, self.hidden_size) if unbatched else f
             finals.append(self._result(f, host))
-        return self._seq_out(inp, host), finals
+        return self._seq_out(inp, host, taped=save), finals
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:

@@ -29,8 +29,8 @@ import halide as hl
 
 from .cells.base import Cell
 
-KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads", "gather",
-         "grads_ids")
+KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
+         "grads", "gather", "grads_ids")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -40,6 +40,10 @@ BACKWARD = ("pack_bwd", "step_bwd", "grads")
 # of the rows of dxp, and there is no input gradient.
 FORWARD_IDS = ("pack", "gather", "step", "step_infer")
 BACKWARD_IDS = ("pack_bwd", "step_bwd", "grads_ids")
+# A schedule whose layout sets fused_bwd_below runs the backward time loop
+# of hidden sizes below it as step_bwd_fused, one kernel a step, instead of
+# step_bwd (see there).
+FUSED_BWD = {"step_bwd": "step_bwd_fused"}
 
 
 class Stages:
@@ -432,6 +436,66 @@ def _step_bwd(p: Pipe) -> None:
     p.rdoms = {"jg": r}
     if p.split_steps:   # with ranges of units, each thread computes the pointwise part for all
         _unit_range(p, [(f.output_buffer(), Hp if f is dh_prev else H) for f in p.outputs])
+
+
+def _step_bwd_fused(p: Pipe) -> None:
+    """step_bwd turned around, so that a step is one kernel on a GPU (its
+    product needs every unit's dhg, so step_bwd's pointwise part and its
+    product are two): call t finishes step t+1's product,
+
+        dh(k, b) = dh_add(k, b) + sum over (j, gate) of W_hh[j, gate, k] dhg_next(j, gate, b),
+
+    which is the recurrent part of dL/dh_t, and with it runs step t's
+    pointwise backward at the same unit k and row b. dh_add is step t+1's
+    pointwise term (the GRU's z * dh; zero for the LSTM), or dL/dh_T for
+    the first call. The outputs are one Tuple over (k, b), k < H: dh, dxp
+    per gate, dhg per gate (unless dxp is dhg), the pointwise parts of the
+    other states' gradients (the LSTM's dc_{t-1}) and the next call's
+    dh_add. The driver calls it T + 1 times: first with dhg_next = 0, last
+    for dh_0 alone (its pointwise results, from step 0's inputs, unused)."""
+    cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
+    k, b = p.vars["k"], p.vars["b"]
+    S = len(cell.saved)
+    saved = _param("saved", [H, S, None])            # numpy (B, S, H): saved[t]
+    prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}
+    new = {s: _param(s + "_new", [H, None]) for s in cell.states}
+    dy = _param("dy", [H, None])                     # numpy (B, H): dy[t]
+    # rows of (B, Hp) state-gradient arrays
+    dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in cell.states[1:]}
+    dh_add = _param("dh_add", [H, None], [1, Hp])
+    dhg_next = _param("dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
+    wq_hh = _param("wq_hh", [P, H, G, Hp // P])      # numpy (Hp/P, G, H, P)
+    r = hl.RDom([(0, H), (0, G)], "r_jg")
+    w, dhg_in = _packed(wq_hh, k, P), _clamp(dhg_next, (2,))
+    dh_acc, dh = _matmul("dh", [k, b], _clamp(dh_add, (0, 1))[k, b],    # (k clamped: whole tiles)
+                         lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    dnew = {"h": hl.Func("dh_new")}
+    dnew["h"][k, b] = dh[k, b] + _clamp(dy, (0, 1))[k, b]
+    for s in cell.states[1:]:
+        dnew[s] = _clamp(dnext[s], (0, 1))
+    dxp, dhg, dprev = cell.backward(_clamp(saved, (0, 2)),
+                                    {s: _clamp(q, (0, 1)) for s, q in prev.items()},
+                                    {s: _clamp(q, (0, 1)) for s, q in new.items()},
+                                    dnew, k, b)
+    assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
+    values = [dh[k, b]] + [dxp[k, g, b] for g in range(G)]
+    if not cell.dxp_is_dhg:
+        values += [dhg[k, g, b] for g in range(G)]
+    values += [dprev[s][k, b] for s in cell.states[1:]]
+    values.append(dprev["h"][k, b] if dprev["h"] is not None else hl.f32(0))
+    out = hl.Func("dstep")
+    out[k, b] = hl.Tuple(values)
+    p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
+                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, wq_hh])
+    p.stages = {"out": out, "dh_acc": dh_acc, "dhg_in": dhg_in}
+    p.outputs = [out]
+    # dh and the state rows: (B, Hp) rows; dxp and dhg: a gate's plane of (B, G, H)
+    strides = [Hp] + [G * H] * (len(values) - len(cell.states) - 1) + \
+        [Hp] * len(cell.states)
+    for n, (q, stride) in enumerate(zip(out.output_buffers(), strides)):
+        _constrain(q, [H, None], [1, stride], bounds=n == 0)
+    _SHAPES["dstep"] = [H, None]
+    p.rdoms = {"jg": r}
 
 
 def _grads(p: Pipe) -> None:

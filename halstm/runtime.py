@@ -129,19 +129,20 @@ class Library:
             self._entry.argtypes = [_I, _I] + [_P] * 10
         else:
             self._entry = self._lib.halstm_backward
-            self._entry.argtypes = [_I, _I] + [_P] * 16
+            self._entry.argtypes = [_I, _I] + [_P] * 17
         self._entry.restype = _I
         self._ws = {}
 
-    def _workspace(self, name: str, shape):
+    def _workspace(self, name: str, shape, zeros=False):
         """An array that only lives through one call (packed weights, the
         projected inputs, dxp), kept for the next call of the same shape:
         fresh ones were faulted in on every call (the char LM's backward
-        spent about 15% of its time in page faults on the 2-core VM)."""
+        spent about 15% of its time in page faults on the 2-core VM).
+        zeros: zero-filled when made (for parts that calls only read)."""
         a = self._ws.get(name)
         if a is None or a.shape != tuple(shape):
             self._ws.pop(name, None)
-            a = self._ws[name] = self.mem.empty(tuple(shape))
+            a = self._ws[name] = (self.mem.zeros if zeros else self.mem.empty)(tuple(shape))
         return a
 
     def use_graphs(self, on: bool) -> None:
@@ -237,12 +238,16 @@ class Library:
               self._workspace("wq_hh", (Hp // P, G, H, P))]
         dxp = self._workspace("dxp", (T, B, G, H))
         dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
+        fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
+        if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
+            fused = self._workspace("fused_bwd", (3 * B * Hp + 3 * B * G * H,), zeros=True)
         skip_dx = not need_dx and self.device == "cpu"
         out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                "db_hh": mem.empty(G * H)}
         self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
                    mem.ptr(dy), self._ptrs(dstate), *map(mem.ptr, (*ws, dxp, dhg)),
+                   None if fused is None else mem.ptr(fused),
                    *[None if a is None else mem.ptr(a) for a in out.values()])
         if not need_dx:
             del out["dx"]

@@ -54,11 +54,13 @@ class Auto:
         output read back: Anderson2021 fails with an empty error on such a
         step_bwd, Halide 21); no CUDA graphs (an autoscheduler may give a
         step a stage of its own in device memory); no steps split over the
-        driver's threads (an autoscheduler parallelizes the step itself)."""
+        driver's threads (an autoscheduler parallelizes the step itself); no
+        fused backward step (step_bwd as above)."""
         from . import cpu, cuda
         layout = (cuda if self.family == "gpu" else cpu).layout(target)
         return {k: v for k, v in layout.items() if k not in ("read_outputs", "cuda_graphs", "split_steps", "split_macs",
-                                                  "split_rows", "split_call_macs")}
+                                                  "split_rows", "split_call_macs",
+                                                  "fused_bwd_below")}
 
     def __getattr__(self, kind):
         if kind in ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads"):

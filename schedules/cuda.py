@@ -38,11 +38,13 @@ def layout(target: hl.Target) -> dict:
     allocate no device memory of their own (every stage lives in registers
     or shared memory), so the driver may capture a time loop into a CUDA
     graph, which bakes in every pointer its kernels use (tested in
-    tests/test_cuda_nogpu.py)."""
+    tests/test_cuda_nogpu.py). fused_bwd_below: below this hidden size
+    the backward time loop runs step_bwd_fused, one kernel a step (see
+    there for what it measured)."""
     notes.clear()
     return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128,
             "cuda_graphs": True,
-            "read_outputs": True}
+            "read_outputs": True, "fused_bwd_below": 512}
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
@@ -444,25 +446,43 @@ def step_bwd(p, target):
     # 16 batch rows a thread rather than 8, each weight panel read by half
     # the blocks: 4.54 -> 5.45, 3.88 -> 3.81, 13.81 -> 13.81; 32 rows: 7.79,
     # 5.18, 20.5; results/gpu_dh_rows_variants.txt)
+    _dh_product(p, p.stage("dprev_h"), p.stage("dh_prev_acc"),
+                p.stage("dxp_out" if p.cell.dxp_is_dhg else "dhg_out"), "step_bwd")
+
+
+def step_bwd_fused(p, target):
+    """One kernel a backward step (pipeline.py _step_bwd_fused): the product
+    dh = W_hh^T dhg as in step_bwd, and the thread that finishes dh(k, b)
+    runs the previous step's pointwise backward at (k, b) and stores it (the
+    output Tuple). step_bwd takes two kernels a step: the pointwise part
+    (every unit's dhg) before the product. Used below H = 512 (layout
+    fused_bwd_below): the layer backward (H100, bench/gpu_ab.py, interleaved,
+    results/gpu_ab_s8_fused.txt) took 0.884-0.887x step_bwd's time at H=128
+    B=16 T=100 and 0.869-0.881x at H=256 B=1 T=1000, but 1.07-1.09x at H=512
+    B=64 T=100 and 1.04-1.06x at H=1024 B=64 T=25, where the lanes product's
+    finishing warp (one of 8 or 16) also runs the pointwise part's loads."""
+    _dh_product(p, p.stage("out"), p.stage("dh_acc"), p.stage("dhg_in"), "step_bwd_fused")
+
+
+def _dh_product(p, out, acc, staged, kind):
+    """dh = W_hh^T dhg into out(k, b) (acc: its sum; staged: dhg's stage)."""
+    v, r = p.vars, p.rdoms["jg"]
     if _lanes_fit(p.H):
         units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
         slices = _lanes_slices(p.H, 16 if p.H >= 1024 else 8)
-        notes.append(f"step_bwd: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
+        notes.append(f"{kind}: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
                      f"batch rows a lane where B >= 8, one row otherwise; {slices} warps, "
                      f"dhg staged in chunks of {LANES} and shuffled")
-        out = p.stage("dprev_h")
-        _lanes_product(out, p.stage("dh_prev_acc"), v["k"], v["b"], 8, [], r.x, p.H,
-                       out.output_buffers()[0].dim(1).extent(),
-                       p.stage("dxp_out" if p.cell.dxp_is_dhg else "dhg_out"), slices,
+        _lanes_product(out, acc, v["k"], v["b"], 8, [], r.x, p.H,
+                       out.output_buffers()[0].dim(1).extent(), staged, slices,
                        units=units, gates=r.y, unroll=4)
         return
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     first_rows = _tile_from(p.H)
-    notes.append(f"step_bwd: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
+    notes.append(f"{kind}: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
-    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), v["k"],
-          [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices, reduce_extent=p.H,
-          tile_from=first_rows)
+    _tile(out, acc, v["k"], [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices,
+          reduce_extent=p.H, tile_from=first_rows)
 
 
 # Warps wanted on the grid of a weight-gradient GEMM: its tiles are few where

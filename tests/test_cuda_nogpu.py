@@ -55,7 +55,7 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
     module = schedules.for_target(target, "cuda")
     layout = module.layout(target)
     assert layout["cuda_graphs"] is True
-    for kind in ("step", "step_bwd"):
+    for kind in ("step", "step_bwd", "step_bwd_fused"):
         p = pipeline.build(cells.get(cell), kind, 13, H, layout)
         getattr(module, kind)(p, target)
         stmt = tmp_path / f"{kind}.stmt"

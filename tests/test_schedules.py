@@ -144,7 +144,7 @@ def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, tmp_path):
     lib = tmp_path / m["library"]
     assert lib.suffix == ".so" and lib.read_bytes()[:4] == b"\x7fELF"
     if schedule == "cuda":      # its shape-dependent choices are in the manifest
-        want = "step:" if direction == "fwd" else "step_bwd:"
+        want = "step:" if direction == "fwd" else "step_bwd_fused:"    # (H < 512)
         assert any(n.startswith(want) for n in m["schedule_notes"]), m["schedule_notes"]
 
 
@@ -158,6 +158,22 @@ def _cuda_pipe(cell, kind, K, H):
     p = pipeline.build(cells.get(cell), kind, K, H, mod.layout(target))
     getattr(mod, kind)(p, target)
     return p, list(mod.notes), target
+
+
+# Below H=512 the cuda schedule's backward time loop is one kernel a step
+# (step_bwd_fused); from 512, and for the autoschedulers, two (step_bwd).
+@pytest.mark.parametrize("schedule", GPU)
+def test_fused_backward_step_below_h512_on_the_cuda_schedule(schedule):
+    import halide as hl
+    layout = schedules.for_target(CUDA_TARGET, schedule).layout(hl.Target(CUDA_TARGET))
+    for H, fused in ((37, True), (511, True), (512, False), (1024, False)):
+        kinds = aot.pipeline_kinds(aot.Spec("lstm", I, H, "bwd", CUDA_TARGET, schedule), layout)
+        want = "step_bwd_fused" if fused and schedule == "cuda" else "step_bwd"
+        assert kinds == ("pack_bwd", want, "grads"), (H, kinds)
+        assert aot.pipeline_kinds(aot.Spec("lstm", I, H, "fwd", CUDA_TARGET, schedule),
+                                  layout) == ("pack", "proj", "step", "step_infer")
+    cpu = schedules.for_target("host", "cpu").layout(hl.Target("host"))
+    assert aot.pipeline_kinds(aot.Spec("lstm", I, H, "bwd"), cpu) == ("pack_bwd", "step_bwd", "grads")
 
 
 # The cuda schedule computes the per-step products as lanes products

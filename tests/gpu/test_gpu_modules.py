@@ -83,6 +83,8 @@ def test_matches_cudnn(cell):
 # elsewhere: these (T, B) take both paths, with edge tiles. H=96 and 128
 # split the per-step reductions over 8 warps (H=37 cannot be split); H=128
 # also gives layer 1 (K=128) four units a thread in dx.
+# Below H=512 the steps are register tiles; at H=96 and 128 dx (both
+# layers) and layer 2's projection (K = H) are lanes products, at H=37 not.
 @pytest.mark.parametrize("T,B", [(5, 9), (3, 4), (2, 17), (1, 16), (4, 1)])
 @pytest.mark.parametrize("H", [37, 96, 128])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
@@ -248,3 +250,27 @@ def test_backward_without_input_grad(cell):
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_no_grad_runs_the_step_infer_kernels(cell):
     tm.check_no_grad(cell, target=TARGET)
+
+
+# Under no_grad a device input is read where it is (no copy: no backward
+# will read it) and y may view the module's own states: the results equal a
+# training forward's, the caller's input is left alone, and a later
+# training forward and backward work.
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_no_grad_reads_a_device_input_in_place(batch_first):
+    rng = np.random.default_rng(5)
+    m = tm.CLASSES["lstm"](tm.I, tm.H, num_layers=2, seed=0, target=TARGET,
+                           batch_first=batch_first)
+    x = rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32)
+    for xs in (x, x[:, 0]):                      # batched, unbatched
+        xd = cuda.DeviceArray.from_numpy(xs)
+        want_y, (want_h, want_c) = m(xd)
+        with halstm.no_grad():
+            y, (h, c) = m(xd)
+        np.testing.assert_array_equal(xd.numpy(), xs)
+        for g, w in ((y, want_y), (h, want_h), (c, want_c)):
+            assert isinstance(g, cuda.DeviceArray)
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+    y, _ = m(xd)
+    grads = m.backward(cuda.DeviceArray.from_numpy(np.ones(y.shape, np.float32)))
+    assert np.all(np.isfinite(grads["weight_hh_l0"].numpy()))
