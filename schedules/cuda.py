@@ -12,7 +12,8 @@ Two kinds of product:
   tile is a block-level register allocation striped across the lanes
   (Halide's gpu_lanes), so the reduction can run in chunks around the
   lanes: each chunk of the broadcast operand is loaded by the lanes
-  together (coalesced) and handed out by warp shuffles. The forward step
+  together (coalesced) and handed out by warp shuffles (in one-warp
+  products, through shared memory). The forward step
   and dh = W_hh^T dhg use them from H = 512 where H is a multiple of 32;
   the projection and dx wherever H (and K, for the projection) is one.
 
@@ -254,7 +255,8 @@ def proj(p, target):
     # forward 1.004-1.008x, backward 0.981-0.985x).
     if _lanes_proj(p):
         notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
-                     "(T*B) where T*B >= 8, one row otherwise; x staged in chunks and shuffled")
+                     "(T*B) where T*B >= 8, one row otherwise; one warp, x staged in chunks "
+                     "in shared memory")
         out = p.stage("xp")
         _lanes_product(out, p.stage("xp_acc"), v["j"], v["t"], 8, [v["gate"]], p.rdoms["i"].x,
                        p.K, out.output_buffers()[0].dim(2).extent(), p.stage("x_in"), 1,
@@ -297,7 +299,14 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     ... x rows values) is loaded by the lanes together, coalesced, and
     handed out by warp shuffles, where the register-tile schedule issued a
     broadcast load per value per reduction step. The warps' sums meet in
-    shared memory and warp 0 finishes (bias, cell, stores).
+    shared memory and warp 0 finishes (bias, cell, stores). With one warp
+    (slices 1) each chunk goes through shared memory instead: every lane
+    stores its column and reads each value back (a broadcast load), 8 shared
+    loads and no shuffles per reduction step. The layer forward measured
+    0.91-0.95x with it at H = 512, 1024 and 2048 (the projection; H100,
+    bench/gpu_ab.py, two copies, results/gpu_ab_s8_smem.txt); at H = 128
+    and 256, with dx too, forward 0.97-0.99x, backward 1.02x at H=128 B=16
+    and 0.98-0.99x at H=256 B=1.
     out(lane, rows_var) or acc's copy; acc(lane, *tile, rows_var): the
     accumulator, its update over `reduce` (extent reduce_extent, split into
     slices and chunks) and `gates` (a second, small RVar, unrolled); extent:
@@ -318,8 +327,6 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     ro, ri = hl.RVar(acc.name() + "_ro"), hl.RVar(acc.name() + "_ri")
     rko, rki, rkii = (hl.RVar(acc.name() + n) for n in ("_rko", "_rki", "_rkii"))
     u = hl.Var(acc.name() + "_u")
-    part = acc.update().split(reduce, ro, ri, -(-reduce_extent // slices), GUARD).rfactor(ro, u)
-    whole = part.in_(acc)               # the warps' sums (shared memory)
     g = [] if gates is None else [gates]
 
     def lanes(stage, *outer):
@@ -333,6 +340,27 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
 
     acc.compute_at(out, lo).store_in(hl.MemoryType.Register)
     lanes(acc)
+    sv = staged.args()
+    if slices == 1:
+        # One warp: the chunks go through shared memory (each lane stores its
+        # column, every lane reads each value back, a broadcast), not shuffles.
+        # A block of lane loops only has no thread loops, and Halide 21 then
+        # inserts no barrier between the stores and the loads (it takes one
+        # warp's lanes as synchronous: FuseGPUThreadLoops). Loading the
+        # values 4 at a time (ld.shared.v4, rows innermost) measured no
+        # faster (results/gpu_ab_s8_smem.txt).
+        pu = acc.update()
+        pu.split(reduce, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
+        lanes(pu, *g, rkii, rki, rko).unroll(rkii)
+        for v in g:
+            pu.unroll(v)
+        st = staged.in_(acc).compute_at(acc, rko).store_in(hl.MemoryType.GPUShared) \
+            .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
+        for v in sv[1:]:
+            st.unroll(v)
+        return out
+    part = acc.update().split(reduce, ro, ri, -(-reduce_extent // slices), GUARD).rfactor(ro, u)
+    whole = part.in_(acc)               # the warps' sums (shared memory)
     lanes(acc.update(), ro).unroll(ro)
     whole.compute_at(out, lo)
     lanes(whole, u).gpu_threads(u)
@@ -343,7 +371,6 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     lanes(pu, u, *g, rkii, rki, rko).unroll(u).unroll(rkii)
     for v in g:
         pu.unroll(v)
-    sv = staged.args()
     st = staged.in_(part).compute_at(part, rko).store_in(hl.MemoryType.Register) \
         .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
     for v in sv[1:]:
@@ -543,13 +570,15 @@ def grads(p, target):
     # dx as a lanes product wherever H is a multiple of a warp (the chunks of
     # dxp staged in lanes): from H = 512 4 input units a lane on 2 warps,
     # below it 1 unit on one warp, for more blocks (see proj for the figures).
+    # (On one warp, as the projection, from H = 512 too: its 4 x 8
+    # accumulators a lane then spilled, 100 bytes at 128 registers.)
     if p.H % LANES == 0:
         big = p.H >= 512
         units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
         slices = _lanes_slices(p.H, 2 if big else 1)
         notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
-                     f"a lane, the reduction over {slices} warp(s), dxp staged in chunks and "
-                     f"shuffled")
+                     f"a lane, the reduction over {slices} warp(s), dxp staged in chunks "
+                     f"{'and shuffled' if slices > 1 else 'in shared memory'}")
         out = p.stage("dx")
         _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
                        out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
