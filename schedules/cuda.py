@@ -338,9 +338,22 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
             stage.unroll(v)
         return stage
 
+    def by_chunks(f, r, memory, *warp):
+        """f's update summed over r chunk by chunk, the lanes inside, each
+        chunk of `staged` loaded by the lanes into `memory` first"""
+        pu = f.update()
+        pu.split(r, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
+        lanes(pu, *warp, *g, rkii, rki, rko).unroll(rkii)
+        for v in (*warp, *g):
+            pu.unroll(v)
+        sv = staged.args()
+        st = staged.in_(f).compute_at(f, rko).store_in(memory) \
+            .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
+        for v in sv[1:]:
+            st.unroll(v)
+
     acc.compute_at(out, lo).store_in(hl.MemoryType.Register)
     lanes(acc)
-    sv = staged.args()
     if slices == 1:
         # One warp: the chunks go through shared memory (each lane stores its
         # column, every lane reads each value back, a broadcast), not shuffles.
@@ -349,15 +362,7 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
         # warp's lanes as synchronous: FuseGPUThreadLoops). Loading the
         # values 4 at a time (ld.shared.v4, rows innermost) measured no
         # faster (results/gpu_ab_s8_smem.txt).
-        pu = acc.update()
-        pu.split(reduce, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
-        lanes(pu, *g, rkii, rki, rko).unroll(rkii)
-        for v in g:
-            pu.unroll(v)
-        st = staged.in_(acc).compute_at(acc, rko).store_in(hl.MemoryType.GPUShared) \
-            .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
-        for v in sv[1:]:
-            st.unroll(v)
+        by_chunks(acc, reduce, hl.MemoryType.GPUShared)
         return out
     part = acc.update().split(reduce, ro, ri, -(-reduce_extent // slices), GUARD).rfactor(ro, u)
     whole = part.in_(acc)               # the warps' sums (shared memory)
@@ -366,15 +371,7 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     lanes(whole, u).gpu_threads(u)
     part.compute_at(whole, u).store_in(hl.MemoryType.Register)
     lanes(part, u).unroll(u)
-    pu = part.update()
-    pu.split(ri, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
-    lanes(pu, u, *g, rkii, rki, rko).unroll(u).unroll(rkii)
-    for v in g:
-        pu.unroll(v)
-    st = staged.in_(part).compute_at(part, rko).store_in(hl.MemoryType.Register) \
-        .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
-    for v in sv[1:]:
-        st.unroll(v)
+    by_chunks(part, ri, hl.MemoryType.Register, u)    # each warp's chunks shuffled
     return out
 
 
