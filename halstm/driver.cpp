@@ -820,7 +820,6 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     // t >= 0 (unused); scratch (2, B, G, H): call -1's dxp and dhg (unused).
     float *zeros = fused_ws, *add = zeros + (int64_t)B * G * H, *dh_scratch = add + 2 * B * HP;
     float *scratch = dh_scratch + (int64_t)B * HP;
-    (void)scratch;
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;

@@ -386,17 +386,26 @@ def _pack_bwd(p: Pipe) -> None:
     p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
 
 
-def _step_bwd(p: Pipe) -> None:
+def _step_bwd_inputs(p: Pipe, states) -> tuple:
+    """The inputs of a backward step (step_bwd, step_bwd_fused): saved[t],
+    the states before and after step t, dy[t], the incoming gradients of
+    `states` and W_hh's panels."""
     cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
-    j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
-    S = len(cell.saved)
-    saved = _param("saved", [H, S, None])            # numpy (B, S, H): saved[t]
+    saved = _param("saved", [H, len(cell.saved), None])   # numpy (B, S, H): saved[t]
     prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}
     new = {s: _param(s + "_new", [H, None]) for s in cell.states}
     dy = _param("dy", [H, None])                     # numpy (B, H): dy[t]
-    # state gradients live in (B, Hp) rows; dh is computed over all Hp
-    dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in cell.states}
+    # state gradients live in (B, Hp) rows
+    dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in states}
     wq_hh = _param("wq_hh", [P, H, G, Hp // P])      # numpy (Hp/P, G, H, P)
+    return saved, prev, new, dy, dnext, wq_hh
+
+
+def _step_bwd(p: Pipe) -> None:
+    cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
+    j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
+    # (dh is computed over all Hp)
+    saved, prev, new, dy, dnext, wq_hh = _step_bwd_inputs(p, cell.states)
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
@@ -455,16 +464,9 @@ def _step_bwd_fused(p: Pipe) -> None:
     for dh_0 alone (its pointwise results, from step 0's inputs, unused)."""
     cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
     k, b = p.vars["k"], p.vars["b"]
-    S = len(cell.saved)
-    saved = _param("saved", [H, S, None])            # numpy (B, S, H): saved[t]
-    prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}
-    new = {s: _param(s + "_new", [H, None]) for s in cell.states}
-    dy = _param("dy", [H, None])                     # numpy (B, H): dy[t]
-    # rows of (B, Hp) state-gradient arrays
-    dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in cell.states[1:]}
-    dh_add = _param("dh_add", [H, None], [1, Hp])
+    saved, prev, new, dy, dnext, wq_hh = _step_bwd_inputs(p, cell.states[1:])
+    dh_add = _param("dh_add", [H, None], [1, Hp])    # a row of (B, Hp)
     dhg_next = _param("dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
-    wq_hh = _param("wq_hh", [P, H, G, Hp // P])      # numpy (Hp/P, G, H, P)
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     w, dhg_in = _packed(wq_hh, k, P), _clamp(dhg_next, (2,))
     dh_acc, dh = _matmul("dh", [k, b], _clamp(dh_add, (0, 1))[k, b],    # (k clamped: whole tiles)
