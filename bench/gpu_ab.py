@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 import halstm
-from halstm import cuda, reference
+from halstm import cuda
+from halstm.benchmark import reference_errors
 
 
 def main():
@@ -37,21 +38,14 @@ def main():
     I, H, B, T = a.input_size or a.hidden_size, a.hidden_size, a.batch, a.steps
     cls = halstm.LSTM if a.cell == "lstm" else halstm.GRU
     rng = np.random.default_rng(0)
-    x64 = rng.standard_normal((T, B, I))
-    dy64 = rng.standard_normal((T, B, H))
-    x, dy = cuda.DeviceArray.from_numpy(x64), cuda.DeviceArray.from_numpy(dy64)
+    x = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, I)))
+    dy = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, H)))
     mods = {}
     for name in a.variants:       # a variant that fails or differs is reported and left out
         os.environ["HALSTM_CACHE"] = a.cache_prefix + name
         try:
             m = cls(I, H, target="host-cuda", seed=0).compile()
-            params = {k: v.numpy().astype(np.float64) for k, v in m.state_dict().items()}
-            ref = reference.forward(a.cell, params, x64)
-            want = reference.backward(a.cell, ref[-1], dy64)
-            err = float(np.max(np.abs(m(x)[0].numpy() - ref[0])))
-            got = m.backward(dy)
-            err = max(err, *(float(np.max(np.abs(got[k].numpy() - w)) / np.max(np.abs(w)))
-                             for k, w in want.items()))
+            err = max(reference_errors(m, a.cell, x, m(x)[0], dy).values())
         except Exception as e:
             print(f"  {name}: failed: {e}")
             continue

@@ -125,6 +125,21 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def reference_errors(m, cell, x, y, dy=None) -> dict:
+    """The largest relative error of module m's output y for input x
+    (numpy or device arrays, (T, B, I)) against the numpy reference in
+    float64, key "y", and given dy, of each gradient of m.backward(dy)
+    (which needs m's last forward to have been a training one)."""
+    params = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
+    ref = reference.forward(cell, params, np.asarray(x, np.float64))
+    errs = {"y": _rel(np.asarray(y), ref[0])}
+    if dy is not None:
+        got = m.backward(dy)
+        want = reference.backward(cell, ref[-1], np.asarray(dy, np.float64))
+        errs |= {k: _rel(np.asarray(got[k]), w) for k, w in want.items()}
+    return errs
+
+
 def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=1e-3) -> _Timed:
     """halstm with `schedule`, checked against the reference (max relative
     error at most tol, else AssertionError). Mode fwd runs under
@@ -140,14 +155,8 @@ def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol
                 return m(x)
         return m(x)
     if check:
-        y = np.asarray(forward()[0])
-        params = {k: np.asarray(v).astype(np.float64) for k, v in m.state_dict().items()}
-        ref = reference.forward(cell, params, x.astype(np.float64))
-        err = _rel(y, ref[0])
-        if mode == "fwdbwd":
-            g = m.backward(dy)
-            rg = reference.backward(cell, ref[-1], dy.astype(np.float64))
-            err = max(err, *(_rel(np.asarray(g[k]), rg[k]) for k in rg))
+        err = max(reference_errors(m, cell, x, forward()[0],
+                                   dy if mode == "fwdbwd" else None).values())
         if not err < tol:
             raise AssertionError(f"{cell} {name} schedule {schedule}: max relative error "
                                  f"{err:.2e} vs the reference exceeds {tol:g}")
