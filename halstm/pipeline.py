@@ -524,21 +524,24 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     N = x.dim(0 if ids else 1).extent()
     rn = hl.RDom([(0, N)], "r_n")
     rg = hl.RDom([(0, H), (0, G)], "r_jg")
-    stages = {}
+    # dxp and dhg with the rows clamped: a schedule may load a chunk of rows
+    # past N (staged, unused past N)
+    dxp_in = _clamp(dxp, (2,))
+    dhg_in = dxp_in if shared else _clamp(dhg, (2,))
+    stages = {"dxp_in": dxp_in, "dhg_in": dhg_in}
     if not ids:
         wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
         w = _packed(wq_ih, i, P)
-        dxp_in = stages["dxp_in"] = _clamp(dxp, (2,))
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
             "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * dxp_in[rg.x, rg.y, n])
     # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are
     # first packed into panels contiguous along n (C input units, resp. R
     # hidden units with all gates), so that a tile streams two dense blocks.
     panels = {"hs": _row_panels(hs, H, C, "hs_panels"),
-              "dxp": _unit_panels(dxp, H, R, "dxp_panels")}
+              "dxp": _unit_panels(dxp_in, H, R, "dxp_panels")}
     if not ids:
         panels["x"] = _row_panels(x, K, C, "x_panels")
-    panels["dhg"] = panels["dxp"] if shared else _unit_panels(dhg, H, R, "dhg_panels")
+    panels["dhg"] = panels["dxp"] if shared else _unit_panels(dhg_in, H, R, "dhg_panels")
     if ids:
         # dW_ih[g, k] = the sum of dxp[n, g] over the rows n with ids[n] == k
         acc = hl.Func("dw_ih_acc")                    # numpy (K, G, H)
@@ -587,7 +590,7 @@ def _row_panels(a: hl.ImageParam, n: int, C: int, name: str) -> hl.Func:
     return f
 
 
-def _unit_panels(d: hl.ImageParam, H: int, R: int, name: str) -> hl.Func:
+def _unit_panels(d: hl.Func, H: int, R: int, name: str) -> hl.Func:
     """d(j, gate, row) -> f(ji, gate, row, jo) = d(jo*R + ji, gate, row)
     (units past H repeat the last; their results are never stored)."""
     f = hl.Func(name)

@@ -289,7 +289,8 @@ def _step_tile(p, target):
 
 
 def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,
-                   staged, slices, units=1, gates=None, chunk=LANES, unroll=8, out_tile=()):
+                   staged, slices, units=1, gates=None, chunk=LANES, unroll=8, out_tile=(),
+                   chunk_arg=0, chunk_outer=False):
     """A product in the style of Halide's apps/conv_layer: blocks of
     `slices` warps over (32*units units x `rows` batch rows); each warp sums
     one slice of the reduction for the block's whole tile in registers
@@ -310,11 +311,19 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     out(lane, rows_var) or acc's copy; acc(lane, *tile, rows_var): the
     accumulator, its update over `reduce` (extent reduce_extent, split into
     slices and chunks) and `gates` (a second, small RVar, unrolled); extent:
-    the runtime extent of rows_var. Below `rows` rows, one row a block."""
+    the runtime extent of rows_var, or its fixed extent (an int). Below
+    `rows` rows, one row a block. chunk_arg: the argument of `staged` the
+    chunks run along (the lanes load one value of it each); chunk_outer:
+    store each staged chunk with that axis outermost, so that the values one
+    reduction step reads lie together (vector shared loads)."""
     lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
     lu = hl.Var(lane.name() + "u")
     bo, bi = hl.Var(rows_var.name() + "o"), hl.Var(rows_var.name() + "i")
-    for stage, f in ((out.specialize(extent >= rows), rows), (out, 1)):
+    if isinstance(extent, int):         # a fixed extent: one loop nest
+        tiles = [(out, rows if extent >= rows else 1)]
+    else:
+        tiles = [(out.specialize(extent >= rows), rows), (out, 1)]
+    for stage, f in tiles:
         stage.split(lane, lo, li, LANES * units, GUARD).split(li, lu, li, LANES) \
              .split(rows_var, bo, bi, f, SHIFT) \
              .reorder(bi, *out_tile, lu, li, lo, bo).gpu_blocks(lo, bo).gpu_lanes(li) \
@@ -347,10 +356,14 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
         for v in (*warp, *g):
             pu.unroll(v)
         sv = staged.args()
+        along = sv[chunk_arg]
         st = staged.in_(f).compute_at(f, rko).store_in(memory) \
-            .bound_extent(sv[0], chunk).gpu_lanes(sv[0])
-        for v in sv[1:]:
-            st.unroll(v)
+            .bound_extent(along, chunk).gpu_lanes(along)
+        for v in sv:
+            if v.name() != along.name():
+                st.unroll(v)
+        if chunk_outer:
+            st.reorder_storage(*[v for v in sv if v.name() != along.name()], along)
 
     acc.compute_at(out, lo).store_in(hl.MemoryType.Register)
     lanes(acc)
@@ -545,6 +558,12 @@ def _summed_parts(out, acc, part, u, lane, cols, inner, outer, extent=None, **kw
     _tile(out, acc, lane, cols, outer, **kw)
 
 
+def _lanes_dw(p, width: int) -> bool:
+    """Whether a weight gradient over `width` input units is a lanes
+    product (see grads): H a multiple of a warp and 2048 tiles or more."""
+    return p.H % LANES == 0 and -(-width // (4 * LANES)) * -(-p.H // 4) >= 2048
+
+
 def grads(p, target):
     v = p.vars
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
@@ -556,7 +575,6 @@ def grads(p, target):
     # (and from H = 512 too: see _gemm_unroll)
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
     unroll = _gemm_unroll(p.H)[1]
-    notes.append("grads: dW with 4 input x 4 hidden units x every gate a thread")
     if p.H % LANES:
         notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread")
     # From H = 512, dx sums each gate's part on the grid of its own (4x the
@@ -565,21 +583,26 @@ def grads(p, target):
     # (4.45-4.48 in other runs), 14.87 -> 13.79 at H=2048 B=32 T=50, 4.90 ->
     # 4.77 at H=512 B=64 T=100.
     # dx as a lanes product wherever H is a multiple of a warp (the chunks of
-    # dxp staged in lanes): from H = 512 4 input units a lane on 2 warps,
-    # below it 1 unit on one warp, for more blocks (see proj for the figures).
-    # (On one warp, as the projection, from H = 512 too: its 4 x 8
-    # accumulators a lane then spilled, 100 bytes at 128 registers.)
+    # dxp staged in lanes), on one warp: from H = 512 4 input units a lane,
+    # below it 1 unit, for more blocks (see proj for the figures). From 512
+    # the staged chunk is stored gates innermost (chunk_outer), so that a
+    # reduction step's values come in vector shared loads: with scalar ones
+    # the 4 x 8 accumulators spilled (100 bytes at 128 registers), which is
+    # why this was 2 warps a block, shuffling, until the ninth session. On
+    # one warp the layer backward took 0.929x / 0.935x / 0.976x the 2-warp
+    # form's time at H=1024 B=64 T=25, H=2048 B=32 T=50, H=512 B=64 T=100
+    # (H100, bench/gpu_ab.py, interleaved, with dW as below in both;
+    # results/gpu_ab_s9_grads.txt: dx48 against base; 2 units a lane 0.945x,
+    # 0.969x, 0.999x).
     if p.H % LANES == 0:
         big = p.H >= 512
         units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
-        slices = _lanes_slices(p.H, 2 if big else 1)
         notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
-                     f"a lane, the reduction over {slices} warp(s), dxp staged in chunks "
-                     f"{'and shuffled' if slices > 1 else 'in shared memory'}")
+                     f"a lane, one warp, dxp staged in chunks in shared memory")
         out = p.stage("dx")
         _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
                        out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
-                       slices, units=units, gates=rg.y, unroll=4)
+                       1, units=units, gates=rg.y, unroll=4, chunk_outer=big)
     elif p.H >= 512:
         notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")
@@ -590,12 +613,33 @@ def grads(p, target):
     else:
         _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
               per_lane=per_lane, unroll=unroll)
-    # Weight gradients: lanes over input units, per thread 4 input units x
+    # Weight gradients: where they have 2048 tiles or more (below, the
+    # register tiles' sums in parts), a lanes product on one warp: a lane
+    # holds 4 input units x 4 hidden units x every gate, dxp (dhg) staged in
+    # chunks of 32 rows in shared memory and read back in vector loads (4
+    # loads of 4 values and 4 of x per 64 FMAs, where the register tiles made
+    # 16 broadcast loads from global memory). Layer backward (H100,
+    # bench/gpu_ab.py, interleaved; results/gpu_ab_s9_dw.txt, dw4 against
+    # base, three runs): 0.942-0.950x at H=1024 B=64 T=25, 0.949-0.976x at
+    # H=2048 B=32 T=50; at H=512 B=64 T=100 (512 tiles) 1.21-1.22x, at
+    # H=128 B=16 T=100 1.28-1.38x, so not there; 2 input units a lane
+    # 1.14-1.16x. Splitting its rows into parts as the register tiles do
+    # made Halide put barriers (and guards) inside the chunk loop: not used.
+    # Otherwise: lanes over input units, per thread 4 input units x
     # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
     # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
     rows = p.param("x").dim(1).extent()
     for name, vec, width in (("dw_ih", i, p.K), ("dw_hh", v["k"], p.H)):
         out, acc = p.stage(name), p.stage(name + "_acc")
+        if _lanes_dw(p, width):
+            notes.append(f"grads: {name} as a lanes product; 4 input units x 4 hidden units x "
+                         f"every gate a lane, one warp, "
+                         f"{'dhg' if name == 'dw_hh' else 'dxp'} staged in chunks in shared memory")
+            staged = p.stage("dhg_panels" if name == "dw_hh" else "dxp_panels")  # (ji, gate, n, jo)
+            _lanes_product(out, acc, vec, j, 4, [gate], rn.x, None, p.H, staged, 1,
+                           units=_slices(-(-width // LANES), 4), out_tile=[gate], chunk_arg=2)
+            continue
+        notes.append(f"grads: {name} with 4 input x 4 hidden units x every gate a thread")
         tile = [(j, 4, False), (gate, None, False)]
         parts = _row_parts(width, p.H)
         notes.append(f"grads: {name}'s sum over the N rows in {parts} part(s) summed afterwards")

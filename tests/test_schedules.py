@@ -192,16 +192,27 @@ def test_cuda_lanes_products_where_the_warps_fit(kind, lanes_from):
     assert any("staged in chunks" in n for n in notes) == (kind == "grads"), notes
 
 
+# The weight gradients are lanes products where they have 2048 tiles (4
+# input x 4 hidden units) or more, register tiles summed in parts elsewhere.
+def test_cuda_weight_gradients_as_lanes_products_from_2048_tiles():
+    for K, H, lanes in ((64, 1024, {"dw_hh"}), (1024, 1024, {"dw_ih", "dw_hh"}),
+                        (2048, 512, {"dw_ih"}), (512, 512, set()), (1000, 1000, set())):
+        _, notes, _ = _cuda_pipe("lstm", "grads", K, H)
+        got = {n.split()[1] for n in notes if "as a lanes product" in n and " dw_" in n}
+        assert got == lanes, (K, H, notes)
+
+
 # Lowered for a CUDA target (no GPU needed): a lanes product's kernel uses
-# warp shuffles, or on one warp (the projection; dx below H=512) shared
-# memory and no shuffles, and never local memory. Local memory would mean
-# Halide no longer keeps the striped tile in registers (a per-thread copy
-# of the whole tile).
+# warp shuffles, or on one warp (the projection, dx, the weight gradients)
+# shared memory and no shuffles, and never local memory. Local memory would
+# mean Halide no longer keeps the striped tile in registers (a per-thread
+# copy of the whole tile).
 @pytest.mark.parametrize("cell,kind,H,stage,one_warp", [
     ("lstm", "step", 512, "step_out", False), ("lstm", "step_bwd", 512, "dh_prev", False),
-    ("lstm", "proj", 512, "xp", True), ("lstm", "grads", 512, "dx", False),
+    ("lstm", "proj", 512, "xp", True), ("lstm", "grads", 512, "dx", True),
     ("gru", "step", 512, "step_out", False), ("lstm", "proj", 128, "xp", True),
-    ("lstm", "grads", 128, "dx", True)])
+    ("lstm", "grads", 128, "dx", True), ("lstm", "grads", 1024, "dw_hh", True),
+    ("gru", "grads", 1024, "dw_hh", True)])
 def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp, tmp_path):
     import re
     import halide as hl

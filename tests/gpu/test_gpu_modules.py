@@ -107,8 +107,10 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B):
 # otherwise; two units a lane in dh from H=1024, four in dx. These (T, B)
 # give whole tiles with a shifted edge tile (9, 17), too few rows for a
 # tile (3, and N = T*B = 3), and batch 1 over 20 steps; two layers, so that
-# layer 2's projection and dx reduce over K = H. dW splits its rows into
-# parts only below H=512.
+# layer 2's projection and dx reduce over K = H. At H=1024 dW_hh (both
+# layers) and layer 2's dW_ih are lanes products too, whose chunks of 32
+# rows pass N (no N here is a multiple of 32); elsewhere dW's register
+# tiles sum their rows in parts.
 @pytest.mark.parametrize("T,B", [(3, 9), (1, 3), (20, 1), (2, 17)])
 @pytest.mark.parametrize("H", [512, 1024])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
