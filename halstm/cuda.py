@@ -14,8 +14,8 @@ halide import: a process that only runs cached libraries stays light.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
-import weakref
 
 import numpy as np
 
@@ -84,6 +84,8 @@ _lock = threading.Lock()
 def driver() -> _Driver:
     """The loaded driver; raises CudaError (the same one every time) if there is none."""
     global _driver, _driver_error
+    if _driver is not None:          # (every device call asks: no lock once loaded)
+        return _driver
     with _lock:
         if _driver is None and _driver_error is None:
             try:
@@ -201,8 +203,15 @@ class _Allocation:
     """One pooled device block, returned when the last array viewing it goes away."""
 
     def __init__(self, nbytes: int):
-        self.ptr = _pool.take(nbytes)
-        self._finalizer = weakref.finalize(self, _pool.give, self.ptr, nbytes)
+        self.ptr, self.nbytes = _pool.take(nbytes), nbytes
+
+    def __del__(self):
+        # (not weakref.finalize: a forward makes several arrays, and its
+        # bookkeeping cost about 3 us each, before the kernels could start)
+        try:
+            _pool.give(self.ptr, self.nbytes)
+        except Exception:      # interpreter shutdown: the pool may be gone already
+            pass
 
 
 class DeviceArray:
@@ -218,19 +227,24 @@ class DeviceArray:
 
     def __init__(self, ptr: int, shape, owner):
         self.ptr, self.shape, self._owner = int(ptr), tuple(int(s) for s in shape), owner
+        self.size = math.prod(self.shape)
 
     # ---- creation ---------------------------------------------------------
     @classmethod
     def empty(cls, shape) -> "DeviceArray":
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        alloc = _Allocation(4 * int(np.prod(shape, dtype=np.int64)))
+        alloc = _Allocation(4 * math.prod(int(s) for s in shape))
         return cls(alloc.ptr, shape, alloc)
 
     @classmethod
     def zeros(cls, shape) -> "DeviceArray":
-        a = cls.empty(shape)
-        driver().call("cuMemsetD8_v2", _U64(a.ptr), 0, a.nbytes)
-        return a
+        return cls.empty(shape).zero_()
+
+    def zero_(self) -> "DeviceArray":
+        """Fill with zeros, in place; returns self."""
+        if self.size:
+            driver().call("cuMemsetD8_v2", _U64(self.ptr), 0, self.nbytes)
+        return self
 
     @classmethod
     def from_numpy(cls, a) -> "DeviceArray":
@@ -243,10 +257,6 @@ class DeviceArray:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:
@@ -272,9 +282,9 @@ class DeviceArray:
         shape = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
         shape = list(shape)
         if shape.count(-1) == 1:
-            rest = int(np.prod([s for s in shape if s != -1]))
+            rest = math.prod(s for s in shape if s != -1)
             shape[shape.index(-1)] = self.size // max(rest, 1)
-        if int(np.prod(shape)) != self.size:
+        if math.prod(shape) != self.size:
             raise ValueError(f"reshape: cannot view {self.shape} as {tuple(shape)}")
         return DeviceArray(self.ptr, shape, self)
 

@@ -78,6 +78,11 @@ def _check_shape(name, a, expected):
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(a.shape)}")
 
 
+def _layer(a, layer):
+    """a[layer] of an (L, B, H) state array, or None for None (zeros)."""
+    return None if a is None else a[layer]
+
+
 class _RNN:
     cell = ""
 
@@ -251,9 +256,11 @@ class _RNN:
         return self._result(y, host) if self.on_gpu else np.array(y, order="C")
 
     def _initial(self, name, a, B, unbatched):
+        """A caller's initial state (or state gradient) as an (L, B, H) array,
+        or None for None (zeros: the library fills them in)."""
         L, H = self.num_layers, self.hidden_size
         if a is None:
-            return self._mem.zeros((L, B, H))
+            return None
         a = _float_array(name, a)
         _check_shape(name, a, (L, H) if unbatched else (L, B, H))
         return self._array(a).reshape(L, B, H)
@@ -268,15 +275,18 @@ class _RNN:
         for layer in range(self.num_layers):
             w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
             states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
-                inp, w_ih, b_ih, w_hh, b_hh, [s[layer] for s in init], save=save)
+                inp, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer) for s in init], save=save)
             tape.append((inp, states, saved))
             inp = states[0][1:]                      # this layer's h over time (T, B, H)
         self._tape = (tape, unbatched, ids)
         finals = []
         for s in range(len(init)):
-            f = self._mem.empty((self.num_layers, B, self.hidden_size))
-            for layer, t in enumerate(tape):
-                f[layer] = t[1][s][-1]
+            if len(tape) == 1 and not save:      # no backward reads the states: a view
+                f = tape[0][1][s][-1:]
+            else:
+                f = self._mem.empty((self.num_layers, B, self.hidden_size))
+                for layer, t in enumerate(tape):
+                    f[layer] = t[1][s][-1]
             f = f.reshape(self.num_layers, self.hidden_size) if unbatched else f
             finals.append(self._result(f, host))
         return self._seq_out(inp, host, taped=save), finals
@@ -303,7 +313,7 @@ class _RNN:
             w_ih, _, w_hh, _ = self._layer_weights(layer)
             g = self._lib(layer, "bwd", ids and layer == 0).backward(
                 inp, w_ih, w_hh, saved, states, dy,
-                                                 [d[layer] for d in dfinal],
+                                                 [_layer(d, layer) for d in dfinal],
                                                  need_dx=input_grad or layer > 0)
             grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
             if self.bias:

@@ -56,6 +56,10 @@ class _Host:
         return a
 
     @staticmethod
+    def zero(a):
+        a[...] = 0
+
+    @staticmethod
     def put_leading(dst, src):
         """dst (R, W)[:, :w] = src (R, w)."""
         dst[:, :src.shape[-1]] = src
@@ -73,6 +77,10 @@ class _Device:
         from . import cuda
         self.cuda = cuda
         self.empty, self.zeros = cuda.empty, cuda.zeros
+
+    @staticmethod
+    def zero(a):
+        a.zero_()
 
     @staticmethod
     def ptr(a) -> int:
@@ -197,7 +205,7 @@ class Library:
 
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
-        init: one (B, H) array per state. Returns (states, saved): states
+        init: one (B, H) array (or None: zeros) per state. Returns (states, saved): states
         each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H)
         for backward, or None with save=False (the steps store nothing else).
         Arrays are numpy for a CPU library, DeviceArrays for a CUDA one.
@@ -208,7 +216,10 @@ class Library:
         states = []
         for s0 in init:
             st = mem.empty((T + 1, B, H))
-            st[0] = s0
+            if s0 is None:
+                mem.zero(st[0])
+            else:
+                st[0] = s0
             states.append(st)
         saved = mem.empty((T, B, S, H)) if save else None
         Hp, P = self.Hp, self.P
@@ -220,7 +231,8 @@ class Library:
         return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True):
-        """BPTT of one layer. dfinal: one (B, H) gradient per final state.
+        """BPTT of one layer. dfinal: one (B, H) gradient (or None: zeros) per
+        final state.
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H).
         need_dx False: no dx in the result, and a CPU library skips its GEMM.
         A one-hot library takes x as (T, B) int32 indices and gives no dx."""
@@ -232,7 +244,8 @@ class Library:
         dstate = []
         for d in dfinal:
             a = mem.zeros((2, B, Hp))
-            mem.put_leading(a[0], d)
+            if d is not None:
+                mem.put_leading(a[0], d)
             dstate.append(a)
         ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
               self._workspace("wq_hh", (Hp // P, G, H, P))]
