@@ -688,3 +688,17 @@ def check_no_grad(cell, target="host"):
         backward(m, cell, np.ones((T, 1, H), np.float32))
     call(m, cell, x, hx)                      # a training forward makes backward work again
     backward(m, cell, np.ones((T, 1, H), np.float32))
+    # One layer and no initial state: the library zeroes the states' first
+    # row itself, and under no_grad the final states are the module's own
+    # last rows (views, no copy); twice, so a second call cannot change the
+    # first call's results.
+    m1 = make(cell, num_layers=1, target=target)
+    x2 = rng.standard_normal((T + 2, B, I)).astype(np.float32)
+    want = [call(m1, cell, xi) for xi in (x, x2)]
+    with halstm.no_grad():
+        got = [call(m1, cell, xi) for xi in (x, x2)]
+    for (gy, gf), (wy, wf) in zip(got, want):
+        np.testing.assert_allclose(gy, wy, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(gf[0][0], gy[-1])       # h_n is y's last row
+        for g, w in zip(gf, wf):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
