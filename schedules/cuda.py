@@ -589,11 +589,11 @@ def grads(p, target):
     # reduction step's values come in vector shared loads: with scalar ones
     # the 4 x 8 accumulators spilled (100 bytes at 128 registers), which is
     # why this was 2 warps a block, shuffling, until the ninth session. On
-    # one warp the layer backward took 0.929x / 0.935x / 0.976x the 2-warp
+    # one warp the layer backward took 0.978x / 0.958x / 0.975x the 2-warp
     # form's time at H=1024 B=64 T=25, H=2048 B=32 T=50, H=512 B=64 T=100
-    # (H100, bench/gpu_ab.py, interleaved, with dW as below in both;
-    # results/gpu_ab_s9_grads.txt: dx48 against base; 2 units a lane 0.945x,
-    # 0.969x, 0.999x).
+    # (H100, bench/gpu_ab.py, interleaved, both with dW as below;
+    # results/gpu_ab_s9_grads.txt: dx48 against dw; 2 units a lane, dx28:
+    # 0.995x, 0.993x, 0.997x). With dW's change: 0.929x, 0.935x, 0.976x.
     if p.H % LANES == 0:
         big = p.H >= 512
         units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
@@ -619,8 +619,8 @@ def grads(p, target):
     # chunks of 32 rows in shared memory and read back in vector loads (4
     # loads of 4 values and 4 of x per 64 FMAs, where the register tiles made
     # 16 broadcast loads from global memory). Layer backward (H100,
-    # bench/gpu_ab.py, interleaved; results/gpu_ab_s9_dw.txt, dw4 against
-    # base, three runs): 0.942-0.950x at H=1024 B=64 T=25, 0.949-0.976x at
+    # bench/gpu_ab.py, interleaved; results/gpu_ab_s9_dw.txt and
+    # gpu_ab_s9_grads.txt, dw4 or dw against base, three runs): 0.942-0.950x at H=1024 B=64 T=25, 0.949-0.976x at
     # H=2048 B=32 T=50; at H=512 B=64 T=100 (512 tiles) 1.21-1.22x, at
     # H=128 B=16 T=100 1.28-1.38x, so not there; 2 input units a lane
     # 1.14-1.16x. Splitting its rows into parts as the register tiles do
