@@ -50,14 +50,13 @@ class _Host:
     empty, ptr = staticmethod(empty), staticmethod(_ptr)
 
     @staticmethod
-    def zeros(shape):
-        a = empty(shape)
+    def zero(a):
         a[...] = 0
         return a
 
-    @staticmethod
-    def zero(a):
-        a[...] = 0
+    @classmethod
+    def zeros(cls, shape):
+        return cls.zero(empty(shape))
 
     @staticmethod
     def put_leading(dst, src):

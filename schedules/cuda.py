@@ -538,11 +538,17 @@ def _dh_product(p, out, acc, staged, kind):
 DW_WARPS = 8192
 
 
+def _dw_tiles(width: int, H: int) -> int:
+    """Tiles of a weight gradient over `width` input units: 4*LANES input
+    units x 4 hidden units each."""
+    return -(-width // (4 * LANES)) * -(-H // 4)
+
+
 def _row_parts(width: int, H: int) -> int:
     """Parts (a power of two, at most 16) to split a weight gradient's sum
-    over the N rows into, so that its tiles (4*LANES input units x 4 hidden
-    units) times the parts reach about DW_WARPS."""
-    tiles = -(-width // (4 * LANES)) * -(-H // 4)
+    over the N rows into, so that its tiles times the parts reach about
+    DW_WARPS."""
+    tiles = _dw_tiles(width, H)
     parts = 1
     while parts < 16 and tiles * parts * 2 <= DW_WARPS:
         parts *= 2
@@ -561,7 +567,7 @@ def _summed_parts(out, acc, part, u, lane, cols, inner, outer, extent=None, **kw
 def _lanes_dw(p, width: int) -> bool:
     """Whether a weight gradient over `width` input units is a lanes
     product (see grads): H a multiple of a warp and 2048 tiles or more."""
-    return p.H % LANES == 0 and -(-width // (4 * LANES)) * -(-p.H // 4) >= 2048
+    return p.H % LANES == 0 and _dw_tiles(width, p.H) >= 2048
 
 
 def grads(p, target):
@@ -629,13 +635,12 @@ def grads(p, target):
     # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
     # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
     rows = p.param("x").dim(1).extent()
-    for name, vec, width in (("dw_ih", i, p.K), ("dw_hh", v["k"], p.H)):
+    for name, vec, width, d in (("dw_ih", i, p.K, "dxp"), ("dw_hh", v["k"], p.H, "dhg")):
         out, acc = p.stage(name), p.stage(name + "_acc")
         if _lanes_dw(p, width):
             notes.append(f"grads: {name} as a lanes product; 4 input units x 4 hidden units x "
-                         f"every gate a lane, one warp, "
-                         f"{'dhg' if name == 'dw_hh' else 'dxp'} staged in chunks in shared memory")
-            staged = p.stage("dhg_panels" if name == "dw_hh" else "dxp_panels")  # (ji, gate, n, jo)
+                         f"every gate a lane, one warp, {d} staged in chunks in shared memory")
+            staged = p.stage(d + "_panels")       # (ji, gate, n, jo)
             _lanes_product(out, acc, vec, j, 4, [gate], rn.x, None, p.H, staged, 1,
                            units=_slices(-(-width // LANES), 4), out_tile=[gate], chunk_arg=2)
             continue
