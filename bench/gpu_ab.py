@@ -13,14 +13,12 @@ to the first variant's:
 """
 import argparse
 import os
-import statistics
-import time
 
 import numpy as np
 
 import halstm
 from halstm import cuda
-from halstm.benchmark import reference_errors
+from halstm.benchmark import alternating, reference_errors
 
 
 def main():
@@ -55,16 +53,12 @@ def main():
         mods[name] = m
     if a.variants[0] not in mods:
         raise SystemExit(f"the first variant, {a.variants[0]}, is needed for the ratios")
-    times = {(n, d): [] for n in mods for d in ("fwd", "bwd")}
-    for _ in range(a.reps + 1):          # the first round warms up
-        for n, m in mods.items():
-            for d, fn in (("fwd", lambda: m(x)), ("bwd", lambda: m.backward(dy))):
-                cuda.synchronize()
-                t = time.perf_counter()
-                fn()
-                cuda.synchronize()
-                times[n, d].append(time.perf_counter() - t)
-    med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+    calls = {}
+    for n, m in mods.items():             # (m=m: each call its own module)
+        calls[n, "fwd"] = lambda m=m: m(x)
+        calls[n, "bwd"] = lambda m=m: m.backward(dy)
+    # the first round warms up
+    med = {k: s * 1e3 for k, s in alternating(calls, a.reps + 1, 1, cuda.synchronize).items()}
     first = a.variants[0]
     print(f"{a.cell} I={I} H={H} B={B} T={T}, {a.reps} interleaved rounds, medians in ms "
           f"(ratio to {first})")

@@ -114,6 +114,22 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
     return times, rounds
 
 
+def alternating(calls: dict, rounds: int, warmup: int, sync) -> dict:
+    """Median seconds of each of `calls` (name -> function), timed from
+    sync() to sync(), over `rounds` rounds that run every call once in turn,
+    the first `warmup` rounds left out (bench/gpu_ab.py, bench/gpu_host.py:
+    strict alternation, where _interleaved runs blocks in rotating order)."""
+    times = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, f in calls.items():
+            sync()
+            t = time.perf_counter()
+            f()
+            sync()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v[warmup:]) for k, v in times.items()}
+
+
 def _inputs(cell, s, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((s["T"], s["B"], s["I"])).astype(np.float32)

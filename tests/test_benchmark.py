@@ -28,6 +28,16 @@ def test_blocks_fill_block_seconds_and_runs_stop_at_max_runs():
     assert min(times[1]) >= 4.0
 
 
+def test_alternating_runs_each_call_once_a_round_between_syncs():
+    log = []
+    calls = {k: (lambda k=k: (log.append(k), time.sleep(0.002 if k == "slow" else 0)))
+             for k in ("fast", "slow")}
+    med = B.alternating(calls, rounds=4, warmup=1, sync=lambda: log.append("|"))
+    # each call between two syncs, in the same order every round
+    assert log == ["|", "fast", "|", "|", "slow", "|"] * 4
+    assert med["slow"] >= 0.002 > med["fast"]
+
+
 def test_ratio_pairs_rounds():
     def result(impl, rounds):
         return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None, None, None,
