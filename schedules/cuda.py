@@ -152,8 +152,7 @@ def _grid(f, stage=None, along=None):
     """A pointwise or copy stage (f's pure definition, or `stage` of f) as
     one kernel: every axis fused into one (the first innermost, so that
     neighbouring threads touch neighbouring elements), 128 threads a block.
-    One grid axis: the second and third allow only 65535 blocks (the
-    packing of large_2048's weights needs 131072). along: a Func scheduled
+    One grid axis: the second and third allow only 65535 blocks. along: a Func scheduled
     by _grid whose kernel also computes f (compute_with; the two may differ
     in size)."""
     stage = f if stage is None else stage
@@ -169,14 +168,56 @@ def _grid(f, stage=None, along=None):
     return f
 
 
+# The weight packing, on every call (the weights may have changed): at
+# large_2048 (H100, ncu) one fused-grid thread per element took 135 us per
+# weight (wp) and 82 us (wq), 26% and 42% of DRAM's bandwidth; with the
+# kernels below 43 and 45 us (78% and 74%). Layer forward (bench/gpu_ab.py,
+# interleaved, results/gpu_ab_s10_pack.txt): 0.963x at H=2048 B=32 T=50,
+# 0.951x at H=1024 B=64 T=25, backward 0.998x and 0.989x; within 2% either
+# way at H=512 (K=65) and H=128. (Eight elements a thread along k for wp,
+# without shared memory: 89 us, 0.979x / 0.963x forward.)
+def _transpose(f, w):
+    """wp(ji, gate, k, jo) = w(k, jo*P + ji, gate) through shared memory:
+    a block of 32 x 8 threads moves a 32 (k) x 32 (ji) tile; w's rows are
+    read along k and the panel's rows written along ji, both coalesced; the
+    staged tile is padded to 33 columns, so that reading it across does not
+    conflict in the shared memory banks."""
+    ji, gate, k, jo = f.args()
+    ko, ki, kt, ku = (hl.Var(f.name() + n) for n in ("_ko", "_ki", "_kt", "_ku"))
+    b0, b = hl.Var(f.name() + "_b0"), hl.Var(f.name() + "_b")
+    f.split(k, ko, ki, LANES, GUARD).split(ki, kt, ku, 4, GUARD) \
+     .reorder(ku, ji, kt, gate, ko, jo).fuse(gate, ko, b0).fuse(b0, jo, b) \
+     .gpu_blocks(b).gpu_threads(ji, kt).unroll(ku)
+    tile = w.in_(f)                     # tile(k, j, gate)
+    k_, j_, gate_ = tile.args()
+    jt, ju = hl.Var(f.name() + "_jt"), hl.Var(f.name() + "_ju")
+    tile.compute_at(f, b).align_storage(k_, LANES + 1) \
+        .split(j_, jt, ju, 4, GUARD).reorder(ju, k_, jt, gate_).gpu_threads(k_, jt).unroll(ju)
+
+
+def _copy(f, axis, n=8):
+    """A copy as one kernel: a thread moves n elements along `axis`
+    (unrolled, so that its n loads are in flight together), the other axes
+    fused on the grid, the first innermost (coalesced)."""
+    ao, ai = hl.Var(axis.name() + "o"), hl.Var(axis.name() + "i")
+    f.split(axis, ao, ai, n, GUARD)
+    rest = [ao if a.name() == axis.name() else a for a in f.args()]
+    x = rest[0]
+    for a in rest[1:]:
+        f.fuse(x, a, x)
+    f.reorder(ai, x).unroll(ai)
+    f.gpu_tile(x, hl.Var(f.name() + "_xo"), hl.Var(f.name() + "_xi"), 128, GUARD)
+
+
 def pack(p, target):
-    for name in ("wp_ih", "wp_hh"):
-        _grid(p.stage(name))
+    for name, w in zip(("wp_ih", "wp_hh"), p.inputs):     # inputs: w_ih, w_hh
+        _transpose(p.stage(name), w)
 
 
 def pack_bwd(p, target):
-    for name in ("wq_ih", "wq_hh"):
-        _grid(p.stage(name))
+    for name in ("wq_ih", "wq_hh"):     # wq(ki, j, gate, ko) = w(ko*P + ki, j, gate)
+        f = p.stage(name)
+        _copy(f, f.args()[1])
 
 
 # Rows per thread of the projection and gradient GEMMs (N = T*B rows).
