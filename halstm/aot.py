@@ -49,7 +49,8 @@ ENTRY_POINTS = {
     "bwd": {"halstm_backward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
-        "inout dstate[NS] (2, B, HP): in [0], out [T & 1]", "ws wq_ih (KP/P, G, H, P)", "ws wq_hh (HP/P, G, H, P)",
+        "inout dstate[NS] (2, B, HP): in [0], out [T & 1]", "ws wq_ih (KP/P, G, H, P) (no pack_bwd pipeline: unused, NULL)",
+        "ws wq_hh (HP/P, G, H, P) (no pack_bwd pipeline: unused, NULL)",
         "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
         "ws fused_bwd: 3*B*HP + 3*B*G*H floats, the first B*G*H zero, where the manifest's "
         "pipelines include halstm_step_bwd_fused (else unused)",
@@ -73,10 +74,13 @@ def pipeline_kinds(spec, layout: dict) -> tuple:
     schedule's layout."""
     from . import pipeline
     if spec.onehot:
-        return pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
-    kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
-    if spec.hidden_size < layout.get("fused_bwd_below", 0):
+        kinds = pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
+    else:
+        kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
+    if spec.hidden_size < layout.get("fused_bwd_below", 0) and not spec.onehot:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
+    if layout.get("raw_bwd_weights"):       # the backward reads the weights as given
+        kinds = tuple(k for k in kinds if k != "pack_bwd")
     return kinds
 
 
@@ -363,6 +367,8 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         defines["HALSTM_XP_PANELS"] = 1
     if "step_bwd_fused" in kinds:   # one call a backward step (pipeline.py _step_bwd_fused)
         defines["HALSTM_FUSED_BWD"] = 1
+    if spec.direction == "bwd" and "pack_bwd" not in kinds:   # (layout raw_bwd_weights)
+        defines["HALSTM_RAW_BWD"] = 1
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     if cuda:                 # the driver passes device pointers (see driver.cpp)
         defines["HALSTM_CUDA"] = 1

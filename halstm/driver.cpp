@@ -809,9 +809,17 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     g_error[0] = 0;
     (void)dhg, (void)fused_ws;
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+#if HALSTM_RAW_BWD   // the products read the weights as given (no pack_bwd; wq unused)
+    View &vwq_ih = vw_ih, &vwq_hh = vw_hh;
+    const float *wq_key = w_hh;
+    int rc = 0;
+    (void)wq_ih, (void)wq_hh;
+#else
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
+    const float *wq_key = wq_hh;
     int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
+#endif
 #if HALSTM_FUSED_BWD
     // One call a step (pipeline.py _step_bwd_fused): call t (T-1 down to -1)
     // finishes step t+1's product and runs step t's pointwise backward.
@@ -897,7 +905,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
 #endif  // HALSTM_FUSED_BWD
     auto steps = [&]() { return run_steps(T, B, part_steps); };
     rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
-                   u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_hh), u64(dxp), u64(dhg),
+                   u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_key), u64(dxp), u64(dhg),
                    u64(fused_ws)},
                   steps);
     if (rc) return rc;

@@ -78,6 +78,7 @@ class Pipe(Stages):
     read_outputs: bool = False   # later stages may read an output (see _step_bwd)
     split_steps: bool = False    # the driver runs a step's units in ranges (see _unit_range)
     xp_panels: bool = False      # xp stored in panels of P units (see _xp_out)
+    raw_bwd: bool = False        # the backward reads w_ih, w_hh as given (see _bwd_weight)
     split_quantum: int = 1       # (set by the schedule) panels the driver's ranges are made of
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     inputs: list = field(default_factory=list)   # ImageParams, argument order
@@ -190,7 +191,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: dict | None = None) -> 
     layout = layout or {}
     p = Pipe(kind, cell, K, H, layout.get("panel", 1), layout.get("dw_cols", 1),
              layout.get("dw_rows", 1), layout.get("read_outputs", False),
-             layout.get("split_steps", False), layout.get("xp_panels", False))
+             layout.get("split_steps", False), layout.get("xp_panels", False),
+             layout.get("raw_bwd_weights", False))
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     _SHAPES.clear()
     globals()["_" + kind](p)
@@ -397,15 +399,30 @@ def _step_bwd_inputs(p: Pipe, states) -> tuple:
     dy = _param("dy", [H, None])                     # numpy (B, H): dy[t]
     # state gradients live in (B, Hp) rows
     dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in states}
-    wq_hh = _param("wq_hh", [P, H, G, Hp // P])      # numpy (Hp/P, G, H, P)
-    return saved, prev, new, dy, dnext, wq_hh
+    return saved, prev, new, dy, dnext
+
+
+def _bwd_weight(p: Pipe, name: str, n: int, unit):
+    """The weight a backward product reads along its n input units (dh =
+    W_hh^T dhg, dx = W_ih^T dxp) at input unit `unit` (up to Hp, resp. Kp):
+    (its ImageParam, w(j, gate)). Panels of P input units (pack_bwd's wq,
+    zero past n); or, with the layout's raw_bwd_weights, the weight as
+    given, its input units clamped at n (a GPU reads it along them just as
+    well: no pack_bwd; the results past n are never used)."""
+    G, H, P = p.G, p.H, p.P
+    if p.raw_bwd:
+        w = _param(name, [n, H, G])                  # numpy (G*H, n): PyTorch's weight
+        return w, lambda j, gate: w[hl.min(unit, n - 1), j, gate]
+    wq = _param(name.replace("w_", "wq_"), [P, H, G, padded(n, P) // P])  # (np/P, G, H, P)
+    return wq, lambda j, gate: _packed(wq, unit, P)(j, gate)
 
 
 def _step_bwd(p: Pipe) -> None:
     cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
     j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
     # (dh is computed over all Hp)
-    saved, prev, new, dy, dnext, wq_hh = _step_bwd_inputs(p, cell.states)
+    saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states)
+    wq_hh, w = _bwd_weight(p, "w_hh", H, k)
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
@@ -425,7 +442,6 @@ def _step_bwd(p: Pipe) -> None:
     # schedules must not (Halide assumes an output read is aligned, above).
     dhg_in = outs["dxp_out" if cell.dxp_is_dhg else "dhg_out"] if p.read_outputs else dhg
     r = hl.RDom([(0, H), (0, G)], "r_jg")
-    w = _packed(wq_hh, k, P)
     init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
     dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
                               lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
@@ -464,11 +480,12 @@ def _step_bwd_fused(p: Pipe) -> None:
     for dh_0 alone (its pointwise results, from step 0's inputs, unused)."""
     cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
     k, b = p.vars["k"], p.vars["b"]
-    saved, prev, new, dy, dnext, wq_hh = _step_bwd_inputs(p, cell.states[1:])
+    saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states[1:])
+    wq_hh, w = _bwd_weight(p, "w_hh", H, k)
     dh_add = _param("dh_add", [H, None], [1, Hp])    # a row of (B, Hp)
     dhg_next = _param("dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
     r = hl.RDom([(0, H), (0, G)], "r_jg")
-    w, dhg_in = _packed(wq_hh, k, P), _clamp(dhg_next, (2,))
+    dhg_in = _clamp(dhg_next, (2,))
     dh_acc, dh = _matmul("dh", [k, b], _clamp(dh_add, (0, 1))[k, b],    # (k clamped: whole tiles)
                          lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dnew = {"h": hl.Func("dh_new")}
@@ -530,8 +547,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     dhg_in = dxp_in if shared else _clamp(dhg, (2,))
     stages = {"dxp_in": dxp_in, "dhg_in": dhg_in}
     if not ids:
-        wq_ih = _param("wq_ih", [P, H, G, p.Kp // P])    # numpy (Kp/P, G, H, P)
-        w = _packed(wq_ih, i, P)
+        wq_ih, w = _bwd_weight(p, "w_ih", K, i)
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
             "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * dxp_in[rg.x, rg.y, n])
     # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are

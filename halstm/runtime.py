@@ -246,8 +246,10 @@ class Library:
             if d is not None:
                 mem.put_leading(a[0], d)
             dstate.append(a)
-        ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
-              self._workspace("wq_hh", (Hp // P, G, H, P))]
+        ws = [None, None]       # no pack_bwd: the products read the weights as given
+        if "halstm_pack_bwd" in self.manifest["pipelines"]:
+            ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
+                  self._workspace("wq_hh", (Hp // P, G, H, P))]
         dxp = self._workspace("dxp", (T, B, G, H))
         dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
         fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
@@ -258,7 +260,8 @@ class Library:
                "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                "db_hh": mem.empty(G * H)}
         self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
-                   mem.ptr(dy), self._ptrs(dstate), *map(mem.ptr, (*ws, dxp, dhg)),
+                   mem.ptr(dy), self._ptrs(dstate),
+                   *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg)],
                    None if fused is None else mem.ptr(fused),
                    *[None if a is None else mem.ptr(a) for a in out.values()])
         if not need_dx:

@@ -12,10 +12,10 @@ of 32 took 28.6 s on one pipeline). The packed
 operand layouts are those of the hand-written family schedule, so that a
 comparison is between schedules of the same algorithm.
 
-On CUDA targets the weight-packing pipelines (pack, pack_bwd: layout
-copies, run once per call) use the hand-written cuda schedule: an
-autoscheduler may leave them on the host, which device-resident buffers
-cannot serve. Departures are listed in `notes` and in each library's
+On CUDA targets the weight-packing pipeline (pack: a layout copy, run
+once per call) uses the hand-written cuda schedule: an autoscheduler may
+leave it on the host, which device-resident buffers cannot serve. (The
+cuda layout has no pack_bwd: the backward reads the weights as given.) Departures are listed in `notes` and in each library's
 manifest.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Auto:
         raise AttributeError(kind)
 
     def _apply(self, p, target):
-        if self.family == "gpu" and p.kind in ("pack", "pack_bwd"):
+        if self.family == "gpu" and p.kind == "pack":
             from . import cuda
             self.notes.append(f"{p.kind} pipeline: the hand-written cuda schedule")
             return getattr(cuda, p.kind)(p, target)

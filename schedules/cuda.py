@@ -41,11 +41,19 @@ def layout(target: hl.Target) -> dict:
     graph, which bakes in every pointer its kernels use (tested in
     tests/test_cuda_nogpu.py). fused_bwd_below: below this hidden size
     the backward time loop runs step_bwd_fused, one kernel a step (see
-    there for what it measured)."""
+    there for what it measured). raw_bwd_weights: the backward products
+    read W_ih and W_hh as given, along their input units (coalesced, as
+    from the panels), with no pack_bwd. At large_2048 (H100) pack_bwd's two
+    copies took 2 x 82 us a call, 2 x 45 as copies of 8 elements a thread
+    (results/ncu_s10_pack.txt); against the latter, the layer backward
+    without pack_bwd took 0.986x the time at H=2048 B=32 T=50, 0.990x at
+    H=1024 B=64 T=25, within 1% either way at H=512 (K=65), H=128 and the
+    GRU at H=1024 (bench/gpu_ab.py, results/gpu_ab_s10_raw_bwd.txt)."""
     notes.clear()
     return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128,
             "cuda_graphs": True,
-            "read_outputs": True, "fused_bwd_below": 512}
+            "read_outputs": True, "fused_bwd_below": 512,
+            "raw_bwd_weights": True}
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
@@ -168,14 +176,13 @@ def _grid(f, stage=None, along=None):
     return f
 
 
-# The weight packing, on every call (the weights may have changed): at
-# large_2048 (H100, ncu) one fused-grid thread per element took 135 us per
-# weight (wp) and 82 us (wq), 26% and 42% of DRAM's bandwidth; with the
-# kernels below 43 and 45 us (78% and 74%). Layer forward (bench/gpu_ab.py,
-# interleaved, results/gpu_ab_s10_pack.txt): 0.963x at H=2048 B=32 T=50,
-# 0.951x at H=1024 B=64 T=25, backward 0.998x and 0.989x; within 2% either
-# way at H=512 (K=65) and H=128. (Eight elements a thread along k for wp,
-# without shared memory: 89 us, 0.979x / 0.963x forward.)
+# The forward's weight packing, on every call (the weights may have
+# changed): at large_2048 (H100, ncu) one fused-grid thread per element took
+# 135 us per weight, 26% of DRAM's bandwidth; the transpose below 43 us
+# (78%). Layer forward (bench/gpu_ab.py, interleaved,
+# results/gpu_ab_s10_pack.txt): 0.963x at H=2048 B=32 T=50, 0.951x at
+# H=1024 B=64 T=25; within 2% either way at H=512 (K=65) and H=128. (Eight
+# elements a thread along k, without shared memory: 89 us, 0.979x / 0.963x.)
 def _transpose(f, w):
     """wp(ji, gate, k, jo) = w(k, jo*P + ji, gate) through shared memory:
     a block of 32 x 8 threads moves a 32 (k) x 32 (ji) tile; w's rows are
@@ -195,29 +202,9 @@ def _transpose(f, w):
         .split(j_, jt, ju, 4, GUARD).reorder(ju, k_, jt, gate_).gpu_threads(k_, jt).unroll(ju)
 
 
-def _copy(f, axis, n=8):
-    """A copy as one kernel: a thread moves n elements along `axis`
-    (unrolled, so that its n loads are in flight together), the other axes
-    fused on the grid, the first innermost (coalesced)."""
-    ao, ai = hl.Var(axis.name() + "o"), hl.Var(axis.name() + "i")
-    f.split(axis, ao, ai, n, GUARD)
-    rest = [ao if a.name() == axis.name() else a for a in f.args()]
-    x = rest[0]
-    for a in rest[1:]:
-        f.fuse(x, a, x)
-    f.reorder(ai, x).unroll(ai)
-    f.gpu_tile(x, hl.Var(f.name() + "_xo"), hl.Var(f.name() + "_xi"), 128, GUARD)
-
-
 def pack(p, target):
     for name, w in zip(("wp_ih", "wp_hh"), p.inputs):     # inputs: w_ih, w_hh
         _transpose(p.stage(name), w)
-
-
-def pack_bwd(p, target):
-    for name in ("wq_ih", "wq_hh"):     # wq(ki, j, gate, ko) = w(ko*P + ki, j, gate)
-        f = p.stage(name)
-        _copy(f, f.args()[1])
 
 
 # Rows per thread of the projection and gradient GEMMs (N = T*B rows).
