@@ -305,9 +305,16 @@ class _RNN:
         dy = _float_array("dy", dy)
         host = isinstance(dy, np.ndarray)
         _check_shape("dy", dy, shape)
-        dy = self._seq_in(dy, unbatched)
+        if self.on_gpu and not host and not self.batch_first:
+            # the caller's device array itself (a view): the library only reads
+            # it, in kernels queued before backward returns (the default stream,
+            # as PyTorch's and CuPy's work runs: a later write waits for them)
+            dy = dy.reshape(T, 1, H) if unbatched else dy
+        else:
+            dy = self._seq_in(dy, unbatched)
         dfinal = [self._initial(n, a, B, unbatched) for n, a in dfinal]
-        grads, dinit = {}, [self._mem.empty((L, B, H)) for _ in dfinal]
+        # one layer: the library's own state gradients are the result (no copy)
+        grads, dinit = {}, [None if L == 1 else self._mem.empty((L, B, H)) for _ in dfinal]
         for layer in reversed(range(L)):
             inp, states, saved = tape[layer]
             w_ih, _, w_hh, _ = self._layer_weights(layer)
@@ -318,8 +325,11 @@ class _RNN:
             grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
             if self.bias:
                 grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
-            for d, s in zip(dinit, self._state_names):
-                d[layer] = g[f"d{s}0"]
+            for i, s in enumerate(self._state_names[:len(dinit)]):
+                if L == 1:
+                    dinit[i] = g[f"d{s}0"].reshape(1, B, H)
+                else:
+                    dinit[i][layer] = g[f"d{s}0"]
             dy = g.get("dx")
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if input_grad and not ids:

@@ -579,6 +579,10 @@ def _all_grads(p: Pipe, ids: bool) -> None:
         out[v, j, gate] = tiles[v, j, gate]
         stages |= {name + "_acc": acc, name + "_tiles": tiles, name: out}
     for name, d in (("db_ih", dxp), ("db_hh", dhg)):
+        if name == "db_hh" and shared:      # dhg is dxp (the LSTM): the same sums
+            stages[name] = hl.Func(name)
+            stages[name][j, gate] = stages["db_ih"][j, gate]
+            continue
         stages[name + "_acc"], stages[name] = _matmul(name, [j, gate], hl.f32(0),
                                                       lambda: d[j, gate, rn.x])
     stages |= {"hs_panels": panels["hs"], "dxp_panels": panels["dxp"],

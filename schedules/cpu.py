@@ -404,6 +404,9 @@ def grads(p, target, ids=False):
         # 7 ms each for dW_ih and dW_hh at deepbench_1024 (host-profile)
         p.stage(name).vectorize(vec, _vw(target, width)).parallel(gate)
     for bias in ("db_ih", "db_hh"):
+        if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
+            p.stage(bias).vectorize(j, _vw(target, H), GUARD)
+            continue
         _bias(p.stage(bias), p.stage(bias + "_acc"), j, gate, rn, _vw(target, H), H)
 
 

@@ -689,6 +689,9 @@ def grads(p, target):
     # in 225 us (deepbench_1024, H100: 32 blocks); chunks of 64 rows are
     # summed in parallel first (rfactor), then the chunk sums.
     for bias in ("db_ih", "db_hh"):
+        if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
+            _grid(p.stage(bias))
+            continue
         out, acc = p.stage(bias), p.stage(bias + "_acc")
         ro, ri = hl.RVar(bias + "_ro"), hl.RVar(bias + "_ri")
         u = hl.Var(bias + "_u")
