@@ -1,12 +1,40 @@
 """cuDNN's kernels for one LSTM layer's forward+backward through
 torch.nn.LSTM (float32, TF32 off), by CUDA time (torch.profiler): which
-GEMMs and step kernels it runs, and how long each takes.
+GEMMs and step kernels it runs, and how long each takes. With --halstm,
+halstm's kernels for the same layer too, profiled the same way in the same
+process (real clocks, unlike Nsight Compute's locked ones).
 
-    python bench/gpu_cudnn_kernels.py --input-size 2048 --hidden-size 2048 --batch 32 --steps 50
+    python bench/gpu_cudnn_kernels.py --input-size 2048 --hidden-size 2048 --batch 32 --steps 50 --halstm
 """
 import argparse
+import time
 
+import numpy as np
 import torch
+
+
+def profile(name, step, iterations):
+    """Warm up, time `iterations` calls (wall, synchronized), then profile
+    as many and print the kernels by CUDA time."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            step()
+        torch.cuda.synchronize()
+    busy = sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / iterations / 1e3
+    print(f"== {name}: forward+backward, {iterations} iterations profiled; wall median "
+          f"{np.median(walls) * 1e3:.3f} ms, kernels {busy:.3f} ms an iteration")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20,
+                                    max_name_column_width=70))
 
 
 def main():
@@ -16,6 +44,7 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--halstm", action="store_true", help="profile halstm's layer too")
     a = ap.parse_args()
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     I, H, B, T = a.input_size, a.hidden_size, a.batch, a.steps
@@ -26,15 +55,13 @@ def main():
     def step():
         y, _ = m(x)
         y.backward(dy)
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.iterations):
-            step()
-        torch.cuda.synchronize()
-    print(f"I={I} H={H} B={B} T={T}, forward+backward, {a.iterations} iterations")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    print(f"I={I} H={H} B={B} T={T}")
+    profile("cuDNN", step, a.iterations)
+    if a.halstm:
+        import halstm
+        hm = halstm.LSTM(I, H, target="host-cuda").compile()
+        xd = x.detach()                 # (DLPack exports no tensor that requires grad)
+        profile("halstm", lambda: (hm(xd), hm.backward(dy)), a.iterations)
 
 
 if __name__ == "__main__":

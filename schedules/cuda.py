@@ -475,6 +475,24 @@ def _lanes_fit(H: int) -> bool:
 # - dx: 4 units x 8 rows a lane on 2 warps took the backward 3.31 -> 3.05
 #   at H=1024, 11.69 -> 11.23 at H=2048, 3.85 -> 3.84 at H=512 (one warp:
 #   3.23, 11.49, 3.73; 2 units x 16 rows: 3.36, 12.07, 3.99).
+# - Tried in the tenth session (bench/gpu_ab.py, interleaved, layer ratios
+#   at H=2048 B=32 T=50 / H=1024 B=64 T=25 / H=512 B=64 T=100): bigger
+#   one-warp tiles with up to 255 registers a thread (the driver set the
+#   JIT's limit for the projection and grads pipelines alone; the limit
+#   took, 231-255 registers under ncu). The same tiles at 255: backward
+#   1.06x / 1.19x / 1.08x (ptxas takes the registers, occupancy halves);
+#   dW 8 input x 4 hidden units a lane 1.00x / 1.03x / 1.07x, 4 x 8 1.11x /
+#   1.14x / 1.06x; dx 4 units x 16 rows 1.04x / 1.14x / 1.08x, 8 x 8 1.04x /
+#   1.15x / 1.07x; projection 1 unit x 16 rows or 2 x 8 forward 1.10x /
+#   1.10x / 1.03-1.04x (results/gpu_ab_s10_regs_run{1,2}.txt). At 128
+#   registers, against the same code otherwise (the third shape there
+#   K=65): dx 2 units x 16 rows (unrolled by 2: by 4 it spilled) 1.04x /
+#   1.04x / 1.01x, 1 x 32 1.14x / 1.14x / 1.02x, dx unrolled by 8 1.00x /
+#   1.00x / 1.00x (results/gpu_ab_s10_pack.txt). Under ncu at large_2048 the
+#   projection, dx and dW issue 2.1-2.7 instructions a cycle, 82% of them
+#   FMAs, with 23-25% occupancy; the stalls are spread (dispatch, long
+#   scoreboard, not selected), no one unit is saturated
+#   (results/ncu_s10_gemm_large.txt, ncu_s10_dw_dx_large.txt).
 
 
 def step(p, target):
