@@ -49,8 +49,9 @@ ENTRY_POINTS = {
     "bwd": {"halstm_backward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
-        "inout dstate[NS] (2, B, HP): in [0], out [T & 1]", "ws wq_ih (KP/P, G, H, P) (no pack_bwd pipeline: unused, NULL)",
-        "ws wq_hh (HP/P, G, H, P) (no pack_bwd pipeline: unused, NULL)",
+        "inout dstate[NS] (2, B, HP): in [0], out [T & 1]",
+        "ws wq_ih (KP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
+        "ws wq_hh (HP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
         "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
         "ws fused_bwd: 3*B*HP + 3*B*G*H floats, the first B*G*H zero, where the manifest's "
         "pipelines include halstm_step_bwd_fused (else unused)",

@@ -422,7 +422,7 @@ def _step_bwd(p: Pipe) -> None:
     j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
     # (dh is computed over all Hp)
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states)
-    wq_hh, w = _bwd_weight(p, "w_hh", H, k)
+    w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
@@ -447,7 +447,7 @@ def _step_bwd(p: Pipe) -> None:
                               lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states] + [wq_hh])
+                + [dy] + [dnext[s] for s in cell.states] + [w_hh])
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, **outs,
                 **{"dprev_" + s: dprev[s] for s in cell.states}}
@@ -481,7 +481,7 @@ def _step_bwd_fused(p: Pipe) -> None:
     cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
     k, b = p.vars["k"], p.vars["b"]
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states[1:])
-    wq_hh, w = _bwd_weight(p, "w_hh", H, k)
+    w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
     dh_add = _param("dh_add", [H, None], [1, Hp])    # a row of (B, Hp)
     dhg_next = _param("dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
     r = hl.RDom([(0, H), (0, G)], "r_jg")
@@ -505,7 +505,7 @@ def _step_bwd_fused(p: Pipe) -> None:
     out = hl.Func("dstep")
     out[k, b] = hl.Tuple(values)
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, wq_hh])
+                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, w_hh])
     p.stages = {"out": out, "dh_acc": dh_acc, "dhg_in": dhg_in}
     p.outputs = [out]
     # dh and the state rows: (B, Hp) rows; dxp and dhg: a gate's plane of (B, G, H)
@@ -547,7 +547,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     dhg_in = dxp_in if shared else _clamp(dhg, (2,))
     stages = {"dxp_in": dxp_in, "dhg_in": dhg_in}
     if not ids:
-        wq_ih, w = _bwd_weight(p, "w_ih", K, i)
+        w_ih, w = _bwd_weight(p, "w_ih", K, i)
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
             "dx", [i, n], hl.f32(0), lambda: w(rg.x, rg.y) * dxp_in[rg.x, rg.y, n])
     # Weight gradients dW[g, v] = sum_n d[n, g] * a[n, v]: both operands are
@@ -589,7 +589,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
                "dhg_panels": panels["dhg"]}
     if not ids:
         stages["x_panels"] = panels["x"]
-    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [wq_ih])
+    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [w_ih])
     names = ("dw_ih", "db_ih", "dw_hh", "db_hh")
     names = names if ids else ("dx",) + names
     extents = {"dx": [p.Kp, None], "dw_ih": [K, H, G], "db_ih": [H, G], "dw_hh": [H, H, G],

@@ -15,8 +15,8 @@ comparison is between schedules of the same algorithm.
 On CUDA targets the weight-packing pipeline (pack: a layout copy, run
 once per call) uses the hand-written cuda schedule: an autoscheduler may
 leave it on the host, which device-resident buffers cannot serve. (The
-cuda layout has no pack_bwd: the backward reads the weights as given.) Departures are listed in `notes` and in each library's
-manifest.
+cuda layout has no pack_bwd: the backward reads the weights as given.)
+Departures are listed in `notes` and in each library's manifest.
 """
 from __future__ import annotations
 
