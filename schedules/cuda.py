@@ -514,6 +514,11 @@ def step_bwd(p, target):
     # the same kernel (compute_with): 2 kernels a step for both cells. A
     # backward step (H100, bench/gpu_probe.py, results/gpu_probe_fused_pointwise.txt)
     # 9.4-11.5 -> 8.3 us at small_128_b16, 6.2-6.8 -> 5.5 us at latency_256_b1.
+    # (Tenth session: 2 or 4 elements a thread in that kernel, a block's
+    # 128-element runs in turn: layer backward 1.00-1.05x and 1.02-1.14x at
+    # H=2048, 1024 and 512 (K=65); Halide put a barrier between the runs.
+    # dh's reduction unrolled by 8 or 2 rather than 4: 0.996-1.024x and
+    # 1.009-1.031x. bench/gpu_ab.py, results/gpu_ab_s10_pointwise_dh.txt.)
     pointwise = _grid(p.stage("dxp_out"))
     others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
         [p.stage("dprev_" + s) for s in p.cell.states[1:]]
