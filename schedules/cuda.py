@@ -489,8 +489,8 @@ def _lanes_fit(H: int) -> bool:
 #   K=65): dx 2 units x 16 rows (unrolled by 2: by 4 it spilled) 1.04x /
 #   1.04x / 1.01x, 1 x 32 1.14x / 1.14x / 1.02x, dx unrolled by 8 1.00x /
 #   1.00x / 1.00x (results/gpu_ab_s10_pack.txt). Under ncu at large_2048 the
-#   projection, dx and dW issue 2.1-2.7 instructions a cycle, 82% of them
-#   FMAs, with 23-25% occupancy; the stalls are spread (dispatch, long
+#   projection, dx and dW issue 2.1-2.7 instructions a cycle, 82-87% of them
+#   FMAs in dx and dW, at 21-24% occupancy; the stalls are spread (dispatch, long
 #   scoreboard, not selected), no one unit is saturated
 #   (results/ncu_s10_gemm_large.txt, ncu_s10_dw_dx_large.txt).
 
