@@ -7,24 +7,16 @@ process (real clocks, unlike Nsight Compute's locked ones).
     python bench/gpu_cudnn_kernels.py --input-size 2048 --hidden-size 2048 --batch 32 --steps 50 --halstm
 """
 import argparse
-import time
 
-import numpy as np
 import torch
+
+from halstm.benchmark import alternating
 
 
 def profile(name, step, iterations):
-    """Warm up, time `iterations` calls (wall, synchronized), then profile
-    as many and print the kernels by CUDA time."""
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    walls = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+    """Warm up, time 10 calls (wall, synchronized), then profile `iterations`
+    calls and print the kernels by CUDA time."""
+    wall = alternating({name: step}, 12, 2, torch.cuda.synchronize)[name]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iterations):
             step()
@@ -32,7 +24,7 @@ def profile(name, step, iterations):
     busy = sum(e.device_time for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA) / iterations / 1e3
     print(f"== {name}: forward+backward, {iterations} iterations profiled; wall median "
-          f"{np.median(walls) * 1e3:.3f} ms, kernels {busy:.3f} ms an iteration")
+          f"{wall * 1e3:.3f} ms, kernels {busy:.3f} ms an iteration")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20,
                                     max_name_column_width=70))
 

@@ -228,14 +228,18 @@ class _RNN:
             raise ValueError(f"input: expected {layout} or unbatched (T, input_size), with "
                              f"input_size={self.input_size} and no empty axis, got shape {x.shape}")
         unbatched = x.ndim == 2
-        if self.on_gpu and not host and not self.batch_first and not is_grad_enabled():
-            # no backward will read it: the caller's device array itself (a view)
-            return (x.reshape(x.shape[0], 1, x.shape[1]) if unbatched else x), unbatched, host
-        # a copy: backward reads it, and the caller may change theirs meanwhile
-        return self._seq_in(x, unbatched), unbatched, host
+        # a copy where backward reads it (the caller may change theirs meanwhile);
+        # under no_grad no backward will
+        return self._seq_in(x, unbatched, in_place=not is_grad_enabled()), unbatched, host
 
-    def _seq_in(self, a, unbatched):
-        """A caller's sequence (batch_first / unbatched as given) as a new (T, B, n) array."""
+    def _seq_in(self, a, unbatched, in_place=False):
+        """A caller's sequence (batch_first / unbatched as given) as a new (T, B, n)
+        array. in_place: a device array given to a GPU module in time-major
+        order is used itself (a view), not copied: the library reads it only
+        in kernels queued before the call returns, on the default stream, as
+        PyTorch's and CuPy's work runs, so a later write waits for them."""
+        if in_place and self.on_gpu and not isinstance(a, np.ndarray) and not self.batch_first:
+            return a.reshape(a.shape[0], 1, a.shape[1]) if unbatched else a
         if unbatched:
             return self._array(a).reshape(a.shape[0], 1, a.shape[1])
         if self.batch_first:
@@ -305,13 +309,7 @@ class _RNN:
         dy = _float_array("dy", dy)
         host = isinstance(dy, np.ndarray)
         _check_shape("dy", dy, shape)
-        if self.on_gpu and not host and not self.batch_first:
-            # the caller's device array itself (a view): the library only reads
-            # it, in kernels queued before backward returns (the default stream,
-            # as PyTorch's and CuPy's work runs: a later write waits for them)
-            dy = dy.reshape(T, 1, H) if unbatched else dy
-        else:
-            dy = self._seq_in(dy, unbatched)
+        dy = self._seq_in(dy, unbatched, in_place=True)     # (the library only reads it)
         dfinal = [self._initial(n, a, B, unbatched) for n, a in dfinal]
         # one layer: the library's own state gradients are the result (no copy)
         grads, dinit = {}, [None if L == 1 else self._mem.empty((L, B, H)) for _ in dfinal]

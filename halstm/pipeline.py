@@ -391,8 +391,8 @@ def _pack_bwd(p: Pipe) -> None:
 def _step_bwd_inputs(p: Pipe, states) -> tuple:
     """The inputs of a backward step (step_bwd, step_bwd_fused): saved[t],
     the states before and after step t, dy[t], the incoming gradients of
-    `states` and W_hh's panels."""
-    cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
+    `states` (W_hh comes from _bwd_weight)."""
+    cell, H, Hp = p.cell, p.H, p.Hp
     saved = _param("saved", [H, len(cell.saved), None])   # numpy (B, S, H): saved[t]
     prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}
     new = {s: _param(s + "_new", [H, None]) for s in cell.states}
@@ -414,11 +414,11 @@ def _bwd_weight(p: Pipe, name: str, n: int, unit):
         w = _param(name, [n, H, G])                  # numpy (G*H, n): PyTorch's weight
         return w, lambda j, gate: w[hl.min(unit, n - 1), j, gate]
     wq = _param(name.replace("w_", "wq_"), [P, H, G, padded(n, P) // P])  # (np/P, G, H, P)
-    return wq, lambda j, gate: _packed(wq, unit, P)(j, gate)
+    return wq, _packed(wq, unit, P)
 
 
 def _step_bwd(p: Pipe) -> None:
-    cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
+    cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
     j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
     # (dh is computed over all Hp)
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states)
@@ -478,7 +478,7 @@ def _step_bwd_fused(p: Pipe) -> None:
     other states' gradients (the LSTM's dc_{t-1}) and the next call's
     dh_add. The driver calls it T + 1 times: first with dhg_next = 0, last
     for dh_0 alone (its pointwise results, from step 0's inputs, unused)."""
-    cell, G, H, P, Hp = p.cell, p.G, p.H, p.P, p.Hp
+    cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
     k, b = p.vars["k"], p.vars["b"]
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states[1:])
     w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
@@ -530,7 +530,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     n = t*B + b of N rows (the driver passes 2-D views). ids: the layer's
     input is one-hot rows given as indices, numpy (N,): dW_ih is a
     scatter-add of the rows of dxp, and there is no dx."""
-    cell, G, K, H, P = p.cell, p.G, p.K, p.H, p.P
+    cell, G, K, H = p.cell, p.G, p.K, p.H
     C, R = p.dw_cols, p.dw_rows
     i, j, k, gate, n = (p.vars[v] for v in ("i", "j", "k", "gate", "t"))
     x = _ids_param() if ids else _param("x", [K, None])   # numpy (N,) or (N, K)

@@ -261,9 +261,8 @@ class Library:
                "db_hh": mem.empty(G * H)}
         self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
                    mem.ptr(dy), self._ptrs(dstate),
-                   *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg)],
-                   None if fused is None else mem.ptr(fused),
-                   *[None if a is None else mem.ptr(a) for a in out.values()])
+                   *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
+                                                                 *out.values())])
         if not need_dx:
             del out["dx"]
         elif Kp != K:
