@@ -9,7 +9,7 @@ setup(
     # halstm.schedules so that it cannot clash with another package.
     packages=["halstm", "halstm.cells", "halstm.model", "halstm.schedules"],
     package_dir={"halstm": "halstm", "halstm.schedules": "schedules"},
-    package_data={"halstm": ["driver.cpp", "bench_shapes.json"]},
+    package_data={"halstm": ["csrc/*.cpp", "csrc/*.h", "bench_shapes.json"]},
     install_requires=[
         "halide==21.*",
         "numpy>=1.24",

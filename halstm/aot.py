@@ -1,41 +1,33 @@
 """Ahead-of-time compilation: (cell, sizes, direction, target, schedule) ->
-a shared library plus manifest.json, cached on disk.
+a shared library plus manifest.json, cached on disk (cache.py).
 
-The cache lives in the user cache directory (HALSTM_CACHE overrides it),
-one folder per key; the key hashes everything that changes the code: cell,
-sizes, direction, the target string (for "host" targets, this machine's CPU
-as well), schedule, Halide's version and halstm's own compiler sources.
-Builds go to a temporary folder renamed into place under a file lock, so
-concurrent builders of one key both succeed, a failed or interrupted build
-leaves nothing behind, and an entry whose library does not match its
-manifest's checksum is rebuilt. Halide is imported only to build.
+A build runs in stages: plan (the target, the schedule module and its
+layout, the pipelines), compile the pipelines, link them with the driver
+(driver.py) or, for a target that cannot run here, write static libraries
+and the driver's sources, and write the manifest last. The cache key
+hashes the spec, the code that decides the generated code (without its
+comments), the target and Halide's version. Halide is imported only to
+build.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import math
-import os
-import platform
 import shlex
-import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from filelock import FileLock
-
-from . import cells
+from . import cache, cells, driver
+from .errors import CompileError
+from .layout import Layout
 
 DIRECTIONS = ("fwd", "bwd")
 LIBRARY = "libhalstm.so"
-MANIFEST = "manifest.json"
-FORMAT = 1
+MANIFEST = cache.MANIFEST
+FORMAT = 2
 _HERE = Path(__file__).resolve().parent
 
 # What each direction's C entry point takes (numpy shapes), for manifests.
@@ -70,7 +62,7 @@ def _entry_points(spec) -> dict:
             for name, args in ENTRY_POINTS[spec.direction].items()}
 
 
-def pipeline_kinds(spec, layout: dict) -> tuple:
+def pipeline_kinds(spec, layout: Layout) -> tuple:
     """The pipelines (pipeline.KINDS) a library of spec is made of, given its
     schedule's layout."""
     from . import pipeline
@@ -78,15 +70,11 @@ def pipeline_kinds(spec, layout: dict) -> tuple:
         kinds = pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
     else:
         kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
-    if spec.hidden_size < layout.get("fused_bwd_below", 0) and not spec.onehot:
+    if spec.hidden_size < layout.fused_bwd_below and not spec.onehot:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
-    if layout.get("raw_bwd_weights"):       # the backward reads the weights as given
+    if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     return kinds
-
-
-class CompileError(RuntimeError):
-    """A pipeline failed to compile; the message names cell, target and schedule."""
 
 
 @dataclass(frozen=True)
@@ -122,123 +110,38 @@ class Spec:
                 f"{self.schedule or 'default'}")
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("HALSTM_CACHE")
-    if env:
-        return Path(env)
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("halstm"))
+def code_files() -> list[Path]:
+    """The sources that decide a layer library's code."""
+    import halstm.schedules as sched
+    files = [_HERE / "pipeline.py", _HERE / "aot.py", _HERE / "layout.py", _HERE / "driver.py"]
+    files += sorted((_HERE / "cells").glob("*.py"))
+    files += sorted(Path(sched.__file__).parent.glob("*.py"))
+    return files + driver.sources()
 
 
 @lru_cache(maxsize=None)
 def code_hash() -> str:
-    """Hash of the sources that decide the generated code."""
-    h = hashlib.sha256()
-    files = [_HERE / "pipeline.py", _HERE / "driver.cpp", _HERE / "aot.py"]
-    files += sorted((_HERE / "cells").glob("*.py"))
-    import halstm.schedules as sched
-    files += sorted(Path(sched.__file__).parent.glob("*.py"))
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@lru_cache(maxsize=None)
-def host_fingerprint() -> str:
-    """What "host" means here: the CPU's model and feature flags."""
-    info = platform.machine() + platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features", "CPU part")):
-                    info += line
-                if line.strip() == "":
-                    break
-    except OSError:
-        pass
-    return hashlib.sha256(info.encode()).hexdigest()[:16]
-
-
-@lru_cache(maxsize=None)
-def halide_version() -> str:
-    """Halide's version, from the package metadata or, for a Halide copied
-    without it (the GPU machines' bundle), from its CMake package files."""
-    try:
-        return importlib.metadata.version("halide")
-    except importlib.metadata.PackageNotFoundError:
-        import re
-        spec = importlib.util.find_spec("halide")
-        if spec is None or not spec.origin:
-            raise
-        cfg = Path(spec.origin).parent / "lib64/cmake/Halide/HalideConfigVersion.cmake"
-        m = re.search(r'set\(PACKAGE_VERSION "([^"]+)"\)', cfg.read_text())
-        if m is None:
-            raise
-        return m.group(1)
+    """Hash of the code (not the comments) that decides the generated code."""
+    return cache.source_hash(code_files())
 
 
 def cache_key(spec: Spec) -> str:
-    material = {**asdict(spec), "halide": halide_version(), "code": code_hash(), "format": FORMAT}
-    if "host" in spec.target.split("-"):
-        material["host"] = host_fingerprint()
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
+    return cache.key({**asdict(spec), "code": code_hash(), "format": FORMAT}, spec.target)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+cache_dir = cache.cache_dir
 
 
 def read_entry(folder: Path) -> dict | None:
-    """The manifest of a complete, intact entry, else None."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        if manifest.get("format") != FORMAT:
-            return None
-        if _sha256(folder / manifest["library"]) != manifest["sha256"]:
-            return None
-        return manifest
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The manifest of a complete, intact layer library in folder, else None."""
+    return cache.read_entry(folder, FORMAT)
 
 
 def library(spec: Spec) -> tuple[Path, dict]:
-    """The cached library for spec, built first if missing or corrupt.
+    """The cached library for spec, built first if missing or damaged.
     Returns (path of the .so, manifest)."""
-    root = cache_dir()
-    key = cache_key(spec)
-    entry = root / key
-    manifest = read_entry(entry)
-    if manifest is not None:
-        return entry / manifest["library"], manifest
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(root)
-    with FileLock(str(root / f"{key}.lock")):
-        manifest = read_entry(entry)          # another process may have built it
-        if manifest is None:
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-            try:
-                manifest = build(spec, tmp, require_loadable=True)
-                if entry.exists():            # a corrupt entry: replace it
-                    shutil.rmtree(entry)
-                os.rename(tmp, entry)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return entry / manifest["library"], manifest
-
-
-def _remove_stale_builds(root: Path, age_s: float = 3600) -> None:
-    """Delete temporary build folders that a killed process left behind."""
-    now = time.time()
-    for tmp in root.glob(".tmp-*"):
-        try:
-            if now - tmp.stat().st_mtime > age_s:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
+    return cache.entry(cache_key(spec), FORMAT,
+                       lambda folder: build(spec, folder, require_loadable=True))
 
 
 # `halstm compile --emit` names -> Halide output files (suffix per pipeline)
@@ -292,21 +195,48 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
     (so that a manifest means a finished build). Where the target runs on
     this machine, pipelines, runtime and driver are linked into
     out/libhalstm.so; otherwise (a cross target) out gets one static library
-    and header per pipeline, the runtime, and driver.cpp with the defines to
-    build it with, for embedding in a C or C++ program. `emit`: more of
-    Halide's outputs per pipeline (keys of EMIT)."""
+    and header per pipeline, the runtime, and the driver's sources with the
+    command to build them, for embedding in a C or C++ program. `emit`: more
+    of Halide's outputs per pipeline (keys of EMIT)."""
+    start = time.perf_counter()
+    plan = _plan(spec, emit, require_loadable)
+    objects, pipes = _compile_pipelines(spec, plan, out, emit)
+    layer = _driver_build(spec, plan, pipes)
+    if plan.link:
+        res = driver.link(layer, objects, out / LIBRARY)
+        if res.returncode != 0:
+            raise CompileError(f"linking {spec.describe()} (schedule {spec.schedule}) failed:\n"
+                               f"{' '.join(res.args)}\n{res.stderr}")
+        for obj in objects:
+            obj.unlink()
+    else:
+        driver.write_sources(out)
+    manifest = _manifest(spec, plan, layer, pipes, out, emit)
+    manifest["compile_seconds"] = round(time.perf_counter() - start, 3)
+    cache.write_manifest(out, manifest)
+    return manifest
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a build makes: the Halide target, the schedule module, its
+    layout, the pipelines, and whether the result is linked here."""
+    target: object          # halide.Target
+    module: object          # the schedule module (or an autoscheduler's stand-in)
+    layout: Layout
+    kinds: tuple
+    link: bool
+    cuda: bool
+
+
+def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
     try:
         import halide as hl
     except ImportError as e:  # pragma: no cover - a dependency
         raise CompileError(f"{spec.describe()}: halide is not importable: {e}") from e
-    from . import pipeline
     from halstm import schedules
-
-    start = time.perf_counter()
-    cell = cells.get(spec.cell)
     try:
         target = hl.Target(spec.target)
-        schedule = spec.schedule          # resolved and checked by Spec
         unknown = sorted(set(emit) - set(EMIT))
         if unknown:
             raise ValueError(f"emit: expected some of {sorted(EMIT)}, got {unknown}")
@@ -317,26 +247,37 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
         raise CompileError(f"{spec.describe()}: code for target {target} cannot run on this "
                            f"machine ({hl.get_host_target()}); `halstm compile --out DIR` "
                            f"writes static libraries and headers for it")
-    objects = []
+    cuda = target.has_feature(hl.TargetFeature.CUDA)
     try:
-        lowered = target.with_feature(hl.TargetFeature.NoRuntime)
-        module = schedules.for_target(target, schedule)
+        module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
-        if missing or (spec.onehot and target.has_feature(hl.TargetFeature.CUDA)):
-            raise ValueError(f"one-hot index input: schedule {schedule!r} on this target "
+        if missing or (spec.onehot and cuda):
+            raise ValueError(f"one-hot index input: schedule {spec.schedule!r} on this target "
                              f"has no {', '.join(missing) or 'CUDA'} pipelines")
-        panel = layout["panel"]
-        quantum = 1    # split_steps: the driver's ranges are made of this many panels
-        batch_bytes = 0  # ... or of batch rows, where W_hh is at most this size
-        for kind in kinds:
-            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, layout)
-            getattr(module, kind)(p, target)
-            quantum = math.lcm(quantum, p.split_quantum)
-            batch_bytes = max(batch_bytes, p.split_batch_bytes)
+    except Exception as e:
+        raise CompileError(f"Halide failed to compile {spec.describe()} "
+                           f"(schedule {spec.schedule}):\n{e}") from e
+    return _Plan(target, module, layout, kinds, link, cuda)
+
+
+def _compile_pipelines(spec: Spec, plan: _Plan, out: Path, emit) -> tuple[list, list]:
+    """Build, schedule and compile every pipeline of the plan into out:
+    object files (linked here) or static libraries and headers. Returns
+    (object files, the scheduled pipes)."""
+    import halide as hl
+    from . import pipeline
+    cell = cells.get(spec.cell)
+    lowered = plan.target.with_feature(hl.TargetFeature.NoRuntime)
+    objects, pipes = [], []
+    try:
+        for kind in plan.kinds:
+            p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, plan.layout)
+            getattr(plan.module, kind)(p, plan.target)
+            pipes.append(p)
             files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
-            if link:
+            if plan.link:
                 files[hl.OutputFileType.object] = str(out / f"{kind}.o")
                 objects.append(out / f"{kind}.o")
             else:
@@ -344,79 +285,54 @@ def _build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> di
                 files[hl.OutputFileType.c_header] = str(out / f"{kind}.h")
             p.pipeline().compile_to(files, [hl.Argument(q) for q in p.inputs],
                                     f"halstm_{kind}", lowered)
-        if link:
-            hl.compile_standalone_runtime(str(out / "runtime.o"), target)
+        if plan.link:
+            hl.compile_standalone_runtime(str(out / "runtime.o"), plan.target)
             objects.append(out / "runtime.o")
         else:
             hl.compile_standalone_runtime({hl.OutputFileType.static_library:
-                                           str(out / "runtime.a")}, target)
+                                           str(out / "runtime.a")}, plan.target)
     except Exception as e:  # Halide raises HalideError, RuntimeError and others
         raise CompileError(f"Halide failed to compile {spec.describe()} "
-                           f"(schedule {schedule}):\n{e}") from e
-    defines = {"NS": len(cell.states), "G": cell.n_gates, "S": len(cell.saved),
-               "K": spec.input_size, "H": spec.hidden_size, "P": panel,
-               "DXP_IS_DHG": int(cell.dxp_is_dhg), "HALSTM_ONEHOT": int(spec.onehot),
-               "HALSTM_FORWARD" if spec.direction == "fwd" else "HALSTM_BACKWARD": 1}
-    if layout.get("split_steps"):   # the driver splits each step over threads
-        defines["HALSTM_SPLIT"] = 1
-        defines["HALSTM_SPLIT_MACS"] = int(layout["split_macs"])
-        defines["HALSTM_SPLIT_QUANTUM"] = quantum
-        defines["HALSTM_SPLIT_ROWS"] = int(layout["split_rows"])
-        defines["HALSTM_SPLIT_CALL_MACS"] = int(layout["split_call_macs"])
-        defines["HALSTM_SPLIT_BATCH_BYTES"] = batch_bytes
-    if layout.get("xp_panels"):     # xp stored in panels of P units
-        defines["HALSTM_XP_PANELS"] = 1
-    if "step_bwd_fused" in kinds:   # one call a backward step (pipeline.py _step_bwd_fused)
-        defines["HALSTM_FUSED_BWD"] = 1
-    if spec.direction == "bwd" and "pack_bwd" not in kinds:   # (layout raw_bwd_weights)
-        defines["HALSTM_RAW_BWD"] = 1
-    cuda = target.has_feature(hl.TargetFeature.CUDA)
-    if cuda:                 # the driver passes device pointers (see driver.cpp)
-        defines["HALSTM_CUDA"] = 1
-        defines["HALSTM_CUDA_MAX_REGISTERS"] = f'"{layout.get("max_registers", 64)}"'
-        defines["HALSTM_CUDA_GRAPHS"] = int(bool(layout.get("cuda_graphs", False)))
-    flags = [f"-D{k}={v}" for k, v in defines.items()]
-    if link:
-        cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
-               f"-I{Path(hl.__file__).parent / 'include'}", *flags,
-               str(_HERE / "driver.cpp"), *map(str, objects), "-o", str(out / LIBRARY),
-               "-lpthread", "-ldl", "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise CompileError(f"linking {spec.describe()} (schedule {schedule}) failed:\n"
-                               f"{' '.join(cmd)}\n{res.stderr}")
-        for obj in objects:
-            obj.unlink()
-    else:
-        shutil.copy(_HERE / "driver.cpp", out / "driver.cpp")
-        shutil.copy(Path(hl.__file__).parent / "include" / "HalideRuntime.h",
-                    out / "HalideRuntime.h")
+                           f"(schedule {spec.schedule}):\n{e}") from e
+    return objects, pipes
+
+
+def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
+    cell = cells.get(spec.cell)
+    return driver.Layer(
+        direction=spec.direction, states=len(cell.states), gates=cell.n_gates,
+        saved=len(cell.saved), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
+        hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
+        fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
+        split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
+        split_batch_bytes=max(p.split_batch_bytes for p in pipes))
+
+
+def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, emit) -> dict:
+    cell = cells.get(spec.cell)
     manifest = {
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
-        "dxp_is_dhg": cell.dxp_is_dhg, "onehot": spec.onehot, "panel": panel, "layout": layout,
-        "device": "cuda" if cuda else "cpu",
-        **({"cuda_graphs": bool(layout.get("cuda_graphs", False))} if cuda else {}),
-        "target": str(target), "target_requested": spec.target, "schedule": schedule,
-        "halide_version": halide_version(), "halstm_code": code_hash(),
+        "dxp_is_dhg": cell.dxp_is_dhg, "onehot": spec.onehot, "panel": plan.layout.panel,
+        "layout": plan.layout.to_dict(), "device": "cuda" if plan.cuda else "cpu",
+        **({"cuda_graphs": plan.layout.cuda_graphs} if plan.cuda else {}),
+        "target": str(plan.target), "target_requested": spec.target, "schedule": spec.schedule,
+        "halide_version": cache.halide_version(), "halstm_code": code_hash(),
         "entry_points": _entry_points(spec) | (
             {"halstm_cuda_init": ["void *context: the CUcontext to run in; call first. "
                                   "Every array argument is then a device pointer"]}
-            if cuda else {}),
-        "pipelines": [f"halstm_{k}" for k in kinds],
+            if plan.cuda else {}),
+        "pipelines": [f"halstm_{k}" for k in plan.kinds],
         "emitted": sorted(emit),
-        "schedule_notes": list(getattr(module, "notes", [])),
-        "compile_seconds": round(time.perf_counter() - start, 3),
+        "schedule_notes": [n for p in pipes for n in p.notes] + list(getattr(plan.module, "notes", [])),
     }
-    if link:
-        manifest |= {"library": LIBRARY, "sha256": _sha256(out / LIBRARY)}
+    if plan.link:
+        manifest |= {"library": LIBRARY, "sha256": cache.file_sha256(out / LIBRARY)}
     else:
         manifest |= {"library": None, "loadable_here": False,
-                     "driver_build": "c++ -O2 -std=c++17 -I. " + " ".join(map(shlex.quote, flags)) +
-                     " driver.cpp " + " ".join(f"{k}.a" for k in kinds) + " runtime.a"
+                     "driver_build": f"c++ -O2 -std=c++17 -I. "
+                     + " ".join(map(shlex.quote, driver.flags(layer)))
+                     + f" {driver.MAIN} " + " ".join(f"{k}.a" for k in plan.kinds) + " runtime.a"
                      " (add -shared -fPIC -o libhalstm.so for a shared library)"}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, out / MANIFEST)
     return manifest

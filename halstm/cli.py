@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from . import aot, cells
-from .runtime import KernelError
+from .errors import KernelError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

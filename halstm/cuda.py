@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from .runtime import KernelError
+from .errors import KernelError
 
 _U64, _SZ, _P, _I = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
 
@@ -338,6 +338,20 @@ class DeviceArray:
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         return _export(self)
+
+
+class IntArray:
+    """C-contiguous int32 values (class indices) copied to GPU memory, for
+    the kernels that take them; DeviceArray holds float32 only."""
+
+    dtype = np.dtype(np.int32)
+
+    def __init__(self, a):
+        a = np.ascontiguousarray(a, dtype=np.int32)
+        self.shape = a.shape
+        self._alloc = _Allocation(max(a.nbytes, 4))
+        self.ptr = self._alloc.ptr
+        driver().call("cuMemcpyHtoD_v2", _U64(self.ptr), a.ctypes.data, a.nbytes)
 
 
 def empty(shape) -> DeviceArray:

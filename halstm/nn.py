@@ -25,7 +25,8 @@ import threading
 import numpy as np
 
 from . import aot, cuda
-from .runtime import Library, _Device, _Host
+from . import memory
+from .runtime import Library
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 _GRAD = threading.local()
@@ -100,7 +101,7 @@ class _RNN:
                 cuda.driver()
             except cuda.CudaError as e:
                 raise cuda.CudaError(f"target {target!r} needs a usable CUDA GPU: {e}") from None
-        self._mem = _Device() if self.on_gpu else _Host()
+        self._mem = memory.for_device("cuda" if self.on_gpu else "cpu")
         G, H = self.n_gates, self.hidden_size
         rng = np.random.default_rng(seed)
         bound = 1.0 / np.sqrt(H)       # PyTorch: uniform(-1/sqrt(H), 1/sqrt(H))

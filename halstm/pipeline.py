@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import halide as hl
 
 from .cells.base import Cell
+from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
          "grads", "gather", "grads_ids")
@@ -87,6 +88,7 @@ class Pipe(Stages):
     vars: dict = field(default_factory=dict)     # name -> Var
     rdoms: dict = field(default_factory=dict)    # name -> RDom
     shapes: dict = field(default_factory=dict)   # input/output name -> extents (None: runtime)
+    notes: list = field(default_factory=list)    # the schedule's shape-dependent choices (manifest)
 
     @property
     def G(self) -> int:
@@ -108,22 +110,19 @@ class Pipe(Stages):
         raise KeyError(f"pipeline {self.kind!r} has no input {name!r}")
 
 
-
 def padded(n: int, p: int) -> int:
     return -(-n // p) * p
 
 
-def _param(name: str, extents, strides=None) -> hl.ImageParam:
-    """A float32 input. extents: innermost first; an int fixes that extent
-    (and the stride of the next dense dimension), None leaves it free.
-    strides: explicit strides overriding the dense ones (None entries free)."""
-    p = hl.ImageParam(hl.Float(32), len(extents), name)
-    _constrain(p, extents, strides)
-    _SHAPES[name] = list(extents)
-    return p
-
-
-_SHAPES: dict = {}   # extents of the buffers of the pipeline being built
+def _param(p: "Pipe", name: str, extents, strides=None) -> hl.ImageParam:
+    """A float32 input of pipe p, its extents recorded in p.shapes.
+    extents: innermost first; an int fixes that extent (and the stride of
+    the next dense dimension), None leaves it free. strides: explicit
+    strides overriding the dense ones (None entries free)."""
+    q = hl.ImageParam(hl.Float(32), len(extents), name)
+    _constrain(q, extents, strides)
+    p.shapes[name] = list(extents)
+    return q
 
 
 def _constrain(buf, extents, strides=None, bounds=True) -> None:
@@ -143,10 +142,10 @@ def _constrain(buf, extents, strides=None, bounds=True) -> None:
             stride = stride * e if stride is not None else None
 
 
-def _fix_output(f: hl.Func, extents, strides=None) -> None:
-    """Constrain an output buffer like _param constrains an input."""
+def _fix_output(p: "Pipe", f: hl.Func, extents, strides=None) -> None:
+    """Constrain an output buffer of pipe p like _param constrains an input."""
     _constrain(f.output_buffer(), extents, strides)
-    _SHAPES[f.name()] = list(extents)
+    p.shapes[f.name()] = list(extents)
 
 
 def _output(f: hl.Func) -> hl.Func:
@@ -182,21 +181,16 @@ def _matmul(name, args, init, term):
     return acc, out
 
 
-def build(cell: Cell, kind: str, K: int, H: int, layout: dict | None = None) -> Pipe:
-    """Build pipeline `kind` (one of KINDS) for `cell` with input size K.
-    layout (from the schedule): panel (P), dw_cols, dw_rows: the packed
-    operand shapes; all 1 by default."""
+def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> Pipe:
+    """Build pipeline `kind` (one of KINDS) for `cell` with input size K,
+    its operands packed as the schedule's layout says (default: unpacked)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    layout = layout or {}
-    p = Pipe(kind, cell, K, H, layout.get("panel", 1), layout.get("dw_cols", 1),
-             layout.get("dw_rows", 1), layout.get("read_outputs", False),
-             layout.get("split_steps", False), layout.get("xp_panels", False),
-             layout.get("raw_bwd_weights", False))
+    p = Pipe(kind, cell, K, H, layout.panel, layout.dw_cols, layout.dw_rows,
+             layout.read_outputs, layout.split is not None, layout.xp_panels,
+             layout.raw_bwd_weights)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
-    _SHAPES.clear()
     globals()["_" + kind](p)
-    p.shapes = dict(_SHAPES)
     return p
 
 
@@ -212,16 +206,16 @@ def _panels(w: hl.ImageParam, n: int, P: int, name: str) -> hl.Func:
 
 def _pack(p: Pipe) -> None:
     G, K, H, P = p.G, p.K, p.H, p.P
-    w_ih = _param("w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
-    w_hh = _param("w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
+    w_ih = _param(p, "w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
+    w_hh = _param(p, "w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
     # Panels of P units with all gates and the whole reduction axis, so that
     # a P-unit tile of the product reads one contiguous block.
     wp_ih = _transposed_panels(w_ih, H, P, "wp_ih")   # numpy (Hp/P, K, G, P)
     wp_hh = _transposed_panels(w_hh, H, P, "wp_hh")   # numpy (Hp/P, H, G, P)
     p.inputs = [w_ih, w_hh]
     p.outputs = [wp_ih, wp_hh]
-    _fix_output(wp_ih, [P, G, K, p.Hp // P])
-    _fix_output(wp_hh, [P, G, H, p.Hp // P])
+    _fix_output(p, wp_ih, [P, G, K, p.Hp // P])
+    _fix_output(p, wp_hh, [P, G, H, p.Hp // P])
     p.stages = {"wp_ih": wp_ih, "wp_hh": wp_hh}
 
 
@@ -245,9 +239,9 @@ def _proj(p: Pipe) -> None:
     whatever the batch."""
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
     G, K, H, P = p.G, p.K, p.H, p.P
-    x = _param("x", [K, None])                        # numpy (N, K)
-    wp_ih = _param("wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
-    b_ih = _param("b_ih", [H, G])                     # numpy (G, H)
+    x = _param(p, "x", [K, None])                        # numpy (N, K)
+    wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
+    b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
     r = hl.RDom([(0, K)], "r_i")
     xin, w = _clamp(x, (1,)), _packed(wp_ih, j, P)
     # xp rows past H (padding) hold only a bias and are never read.
@@ -273,19 +267,19 @@ def _xp_out(p: Pipe, xp: hl.Func) -> hl.Func:
         ji, jo = hl.Var("ji"), hl.Var("jo")
         out = hl.Func("xp_panels")
         out[ji, gate, n, jo] = xp[jo * P + ji, gate, n]
-        _fix_output(out, [P, G, None, p.Hp // P])
+        _fix_output(p, out, [P, G, None, p.Hp // P])
     else:
         out = xp
-        _fix_output(out, [p.Hp, G, None])
+        _fix_output(p, out, [p.Hp, G, None])
     p.outputs = [out]
     return out
 
 
-def _ids_param() -> hl.ImageParam:
+def _ids_param(p: "Pipe") -> hl.ImageParam:
     """Class indices, one per row n = t*B + b (int32; numpy (N,))."""
     ids = hl.ImageParam(hl.Int(32), 1, "ids")
     ids.dim(0).set_stride(1)
-    _SHAPES["ids"] = [None]
+    p.shapes["ids"] = [None]
     return ids
 
 
@@ -295,9 +289,9 @@ def _gather(p: Pipe) -> None:
     W_ih with the bias added, so that a row is one contiguous block."""
     j, gate, n, k = (p.vars[v] for v in ("j", "gate", "t", "k"))
     G, K, H = p.G, p.K, p.H
-    ids = _ids_param()                                # numpy (N,)
-    w_ih = _param("w_ih", [K, H, G])                  # numpy (G*H, K)
-    b_ih = _param("b_ih", [H, G])                     # numpy (G, H)
+    ids = _ids_param(p)                                # numpy (N,)
+    w_ih = _param(p, "w_ih", [K, H, G])                  # numpy (G*H, K)
+    b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
     wt = hl.Func("wt")                                # numpy (K, G, Hp)
     jc = hl.min(j, H - 1)                             # units past H: never read
     wt[j, gate, k] = w_ih[k, jc, gate] + b_ih[jc, gate]
@@ -316,16 +310,16 @@ def _step(p: Pipe, save: bool = True) -> None:
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     S = len(cell.saved)
     if p.xp_panels:    # numpy (Hp/P, B, G, P): xp[:, t] (see _xp_out)
-        xp = _param("xp", [P, G, None, p.Hp // P])
+        xp = _param(p, "xp", [P, G, None, p.Hp // P])
         xp_in = hl.Func("xp_in")
         xb = _clamp(xp, (2,))
         xp_in[j, gate, b] = xb[j % P, gate, b, j / P]
     else:              # numpy (B, G, Hp): xp[t]
-        xp = _param("xp", [p.Hp, G, None])
+        xp = _param(p, "xp", [p.Hp, G, None])
         xp_in = _clamp(xp, (2,))
-    wp_hh = _param("wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
-    b_hh = _param("b_hh", [H, G])                    # numpy (G, H)
-    prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}  # (B, H)
+    wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
+    b_hh = _param(p, "b_hh", [H, G])                    # numpy (G, H)
+    prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
     # unit and batch reads clamped: a tile may overrun H (up to Hp) and B
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
@@ -343,7 +337,7 @@ def _step(p: Pipe, save: bool = True) -> None:
     for n, q in enumerate(out.output_buffers()):
         _constrain(q, [H, None], None if n < len(cell.states) else [1, S * H],
                    bounds=n == 0 and not p.split_steps)
-    _SHAPES[out.name()] = [H, None]
+    p.shapes[out.name()] = [H, None]
     if p.split_steps:
         _unit_range(p, [(out.output_buffers()[0], H)])
     p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
@@ -375,16 +369,16 @@ def _step_infer(p: Pipe) -> None:
 
 def _pack_bwd(p: Pipe) -> None:
     G, K, H, P = p.G, p.K, p.H, p.P
-    w_ih = _param("w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
-    w_hh = _param("w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
+    w_ih = _param(p, "w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
+    w_hh = _param(p, "w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
     # Panels of P input units with every (gate, unit) row: the transposed
     # products dx = W_ih^T dxp and dh = W_hh^T dhg read them contiguously.
     wq_ih = _panels(w_ih, K, P, "wq_ih")          # numpy (Kp/P, G, H, P)
     wq_hh = _panels(w_hh, H, P, "wq_hh")          # numpy (Hp/P, G, H, P)
     p.inputs = [w_ih, w_hh]
     p.outputs = [wq_ih, wq_hh]
-    _fix_output(wq_ih, [P, H, G, p.Kp // P])
-    _fix_output(wq_hh, [P, H, G, p.Hp // P])
+    _fix_output(p, wq_ih, [P, H, G, p.Kp // P])
+    _fix_output(p, wq_hh, [P, H, G, p.Hp // P])
     p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
 
 
@@ -393,12 +387,12 @@ def _step_bwd_inputs(p: Pipe, states) -> tuple:
     the states before and after step t, dy[t], the incoming gradients of
     `states` (W_hh comes from _bwd_weight)."""
     cell, H, Hp = p.cell, p.H, p.Hp
-    saved = _param("saved", [H, len(cell.saved), None])   # numpy (B, S, H): saved[t]
-    prev = {s: _param(s + "_prev", [H, None]) for s in cell.states}
-    new = {s: _param(s + "_new", [H, None]) for s in cell.states}
-    dy = _param("dy", [H, None])                     # numpy (B, H): dy[t]
+    saved = _param(p, "saved", [H, len(cell.saved), None])   # numpy (B, S, H): saved[t]
+    prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}
+    new = {s: _param(p, s + "_new", [H, None]) for s in cell.states}
+    dy = _param(p, "dy", [H, None])                     # numpy (B, H): dy[t]
     # state gradients live in (B, Hp) rows
-    dnext = {s: _param("d" + s + "_next", [H, None], [1, Hp]) for s in states}
+    dnext = {s: _param(p, "d" + s + "_next", [H, None], [1, Hp]) for s in states}
     return saved, prev, new, dy, dnext
 
 
@@ -411,9 +405,9 @@ def _bwd_weight(p: Pipe, name: str, n: int, unit):
     well: no pack_bwd; the results past n are never used)."""
     G, H, P = p.G, p.H, p.P
     if p.raw_bwd:
-        w = _param(name, [n, H, G])                  # numpy (G*H, n): PyTorch's weight
+        w = _param(p, name, [n, H, G])                  # numpy (G*H, n): PyTorch's weight
         return w, lambda j, gate: w[hl.min(unit, n - 1), j, gate]
-    wq = _param(name.replace("w_", "wq_"), [P, H, G, padded(n, P) // P])  # (np/P, G, H, P)
+    wq = _param(p, name.replace("w_", "wq_"), [P, H, G, padded(n, P) // P])  # (np/P, G, H, P)
     return wq, _packed(wq, unit, P)
 
 
@@ -454,10 +448,10 @@ def _step_bwd(p: Pipe) -> None:
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])
                  + [dprev[s] for s in cell.states])
     for f in p.outputs[:-len(cell.states)]:
-        _fix_output(f, [H, G, None])                 # numpy (B, G, H)
-    _fix_output(dh_prev, [Hp, None])                 # numpy (B, Hp)
+        _fix_output(p, f, [H, G, None])                 # numpy (B, G, H)
+    _fix_output(p, dh_prev, [Hp, None])                 # numpy (B, Hp)
     for s in cell.states[1:]:
-        _fix_output(dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
+        _fix_output(p, dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
     p.rdoms = {"jg": r}
     if p.split_steps:   # with ranges of units, each thread computes the pointwise part for all
         _unit_range(p, [(f.output_buffer(), Hp if f is dh_prev else H) for f in p.outputs])
@@ -482,8 +476,8 @@ def _step_bwd_fused(p: Pipe) -> None:
     k, b = p.vars["k"], p.vars["b"]
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states[1:])
     w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
-    dh_add = _param("dh_add", [H, None], [1, Hp])    # a row of (B, Hp)
-    dhg_next = _param("dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
+    dh_add = _param(p, "dh_add", [H, None], [1, Hp])    # a row of (B, Hp)
+    dhg_next = _param(p, "dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     dhg_in = _clamp(dhg_next, (2,))
     dh_acc, dh = _matmul("dh", [k, b], _clamp(dh_add, (0, 1))[k, b],    # (k clamped: whole tiles)
@@ -513,7 +507,7 @@ def _step_bwd_fused(p: Pipe) -> None:
         [Hp] * len(cell.states)
     for n, (q, stride) in enumerate(zip(out.output_buffers(), strides)):
         _constrain(q, [H, None], [1, stride], bounds=n == 0)
-    _SHAPES["dstep"] = [H, None]
+    p.shapes["dstep"] = [H, None]
     p.rdoms = {"jg": r}
 
 
@@ -533,11 +527,11 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     cell, G, K, H = p.cell, p.G, p.K, p.H
     C, R = p.dw_cols, p.dw_rows
     i, j, k, gate, n = (p.vars[v] for v in ("i", "j", "k", "gate", "t"))
-    x = _ids_param() if ids else _param("x", [K, None])   # numpy (N,) or (N, K)
-    hs = _param("hs", [H, None])                     # numpy (N, H): h_{t-1} for row t*B+b
-    dxp = _param("dxp", [H, G, None])                # numpy (N, G, H)
+    x = _ids_param(p) if ids else _param(p, "x", [K, None])   # numpy (N,) or (N, K)
+    hs = _param(p, "hs", [H, None])                     # numpy (N, H): h_{t-1} for row t*B+b
+    dxp = _param(p, "dxp", [H, G, None])                # numpy (N, G, H)
     shared = cell.dxp_is_dhg
-    dhg = dxp if shared else _param("dhg", [H, G, None])
+    dhg = dxp if shared else _param(p, "dhg", [H, G, None])
     N = x.dim(0 if ids else 1).extent()
     rn = hl.RDom([(0, N)], "r_n")
     rg = hl.RDom([(0, H), (0, G)], "r_jg")
@@ -596,7 +590,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
                "db_hh": [H, G]}
     p.outputs = [stages[v] for v in names]
     for v in names:
-        _fix_output(stages[v], extents[v])
+        _fix_output(p, stages[v], extents[v])
     p.stages = stages
     p.rdoms = {"n": rn, "jg": rg}
 

@@ -12,97 +12,39 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 from pathlib import Path
 
 import numpy as np
+
+from . import memory
+from .errors import KernelError
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
-class KernelError(RuntimeError):
-    """A compiled pipeline reported an error."""
+class SharedLibrary:
+    """A loaded libhalstm.so (a layer's, or other kernels linked with the
+    driver): its C functions (.lib), where its arrays live (.mem, from
+    halstm.memory) and its error reporting (.check)."""
 
+    def __init__(self, path, device: str = "cpu"):
+        self.path, self.device = Path(path), device
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.halstm_last_error.restype = ctypes.c_char_p
+        self.mem = memory.for_device(device)
+        if device == "cuda":   # arguments are device pointers in the caller's context
+            self.lib.halstm_cuda_init.argtypes = [_P]
+            rc = self.lib.halstm_cuda_init(self.mem.cuda.driver().context)
+            if rc:
+                raise KernelError(f"halstm_cuda_init failed with code {rc}")
 
-def f32(a) -> np.ndarray:
-    """a as a C-contiguous float32 array (no copy when it already is one)."""
-    return np.ascontiguousarray(a, dtype=np.float32)
-
-
-def empty(shape) -> np.ndarray:
-    """An uninitialised float32 array whose data starts on a 64-byte boundary
-    (a cache line; an AVX-512 vector)."""
-    n = math.prod(shape) if hasattr(shape, "__len__") else int(shape)
-    raw = np.empty(n * 4 + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + n * 4].view(np.float32).reshape(shape)
-
-
-def _ptr(a: np.ndarray) -> int:
-    assert a.dtype == np.float32 and a.flags.c_contiguous, "runtime arrays must be contiguous f32"
-    return a.ctypes.data
-
-
-class _Host:
-    """Arrays of a CPU library: numpy."""
-
-    empty, ptr = staticmethod(empty), staticmethod(_ptr)
-
-    @staticmethod
-    def zero(a):
-        a[...] = 0
-        return a
-
-    @classmethod
-    def zeros(cls, shape):
-        return cls.zero(empty(shape))
-
-    @staticmethod
-    def put_leading(dst, src):
-        """dst (R, W)[:, :w] = src (R, w)."""
-        dst[:, :src.shape[-1]] = src
-
-    @staticmethod
-    def leading(a, w):
-        """A contiguous copy of a[..., :w]."""
-        return np.ascontiguousarray(a[..., :w])
-
-
-class _Device:
-    """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
-
-    def __init__(self):
-        from . import cuda
-        self.cuda = cuda
-        self.empty, self.zeros = cuda.empty, cuda.zeros
-
-    @staticmethod
-    def zero(a):
-        a.zero_()
-
-    @staticmethod
-    def ptr(a) -> int:
-        return a.ptr
-
-    def put_leading(self, dst, src):
-        W, w = dst.shape[-1], src.shape[-1]
-        self.cuda.copy_2d(dst, W, src, w, w, src.size // max(w, 1))
-
-    def swap01(self, a):
-        """A new (B, A, n) array from a (A, B, n): batch_first <-> time first."""
-        a = self.cuda.asarray(a)
-        A, B, n = a.shape
-        out = self.cuda.empty((B, A, n))
-        for i in range(A):   # out[:, i] = a[i]
-            self.cuda.copy_2d(out, A * n, a, n, n, B, dst_offset=i * n, src_offset=i * B * n)
-        return out
-
-    def leading(self, a, w):
-        W = a.shape[-1]
-        out = self.cuda.empty(a.shape[:-1] + (w,))
-        self.cuda.copy_2d(out, w, a, W, w, a.size // max(W, 1))
-        return out
+    def check(self, rc: int, what: str) -> None:
+        """Raise KernelError naming `what` (and the library's own message)
+        if a call returned rc != 0."""
+        if rc != 0:
+            msg = self.lib.halstm_last_error().decode(errors="replace").strip()
+            raise KernelError(f"{what} failed with code {rc}: {msg}")
 
 
 class Library:
@@ -120,17 +62,9 @@ class Library:
         self.onehot = bool(manifest.get("onehot", False))
         P = self.P = manifest["panel"]
         self.Hp, self.Kp = -(-self.H // P) * P, -(-self.K // P) * P
-        self._lib = ctypes.CDLL(str(path))
-        self._lib.halstm_last_error.restype = ctypes.c_char_p
         self.device = manifest.get("device", "cpu")
-        if self.device == "cuda":   # arguments are device arrays (halstm.cuda)
-            self.mem = _Device()
-            self._lib.halstm_cuda_init.argtypes = [_P]
-            rc = self._lib.halstm_cuda_init(self.mem.cuda.driver().context)
-            if rc:
-                raise KernelError(f"halstm_cuda_init failed with code {rc}")
-        else:                       # numpy arrays
-            self.mem = _Host()
+        self._shared = SharedLibrary(path, self.device)
+        self._lib, self.mem = self._shared.lib, self._shared.mem
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 10
@@ -177,12 +111,9 @@ class Library:
         return self._lib.halstm_step_threads()
 
     def _call(self, *args) -> None:
-        rc = self._entry(*args)
-        if rc != 0:
-            msg = self._lib.halstm_last_error().decode(errors="replace").strip()
-            raise KernelError(f"{self.manifest['cell']} {self.manifest['direction']} kernel "
-                              f"({self.manifest['target']}, schedule "
-                              f"{self.manifest['schedule']}) failed with code {rc}: {msg}")
+        m = self.manifest
+        self._shared.check(self._entry(*args), f"{m['cell']} {m['direction']} kernel "
+                                               f"({m['target']}, schedule {m['schedule']})")
 
     def _ptrs(self, arrays) -> ctypes.Array:
         return (_P * len(arrays))(*[self.mem.ptr(a) for a in arrays])

@@ -58,9 +58,7 @@ class Auto:
         fused backward step (step_bwd as above)."""
         from . import cpu, cuda
         layout = (cuda if self.family == "gpu" else cpu).layout(target)
-        return {k: v for k, v in layout.items() if k not in ("read_outputs", "cuda_graphs", "split_steps", "split_macs",
-                                                  "split_rows", "split_call_macs",
-                                                  "fused_bwd_below")}
+        return layout.without("read_outputs", "cuda_graphs", "split", "fused_bwd_below")
 
     def __getattr__(self, kind):
         if kind in ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads"):

@@ -12,6 +12,8 @@ import math
 
 import halide as hl
 
+from ..layout import Layout, StepSplit
+
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
 ROUND = hl.TailStrategy.RoundUp
@@ -30,15 +32,14 @@ def panel(target: hl.Target) -> int:
     return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
 
 
-def layout(target: hl.Target) -> dict:
+def layout(target: hl.Target) -> Layout:
     """Packed operand shapes: weight panels one vector wide; weight-gradient
     tiles of 4 vectors x 6 units with AVX-512 (24 of 32 registers hold
     accumulators), 2 vectors x 6 units otherwise (12 of 16)."""
     P = panel(target)
     wide = target.has_feature(hl.TargetFeature.AVX512)
-    return {"panel": P, "dw_cols": (4 if wide else 2) * P, "dw_rows": 6,
-            "split_steps": True, "split_macs": SPLIT_MACS, "split_rows": SPLIT_ROWS,
-            "split_call_macs": SPLIT_CALL_MACS, "xp_panels": True}
+    return Layout(panel=P, dw_cols=(4 if wide else 2) * P, dw_rows=6, xp_panels=True,
+                  split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS))
 
 
 def _vw(target, extent: int) -> int:

@@ -22,6 +22,8 @@ and packing stages are one kernel each, every axis on the grid.
 """
 import halide as hl
 
+from ..layout import Layout
+
 LANES = 32                      # a warp; also the weight panel width
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
@@ -30,7 +32,7 @@ GUARD = hl.TailStrategy.GuardWithIf
 notes: list[str] = []   # the shape-dependent choices of the build in progress (manifest)
 
 
-def layout(target: hl.Target) -> dict:
+def layout(target: hl.Target) -> Layout:
     """(Called first in every build: it starts a new list of notes.)
     Packed operand shapes: weight panels a warp's worth of units wide;
     registers a thread may use (the JIT's limit, set by the driver): the
@@ -50,10 +52,8 @@ def layout(target: hl.Target) -> dict:
     H=1024 B=64 T=25, within 1% either way at H=512 (K=65), H=128 and the
     GRU at H=1024 (bench/gpu_ab.py, results/gpu_ab_s10_raw_bwd.txt)."""
     notes.clear()
-    return {"panel": LANES, "dw_cols": LANES, "dw_rows": 1, "max_registers": 128,
-            "cuda_graphs": True,
-            "read_outputs": True, "fused_bwd_below": 512,
-            "raw_bwd_weights": True}
+    return Layout(panel=LANES, dw_cols=LANES, dw_rows=1, max_registers=128, cuda_graphs=True,
+                  read_outputs=True, fused_bwd_below=512, raw_bwd_weights=True)
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,

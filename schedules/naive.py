@@ -1,5 +1,6 @@
 """The baseline: every stage computed at root, in its pure loop order,
 no vectorization, no threads. Every table shows it."""
+from ..layout import Layout
 
 
 def _root(pipe, target):
@@ -10,6 +11,6 @@ def _root(pipe, target):
 pack = proj = step = step_infer = pack_bwd = step_bwd = grads = gather = grads_ids = _root
 
 
-def layout(target) -> dict:
+def layout(target) -> Layout:
     """Packed operand shapes: all 1, the plain (transposed) layouts."""
-    return {"panel": 1, "dw_cols": 1, "dw_rows": 1}
+    return Layout()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import halstm
-from halstm import aot
+from halstm import aot, cache
 from halstm import reference as ref
 from halstm.runtime import Library
 
@@ -425,13 +425,13 @@ def test_cache_key_depends_on_halide_code_and_host(monkeypatch):
     host, explicit = SPEC, aot.Spec("gru", I, H, "fwd", "x86-64-linux-avx2")
     k_host, k_explicit = aot.cache_key(host), aot.cache_key(explicit)
     with monkeypatch.context() as mp:
-        mp.setattr(aot, "halide_version", lambda: "0.0.0")
+        mp.setattr(cache, "halide_version", lambda: "0.0.0")
         assert aot.cache_key(host) != k_host and aot.cache_key(explicit) != k_explicit
     with monkeypatch.context() as mp:
         mp.setattr(aot, "code_hash", lambda: "another-code")
         assert aot.cache_key(host) != k_host and aot.cache_key(explicit) != k_explicit
     with monkeypatch.context() as mp:     # another CPU: "host" means something else
-        mp.setattr(aot, "host_fingerprint", lambda: "another-cpu")
+        mp.setattr(cache, "host_fingerprint", lambda: "another-cpu")
         assert aot.cache_key(host) != k_host
         assert aot.cache_key(explicit) == k_explicit
 

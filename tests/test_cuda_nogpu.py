@@ -54,7 +54,7 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
     target = hl.Target("host-cuda-cuda_capability_80")
     module = schedules.for_target(target, "cuda")
     layout = module.layout(target)
-    assert layout["cuda_graphs"] is True
+    assert layout.cuda_graphs is True
     for kind in ("step", "step_bwd", "step_bwd_fused"):
         p = pipeline.build(cells.get(cell), kind, 13, H, layout)
         getattr(module, kind)(p, target)
@@ -74,4 +74,4 @@ def test_only_the_hand_schedule_uses_cuda_graphs():
         if "gpu" not in schedules.families(name):
             continue
         layout = schedules.for_target(target, name).layout(target)
-        assert bool(layout.get("cuda_graphs")) == (name == "cuda"), name
+        assert layout.cuda_graphs == (name == "cuda"), name

@@ -269,7 +269,7 @@ def test_every_schedule_module_covers_every_pipeline_kind(name):
     built = {k for d in ("fwd", "bwd") for k in aot.pipeline_kinds(aot.Spec("lstm", I, H, d,
                                                                          target, name), layout)}
     for kind in KINDS:
-        if kind == "pack_bwd" and layout.get("raw_bwd_weights"):
+        if kind == "pack_bwd" and layout.raw_bwd_weights:
             assert kind not in built      # the backward reads the weights as given
             continue
         assert callable(getattr(mod, kind, None)), f"{name} lacks {kind}"

@@ -1,7 +1,7 @@
 """The char LM's head and optimizer pipelines (halstm/model/kernels.py),
 compiled ahead of time into one library per target and cached on disk like
-the recurrent layers' (halstm.aot): the same cache folder, lock, checksum
-and driver (driver.cpp built with -DHALSTM_MODEL), so that a CUDA build takes
+the recurrent layers' (halstm.cache): the same cache folder, lock, checksum
+and driver (halstm.driver.Model), so that a CUDA build takes
 device pointers (halstm.cuda.DeviceArray) and copies nothing to the host.
 
     k = kernels("host-cuda")                  # built on first use, then cached
@@ -15,41 +15,26 @@ targets int32 (numpy, uploaded on a CUDA target).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from .. import aot
-from ..runtime import KernelError, _Device, _Host
+from .. import aot, cache, cuda, driver, schedules
+from ..errors import CompileError
+from ..runtime import SharedLibrary
 
-FORMAT = "halstm-model-kernels/1"
+FORMAT = "halstm-model-kernels/2"
 _HERE = Path(__file__).resolve().parent
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-def _code_hash() -> str:
-    import halstm.schedules as sched
-    h = hashlib.sha256()
-    sdir = Path(sched.__file__).parent
-    for f in (_HERE / "kernels.py", _HERE / "library.py", _HERE.parent / "driver.cpp",
-              sdir / "cpu.py", sdir / "cuda.py"):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _schedule_module(target):
-    """The target family's default schedule module (cpu or cuda), which
-    defines head, sumsq, adam and sgd."""
-    from halstm import schedules
-    return schedules.for_target(target)
+def code_files() -> list[Path]:
+    """The sources that decide the kernels' code."""
+    sdir = Path(schedules.__file__).parent
+    return [_HERE / "kernels.py", _HERE / "library.py", sdir / "cpu.py", sdir / "cuda.py",
+            *map(Path, (driver.__file__, *driver.sources()))]
 
 
 def build(target: str, out: Path) -> dict:
@@ -60,8 +45,8 @@ def build(target: str, out: Path) -> dict:
     start = time.perf_counter()
     t = hl.Target(target)
     if not aot.loadable_here(t):
-        raise aot.CompileError(f"model kernels: code for target {t} cannot run on this machine")
-    module = _schedule_module(t)
+        raise CompileError(f"model kernels: code for target {t} cannot run on this machine")
+    module = schedules.for_target(t)     # the family default defines the kernels' schedules
     lowered = t.with_feature(hl.TargetFeature.NoRuntime)
     objects = []
     try:
@@ -75,81 +60,31 @@ def build(target: str, out: Path) -> dict:
         hl.compile_standalone_runtime(str(out / "runtime.o"), t)
         objects.append(out / "runtime.o")
     except Exception as e:   # Halide raises HalideError, RuntimeError and others
-        raise aot.CompileError(f"Halide failed to compile the char LM's head and optimizer "
-                               f"for target {t}:\n{e}") from e
-    cuda = t.has_feature(hl.TargetFeature.CUDA)
-    flags = ["-DHALSTM_MODEL=1"]
-    if cuda:
-        flags += ["-DHALSTM_CUDA=1", '-DHALSTM_CUDA_MAX_REGISTERS="64"', "-DHALSTM_CUDA_GRAPHS=0"]
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
-           f"-I{Path(hl.__file__).parent / 'include'}", *flags, str(_HERE.parent / "driver.cpp"),
-           *map(str, objects), "-o", str(out / aot.LIBRARY), "-lpthread", "-ldl", "-lm"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+        raise CompileError(f"Halide failed to compile the char LM's head and optimizer "
+                           f"for target {t}:\n{e}") from e
+    on_gpu = t.has_feature(hl.TargetFeature.CUDA)
+    res = driver.link(driver.Model(cuda=on_gpu), objects, out / aot.LIBRARY)
     if res.returncode != 0:
-        raise aot.CompileError(f"linking the char LM's kernels for {t} failed:\n"
-                               f"{' '.join(cmd)}\n{res.stderr}")
+        raise CompileError(f"linking the char LM's kernels for {t} failed:\n"
+                           f"{' '.join(res.args)}\n{res.stderr}")
     for o in objects:
         o.unlink()
-    manifest = {"format": FORMAT, "target": str(t), "device": "cuda" if cuda else "cpu",
+    manifest = {"format": FORMAT, "target": str(t), "device": "cuda" if on_gpu else "cpu",
                 "pipelines": [f"halstm_model_{k}" for k in kernels.KINDS],
-                "halide_version": aot.halide_version(), "code": _code_hash(),
-                "library": aot.LIBRARY, "sha256": aot._sha256(out / aot.LIBRARY),
+                "halide_version": cache.halide_version(),
+                "code": cache.source_hash(code_files()),
+                "library": aot.LIBRARY, "sha256": cache.file_sha256(out / aot.LIBRARY),
                 "compile_seconds": round(time.perf_counter() - start, 3)}
-    (out / "manifest.json.tmp").write_text(json.dumps(manifest, indent=2))
-    os.replace(out / "manifest.json.tmp", out / "manifest.json")
+    cache.write_manifest(out, manifest)
     return manifest
 
 
-def _read(folder: Path) -> dict | None:
-    try:
-        m = json.loads((folder / "manifest.json").read_text())
-        if m.get("format") != FORMAT or aot._sha256(folder / m["library"]) != m["sha256"]:
-            return None
-        return m
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def library(target: str) -> tuple[Path, dict]:
-    """The cached library for target (built first if missing or corrupt)."""
-    from filelock import FileLock
-    from .. import cuda
+    """The cached library for target (built first if missing or damaged)."""
     target = cuda.host_target(target)
-    material = {"target": target, "halide": aot.halide_version(), "code": _code_hash(),
-                "format": FORMAT}
-    if "host" in target.split("-"):
-        material["host"] = aot.host_fingerprint()
-    key = "model-" + hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
-    root = aot.cache_dir()
-    entry = root / key
-    m = _read(entry)
-    if m is not None:
-        return entry / m["library"], m
-    root.mkdir(parents=True, exist_ok=True)
-    aot._remove_stale_builds(root)
-    with FileLock(str(root / f"{key}.lock")):
-        m = _read(entry)
-        if m is None:
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-            try:
-                m = build(target, tmp)
-                if entry.exists():
-                    shutil.rmtree(entry)
-                os.rename(tmp, entry)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return entry / m["library"], m
-
-
-class _Ints:
-    """int32 class indices in device memory (DeviceArray holds float32 only)."""
-
-    def __init__(self, a: np.ndarray):
-        from .. import cuda
-        self.shape = a.shape
-        self._alloc = cuda._Allocation(max(a.nbytes, 4))
-        self.ptr = self._alloc.ptr
-        cuda.driver().call("cuMemcpyHtoD_v2", cuda._U64(self.ptr), a.ctypes.data, a.nbytes)
+    key = cache.key({"code": cache.source_hash(code_files()), "format": FORMAT}, target,
+                    prefix="model-")
+    return cache.entry(key, FORMAT, lambda folder: build(target, folder))
 
 
 class Kernels:
@@ -158,17 +93,9 @@ class Kernels:
     def __init__(self, target: str):
         path, self.manifest = library(target)
         self.target = target
-        self._lib = ctypes.CDLL(str(path))
-        self._lib.halstm_last_error.restype = ctypes.c_char_p
         self.on_gpu = self.manifest["device"] == "cuda"
-        if self.on_gpu:
-            self.mem = _Device()
-            self._lib.halstm_cuda_init.argtypes = [_P]
-            rc = self._lib.halstm_cuda_init(self.mem.cuda.driver().context)
-            if rc:
-                raise KernelError(f"halstm_cuda_init failed with code {rc}")
-        else:
-            self.mem = _Host()
+        self._shared = SharedLibrary(path, self.manifest["device"])
+        self._lib, self.mem = self._shared.lib, self._shared.mem
         L = self._lib
         L.halstm_head.argtypes = [_I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P, _P]
         L.halstm_sumsq.argtypes = [_I, _P, _P]
@@ -177,11 +104,8 @@ class Kernels:
         L.halstm_onehot.argtypes = [_I, _I, _P, _P]
 
     def _call(self, name, *args):
-        rc = getattr(self._lib, name)(*args)
-        if rc != 0:
-            msg = self._lib.halstm_last_error().decode(errors="replace").strip()
-            raise KernelError(f"char LM kernel {name} ({self.manifest['target']}) failed with "
-                              f"code {rc}: {msg}")
+        self._shared.check(getattr(self._lib, name)(*args),
+                           f"char LM kernel {name} ({self.manifest['target']})")
 
     def _check(self, name, a, shape):
         if tuple(a.shape) != tuple(shape):
@@ -191,11 +115,11 @@ class Kernels:
     def targets(self, t: np.ndarray):
         """int class indices (any shape) as this library's int32 argument."""
         t = np.ascontiguousarray(t, dtype=np.int32).reshape(-1)
-        return _Ints(t) if self.on_gpu else t
+        return cuda.IntArray(t) if self.on_gpu else t
 
     def onehot(self, ids, V: int):
         """ids (from .targets(), N) -> (N, V) one-hot rows."""
-        if not isinstance(ids, (np.ndarray, _Ints)) or len(ids.shape) != 1:
+        if not isinstance(ids, (np.ndarray, cuda.IntArray)) or len(ids.shape) != 1:
             raise TypeError("ids: expected the (N,) result of Kernels.targets()")
         out = self.mem.empty((ids.shape[0], int(V)))
         ptr = ids.ctypes.data if isinstance(ids, np.ndarray) else ids.ptr
@@ -207,7 +131,7 @@ class Kernels:
         loss (N,), dw (V, H), db (V,), dy (N, H)."""
         N, H = y.shape
         V = w.shape[0]
-        if not isinstance(targets, (np.ndarray, _Ints)):
+        if not isinstance(targets, (np.ndarray, cuda.IntArray)):
             raise TypeError("targets: expected the result of Kernels.targets()")
         args = [self._check("y", y, (N, H)), self._check("w", w, (V, H)),
                 self._check("b", b, (V,))]

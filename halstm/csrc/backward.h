@@ -1,0 +1,199 @@
+// The backward time loop (BPTT) and the gradients over all steps:
+// halstm_backward (HALSTM_BACKWARD).
+// Part of the driver: included once, by driver.cpp.
+
+extern "C" {
+
+#ifdef HALSTM_BACKWARD
+#define HB halide_buffer_t *
+// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh (with HALSTM_SPLIT then
+// int panel0, panels); outputs dxp, [dhg], dprev[NS]
+#if NS == 1 && DXP_IS_DHG
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
+#elif NS == 1
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
+#elif DXP_IS_DHG
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
+#else
+int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB);
+#endif
+#if HALSTM_FUSED_BWD
+// inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh;
+// outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], the next call's dh_add
+#if NS == 1 && !DXP_IS_DHG && G == 3
+int halstm_step_bwd_fused(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#elif NS == 2 && DXP_IS_DHG && G == 4
+int halstm_step_bwd_fused(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#else
+#error "HALSTM_FUSED_BWD: the driver passes the LSTM's and the GRU's arguments; extend it for this cell"
+#endif
+#endif
+int halstm_pack_bwd(HB, HB, HB, HB);
+#if HALSTM_ONEHOT && DXP_IS_DHG
+int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB);
+#elif HALSTM_ONEHOT
+int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB, HB);
+#elif DXP_IS_DHG
+int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#else
+int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
+#endif
+
+// x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); saved (T, B, S, H) and
+// states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
+// dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
+// on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
+// workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
+//   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG);
+//   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then 3*B*HP + 2*B*G*H floats
+// out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
+// dx NULL (CPU builds): the input gradient is not wanted and not computed
+// (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
+// HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
+int halstm_backward(int T, int B, const void *x, const float *w_ih, const float *w_hh,
+                    const float *saved, const float *const *states, const float *dy,
+                    float *const *dstate, float *wq_ih, float *wq_hh, float *dxp, float *dhg,
+                    float *fused_ws, float *dx, float *dw_ih, float *db_ih, float *dw_hh,
+                    float *db_hh) {
+    g_error[0] = 0;
+    (void)dhg, (void)fused_ws;
+    View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+#if HALSTM_RAW_BWD   // the products read the weights as given (no pack_bwd; wq unused)
+    View &vwq_ih = vw_ih, &vwq_hh = vw_hh;
+    const float *wq_key = w_hh;
+    int rc = 0;
+    (void)wq_ih, (void)wq_hh;
+#else
+    View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
+    const float *wq_key = wq_hh;
+    int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
+    if (rc) return rc;
+#endif
+#if HALSTM_FUSED_BWD
+    // One call a step (pipeline.py _step_bwd_fused): call t (T-1 down to -1)
+    // finishes step t+1's product and runs step t's pointwise backward.
+    // fused_ws: zeros (B, G, H): dhg_next of the first call; add (2, B, HP):
+    // the dh_add rows passed from call to call; dh (B, HP): dh of calls
+    // t >= 0 (unused); scratch (2, B, G, H): call -1's dxp and dhg (unused).
+    float *zeros = fused_ws, *add = zeros + (int64_t)B * G * H, *dh_scratch = add + 2 * B * HP;
+    float *scratch = dh_scratch + (int64_t)B * HP;
+    auto part_steps = [&](const auto &part, void *barrier) {
+        (void)part, (void)barrier;
+        int rc = 0;
+        for (int t = T - 1; t >= -1; t--) {
+            int u = t < 0 ? 0 : t;     // the step whose pointwise inputs are read
+            int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
+            View saved_t(saved + (int64_t)u * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
+            View dy_t = bh(dy, u, B);
+            View h0 = bh(states[0], u, B), h1 = bh(states[0], u + 1, B);
+            const float *dhg_src = DXP_IS_DHG ? dxp : dhg;
+            View dhg_next(t == T - 1 ? zeros : dhg_src + (int64_t)(t + 1) * B * G * H,
+                          {{H, 1}, {G, H}, {B, G * H}});
+            View dh_add = t == T - 1 ? dstate_row(dstate[0], 0, B, H) : dstate_row(add, (t + 1) & 1, B, H);
+            View add_out = dstate_row(add, t & 1, B, H);
+            View dh = t < 0 ? dstate_row(dstate[0], T & 1, B, H) : dstate_row(dh_scratch, 0, B, H);
+            // a gate's plane of (B, G, H)
+            auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {B, G * H}}); };
+            float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
+#if NS == 1
+            float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + (int64_t)t * B * G * H;
+            View d0 = plane(dxp_t, 0), d1 = plane(dxp_t, 1), d2 = plane(dxp_t, 2);
+            View e0 = plane(dhg_t, 0), e1 = plane(dhg_t, 1), e2 = plane(dhg_t, 2);
+            rc = halstm_step_bwd_fused(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh_add.hb(),
+                                       dhg_next.hb(), vwq_hh.hb(), dh.hb(), d0.hb(), d1.hb(),
+                                       d2.hb(), e0.hb(), e1.hb(), e2.hb(), add_out.hb());
+#else
+            View c0 = bh(states[1], u, B), c1 = bh(states[1], u + 1, B);
+            View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = dstate_row(dstate[1], nxt, B, H);
+            View d0 = plane(dxp_t, 0), d1 = plane(dxp_t, 1), d2 = plane(dxp_t, 2), d3 = plane(dxp_t, 3);
+            rc = halstm_step_bwd_fused(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(),
+                                       dc1.hb(), dh_add.hb(), dhg_next.hb(), vwq_hh.hb(), dh.hb(),
+                                       d0.hb(), d1.hb(), d2.hb(), d3.hb(), dc0.hb(), add_out.hb());
+#endif
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
+#else
+    auto part_steps = [&](const auto &part, void *barrier) {
+        (void)part, (void)barrier;
+        int rc = 0;
+        for (int t = T - 1; t >= 0; t--) {
+            int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
+            View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
+            View dxp_t = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
+            View dy_t = bh(dy, t, B);
+            View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
+            View dh1 = dstate_row(dstate[0], cur, B, H);
+            View dh0 = PART(dstate_row(dstate[0], nxt, B, HP), HP, 1);
+#if !DXP_IS_DHG
+            View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
+#endif
+#if NS == 1 && DXP_IS_DHG
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
+                                 dxp_t.hb(), dh0.hb());
+#elif NS == 1
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
+                                 dxp_t.hb(), dhg_t.hb(), dh0.hb());
+#else
+            View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
+            View dc1 = dstate_row(dstate[1], cur, B, H);
+            View dc0 = PART(dstate_row(dstate[1], nxt, B, H), H, 1);
+#if DXP_IS_DHG
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
+                                 dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dh0.hb(), dc0.hb());
+#else
+            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
+                                 dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
+#endif
+#endif
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
+#endif  // HALSTM_FUSED_BWD
+    auto steps = [&]() { return run_steps(T, B, part_steps); };
+    rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
+                   u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_key), u64(dxp), u64(dhg),
+                   u64(fused_ws)},
+                  steps);
+    if (rc) return rc;
+    // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
+    // batch and time merged: N = T*B rows
+    const int N = T * B;
+    View vhs(states[0], {{H, 1}, {N, H}});
+    View vdxp(dxp, {{H, 1}, {G, H}, {N, G * H}});
+    View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
+    View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
+#if HALSTM_ONEHOT
+    (void)dx;
+    View vids = View::ints(x, N);
+#if DXP_IS_DHG
+    return halstm_grads_ids(vids.hb(), vhs.hb(), vdxp.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
+                            vdb_hh.hb());
+#else
+    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
+    return halstm_grads_ids(vids.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vdw_ih.hb(), vdb_ih.hb(),
+                            vdw_hh.hb(), vdb_hh.hb());
+#endif
+#else
+    View vx((const float *)x, {{K, 1}, {N, K}});
+#ifdef HALSTM_CUDA
+    View vdx(dx, {{KP, 1}, {N, KP}});
+#else
+    static float no_dx[KP];
+    View vdx(dx ? dx : no_dx, {{KP, 1}, {dx ? N : 0, KP}});
+#endif
+#if DXP_IS_DHG
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(),
+                        vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
+#else
+    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
+    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vwq_ih.hb(), vdx.hb(),
+                        vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
+#endif
+#endif  // HALSTM_ONEHOT
+}
+#endif  // HALSTM_BACKWARD
+
+}  // extern "C"

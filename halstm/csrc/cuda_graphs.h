@@ -1,0 +1,248 @@
+// CUDA: the context and stream Halide's kernels run in, and time loops
+// captured into CUDA graphs and replayed. Without HALSTM_CUDA a time loop
+// runs directly (run_loop).
+// Part of the driver: included once, by driver.cpp.
+
+namespace {
+
+#ifdef HALSTM_CUDA
+// A layer's time loop as one CUDA graph. Each step is a Halide pipeline
+// call, and each call costs the host about as much as its kernel takes on
+// the GPU at small sizes, so the GPU waited on launches (small_128_b16 on an
+// H100: 10 us a forward step, one kernel). The loop's kernels are captured
+// once into a graph and later calls launch the whole graph. What the loop
+// launches depends only on T, B and the array pointers it is given (sizes
+// are compiled in; the step pipelines allocate nothing), so a graph is
+// cached under exactly those and replayed while they recur, as they do
+// when the same workspaces come back from the allocator's pool.
+void *g_context = nullptr;  // the CUcontext every kernel runs in
+
+struct Graphs {
+    // SLOTS: a training loop alternates two sets of saved states per layer
+    // (the tape holds the last forward's while the next one runs), and the
+    // layers after the first share a library: 2 * (layers - 1) keys a loop
+    static constexpr int KEY = 16, SLOTS = 16;
+    struct Slot {
+        int n = 0;
+        uint64_t key[KEY];
+        void *exec = nullptr;
+        uint64_t used = 0;
+    };
+    // CUDA driver entry points (libcuda is already loaded by the caller)
+    int (*stream_create)(void **, unsigned) = nullptr;
+    int (*begin_capture)(void *, int) = nullptr;
+    int (*end_capture)(void *, void **) = nullptr;
+    int (*instantiate)(void **, void *, unsigned long long) = nullptr;
+    int (*exec_update)(void *, void *, void *) = nullptr;
+    int (*launch)(void *, void *) = nullptr;
+    int (*graph_destroy)(void *) = nullptr;
+    int (*exec_destroy)(void *) = nullptr;
+    int (*push)(void *) = nullptr;
+    int (*pop)(void **) = nullptr;
+    int (*error_name)(int, const char **) = nullptr;
+
+    Slot slots[SLOTS];
+    uint64_t clock = 0;
+    void *capture_stream = nullptr;
+    bool enabled = false, warmed = false, capturing = false;
+    long long replays = 0, captures = 0, direct = 0;
+    std::mutex lock;
+
+    template <class Fn>
+    bool sym(void *lib, const char *name, Fn &fn) {
+        fn = (Fn)dlsym(lib, name);
+        return fn != nullptr;
+    }
+
+    void init(void *context, bool want) {
+        std::lock_guard<std::mutex> guard(lock);
+        if (!capture_stream) setup(context);
+        enabled = want && capture_stream;
+    }
+
+    void setup(void *context) {
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        if (!lib || !sym(lib, "cuStreamCreate", stream_create) ||
+            !sym(lib, "cuStreamBeginCapture_v2", begin_capture) ||
+            !sym(lib, "cuStreamEndCapture", end_capture) ||
+            !sym(lib, "cuGraphInstantiateWithFlags", instantiate) ||
+            !sym(lib, "cuGraphExecUpdate_v2", exec_update) ||
+            !sym(lib, "cuGraphLaunch", launch) || !sym(lib, "cuGraphDestroy", graph_destroy) ||
+            !sym(lib, "cuGraphExecDestroy", exec_destroy) ||
+            !sym(lib, "cuCtxPushCurrent_v2", push) || !sym(lib, "cuCtxPopCurrent_v2", pop) ||
+            !sym(lib, "cuGetErrorName", error_name)) {
+            return;  // a driver without graphs: direct launches
+        }
+        void *prev;
+        if (push(context) != 0) return;
+        // capture only: nothing ever runs on this stream, and it does not
+        // synchronize with the legacy stream (which would end a capture)
+        const unsigned non_blocking = 1;
+        if (stream_create(&capture_stream, non_blocking) != 0) capture_stream = nullptr;
+        pop(&prev);
+    }
+
+    int fail(int rc, const char *what) {
+        const char *name = "unknown";
+        error_name(rc, &name);
+        char msg[256];
+        snprintf(msg, sizeof(msg), "CUDA: %s failed: %s", what, name);
+        halide_error(nullptr, msg);
+        return rc;
+    }
+
+    Slot *find(const uint64_t *key, int n) {
+        for (Slot &s : slots)
+            if (s.exec && s.n == n && std::memcmp(s.key, key, n * sizeof(uint64_t)) == 0) return &s;
+        return nullptr;
+    }
+
+    // Run `steps` (the loop's Halide calls, returning the first nonzero
+    // code) for `key` (T, B, pointers): from a cached graph, or captured
+    // into a new one, or directly.
+    template <class F>
+    int run(const uint64_t *key, int n, F steps) {
+        std::lock_guard<std::mutex> guard(lock);
+        if (!enabled || !warmed || n > KEY) {
+            // the first call runs directly: Halide loads its kernels then
+            int rc = steps();
+            warmed = rc == 0;
+            direct++;
+            return rc;
+        }
+        void *prev;
+        int rc = push(g_context);
+        if (rc) return fail(rc, "cuCtxPushCurrent");
+        rc = replay_or_capture(key, n, steps);
+        pop(&prev);
+        return rc;
+    }
+
+    template <class F>
+    int replay_or_capture(const uint64_t *key, int n, F steps) {
+        Slot *hit = find(key, n);
+        if (hit) {
+            hit->used = ++clock;
+            replays++;
+            int rc = launch(hit->exec, nullptr);
+            return rc ? fail(rc, "cuGraphLaunch") : 0;
+        }
+        const int relaxed = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+        int rc = begin_capture(capture_stream, relaxed);
+        if (rc) return fail(rc, "cuStreamBeginCapture");
+        capturing = true;
+        int krc = steps();
+        capturing = false;
+        void *graph = nullptr;
+        rc = end_capture(capture_stream, &graph);
+        if (krc || rc) {
+            if (graph) graph_destroy(graph);
+            return krc ? krc : fail(rc, "cuStreamEndCapture");
+        }
+        captures++;
+        // the least recently used slot; a graph of the same T and B
+        // (same kernels, other pointers) is updated in place when it is
+        // the oldest, which costs less than a new instantiation
+        Slot *slot = &slots[0];
+        for (Slot &s : slots)
+            if (s.used < slot->used) slot = &s;
+        char info[64];  // CUgraphExecUpdateResultInfo
+        bool updated = slot->exec && slot->n == n && slot->key[0] == key[0] &&
+                       slot->key[1] == key[1] && exec_update(slot->exec, graph, info) == 0;
+        if (!updated) {
+            if (slot->exec) exec_destroy(slot->exec);
+            slot->exec = nullptr;
+            rc = instantiate(&slot->exec, graph, 0);
+            if (rc) {
+                slot->exec = nullptr;
+                graph_destroy(graph);
+                return fail(rc, "cuGraphInstantiate");
+            }
+        }
+        graph_destroy(graph);
+        slot->n = n;
+        std::memcpy(slot->key, key, n * sizeof(uint64_t));
+        slot->used = ++clock;
+        rc = launch(slot->exec, nullptr);
+        return rc ? fail(rc, "cuGraphLaunch") : 0;
+    }
+};
+
+Graphs g_graphs;
+#endif
+
+// Run a time loop (`steps` returns the first nonzero code of its calls);
+// key: T, B and every pointer the loop's calls are given.
+template <class F>
+int run_loop(std::initializer_list<uint64_t> key, F steps) {
+#ifdef HALSTM_CUDA
+    return g_graphs.run(key.begin(), (int)key.size(), steps);
+#else
+    (void)key;
+    return steps();
+#endif
+}
+
+uint64_t u64(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+}  // namespace
+
+extern "C" {
+
+#ifdef HALSTM_CUDA
+static int acquire_context(void *, void **ctx, bool) {
+    *ctx = g_context;
+    return g_context ? 0 : halide_error_code_device_interface_no_device;
+}
+static int release_context(void *) { return 0; }
+
+// Kernels run on the legacy default stream, as PyTorch's and CuPy's do,
+// except while a time loop is being captured into a CUDA graph (below).
+static int get_stream(void *, void *, void **stream) {
+    *stream = g_graphs.capturing ? g_graphs.capture_stream : nullptr;
+    return 0;
+}
+
+// Run every kernel in `context` (the caller's: device 0's primary context,
+// shared with PyTorch and CuPy) and keep device allocations of intermediate
+// stages between calls instead of freeing them every time step.
+//
+// Halide's CUDA runtime JIT-compiles each pipeline's PTX with at most 64
+// registers a thread unless HL_CUDA_JIT_MAX_REGISTERS says otherwise; the
+// cuda schedule's register tiles need more (at 64, the projection's 64
+// accumulators spilled: 8.9 ms against 1.6 ms for the same-sized dx GEMM
+// with 16, deepbench_1024 on an H100). A value the user set is kept.
+// HALSTM_CUDA_GRAPHS=0 in the environment turns the time loops' graphs off;
+// so does a schedule whose layout does not promise `cuda_graphs` (compiled
+// in as HALSTM_CUDA_GRAPHS=0): a step pipeline that allocates a stage in
+// device memory would have that allocation baked into the graph, and Halide
+// may free it (halide_cuda_release_unused_device_allocations, or when an
+// allocation fails) while the graph still uses it.
+int halstm_cuda_init(void *context) {
+    setenv("HL_CUDA_JIT_MAX_REGISTERS", HALSTM_CUDA_MAX_REGISTERS, 0);
+    g_context = context;
+    halide_set_cuda_acquire_context(acquire_context);
+    halide_set_cuda_release_context(release_context);
+    halide_set_cuda_get_stream(get_stream);
+    const char *env = getenv("HALSTM_CUDA_GRAPHS");
+    g_graphs.init(context, HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
+    return halide_reuse_device_allocations(nullptr, true);
+}
+
+// Turn the time loops' graphs on (1) or off (0) for this library.
+void halstm_cuda_use_graphs(int on) {
+    std::lock_guard<std::mutex> guard(g_graphs.lock);
+    g_graphs.enabled = HALSTM_CUDA_GRAPHS && on && g_graphs.capture_stream;
+}
+
+// Counters of the time loops' graphs: [0] loops run from a cached graph,
+// [1] loops captured (each also run from its new graph), [2] loops run by
+// direct launches (the first call of a library, graphs off or unavailable).
+void halstm_cuda_graph_stats(long long *out) {
+    out[0] = g_graphs.replays;
+    out[1] = g_graphs.captures;
+    out[2] = g_graphs.direct;
+}
+#endif
+
+}  // extern "C"

@@ -1,0 +1,59 @@
+// The compiled library's driver: owns the time loop, so that one call from
+// Python runs a whole layer over a sequence. Compiled by aot.py together with
+// the Halide pipelines of pipeline.py (halstm_pack, halstm_proj, halstm_step, halstm_step_infer;
+// halstm_step_bwd, halstm_grads) and one Halide runtime.
+//
+// Built with -DHALSTM_MODEL (the char LM's head and optimizer pipelines of
+// halstm/model/kernels.py: halstm_model_head, _sumsq, _adam, _sgd, _onehot; entry
+// points at the end; sizes are runtime arguments), or with -DHALSTM_FORWARD
+// or -DHALSTM_BACKWARD and the sizes:
+//   NS states (LSTM: h, c; GRU: h), G gates, S saved channels, K input size,
+//   H hidden size, P weight panel width, DXP_IS_DHG (backward: the cell's
+//   dxp and dhg coincide), HALSTM_ONEHOT (x is one-hot input given as int32
+//   class indices, numpy (T, B): a gather replaces the projection, and dW_ih
+//   is a scatter-add; no dx). HP and KP are H and K rounded up to P.
+// Arrays are C-contiguous float32 with numpy shapes given below; a Halide view
+// lists the same axes innermost first. With -DHALSTM_CUDA every array pointer
+// is a CUDA device pointer (in the context given to halstm_cuda_init) and the
+// views carry it as their device allocation: nothing is copied to or from
+// the host.
+#include <HalideRuntime.h>
+#ifdef HALSTM_CUDA
+#include <HalideRuntimeCuda.h>
+#endif
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <cstdio>
+#include <initializer_list>
+#include <mutex>
+#if HALSTM_SPLIT
+#include <atomic>
+#include <sched.h>
+#include <string>
+#include <thread>
+#include <vector>
+#endif
+#ifdef HALSTM_CUDA
+#include <dlfcn.h>
+#endif
+
+#define HP ((H + P - 1) / P * P)
+#define KP ((K + P - 1) / P * P)
+// the step pipelines' extra arguments with HALSTM_SPLIT: int panel0, panels
+#if HALSTM_SPLIT
+#define RANGE_ARGS , int, int
+#else
+#define RANGE_ARGS
+#endif
+
+// One concern per file, in this order (each uses only those before it):
+#include "errors.h"       // the calling thread's last error
+#include "views.h"        // Halide buffer views of the caller's arrays
+#include "cuda_graphs.h"  // CUDA context, stream and graph-captured time loops
+#include "memory.h"       // Halide's large host allocations kept for reuse
+#include "threads.h"      // a time loop's steps split over the driver's threads
+#include "forward.h"      // halstm_forward
+#include "backward.h"     // halstm_backward
+#include "model.h"        // the char LM's head and optimizer

@@ -1,0 +1,104 @@
+// The forward time loop: halstm_forward (HALSTM_FORWARD).
+// Part of the driver: included once, by driver.cpp.
+
+extern "C" {
+
+#ifdef HALSTM_FORWARD
+int halstm_pack(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#if HALSTM_ONEHOT
+int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#else
+int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#endif
+// inputs xp, wp_hh, b_hh, prev[NS] (with HALSTM_SPLIT then int panel0, panels);
+// outputs new[NS], saved channels[S]
+static_assert(S == 4, "the driver passes four saved channels; extend it for other cells");
+#define HB halide_buffer_t *
+#if NS == 1
+int halstm_step(HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB);
+#else
+int halstm_step(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB, HB);
+#endif
+// the same without the saved channels (a forward that no backward follows)
+#if NS == 1
+int halstm_step_infer(HB, HB, HB, HB RANGE_ARGS, HB);
+#else
+int halstm_step_infer(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
+#endif
+#undef HB
+
+// x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
+// w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
+// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP), or
+// with HALSTM_XP_PANELS (HP/P, T, B, G, P)
+// out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
+// forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
+// initial state on entry, [t+1] the state after step t on return.
+int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *b_ih,
+                   const float *w_hh, const float *b_hh, float *wp_ih, float *wp_hh,
+                   float *xp, float *saved, float *const *states) {
+    g_error[0] = 0;
+    View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+    View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
+    int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
+    if (rc) return rc;
+    // batch and time merged: N = T*B rows
+    View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
+    // xp's rows [n0, n0 + rows) of N = T*B (rows n = t*B + b)
+    auto xp_rows = [&](int n0, int rows) {
+#if HALSTM_XP_PANELS   // (HP/P, T*B, G, P): panels of P units (pipeline.py _xp_out)
+        return View(xp + (int64_t)n0 * G * P, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, T * B * G * P}});
+#else                  // (T*B, G, HP)
+        return View(xp + (int64_t)n0 * G * HP, {{HP, 1}, {G, HP}, {rows, G * HP}});
+#endif
+    };
+    View vxp = xp_rows(0, T * B);
+#if HALSTM_ONEHOT
+    View vids = View::ints(x, T * B);
+    rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
+#else
+    View vx((const float *)x, {{K, 1}, {T * B, K}});
+    rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
+#endif
+    if (rc) return rc;
+    auto part_steps = [&](const auto &part, void *barrier) {
+        (void)part, (void)barrier;
+        int rc = 0;
+        for (int t = 0; t < T; t++) {
+            View xp_t = xp_rows(t * B, B);
+            View h0 = bh(states[0], t, B), h1 = PART(bh(states[0], t + 1, B), H, 1);
+#if NS == 2
+            View c0 = bh(states[1], t, B), c1 = PART(bh(states[1], t + 1, B), H, 1);
+#endif
+            if (!saved) {
+#if NS == 1
+                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb());
+#else
+                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb() RANGE,
+                                       h1.hb(), c1.hb());
+#endif
+            } else {
+                const float *saved_t = saved + (int64_t)t * B * S * H;
+                View s0 = PART(View(saved_t, {{H, 1}, {B, S * H}}), H, 1);
+                View s1 = PART(View(saved_t + H, {{H, 1}, {B, S * H}}), H, 1);
+                View s2 = PART(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}), H, 1);
+                View s3 = PART(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}), H, 1);
+#if NS == 1
+                rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb(),
+                                 s0.hb(), s1.hb(), s2.hb(), s3.hb());
+#else
+                rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb() RANGE,
+                                 h1.hb(), c1.hb(), s0.hb(), s1.hb(), s2.hb(), s3.hb());
+#endif
+            }
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
+    auto steps = [&]() { return run_steps(T, B, part_steps); };
+    return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
+                     u64(states[0]), u64(states[NS - 1])}, steps);
+}
+#endif  // HALSTM_FORWARD
+
+}  // extern "C"

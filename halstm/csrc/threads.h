@@ -1,0 +1,228 @@
+// CPU threading: a time loop's steps split over the driver's own threads
+// (HALSTM_SPLIT), and the thread count.
+// Part of the driver: included once, by driver.cpp.
+
+namespace {
+
+#if HALSTM_SPLIT
+// Steps split across threads by the driver (the layout's split_steps): each
+// thread runs the whole time loop over its own part of every step, a range
+// of batch rows or of unit panels (the step pipelines take panel0 and
+// panels, and their output views are cropped to the part; see run_split);
+// threads with ranges of units meet at a spin barrier after every step,
+// since the next step reads every unit of this one's state. A thread pool's
+// fork and join per step (Halide's parallel loop) cost more than the step
+// itself at small sizes: the profiler counted 13% of a K=H=512 B=64 step
+// waiting for the other thread.
+
+// A view with axis d cropped to [x0, x0 + w) (host points at the min).
+View crop(View v, int d, int x0, int w) {
+    v.buf.host += (int64_t)(x0 - v.dim[d].min) * v.dim[d].stride * (int64_t)sizeof(float);
+    v.dim[d].min = x0;
+    v.dim[d].extent = w;
+    return v;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+// Pauses a thread spins at the barrier before it yields its core at every
+// further check: a step's wait is microseconds, but another runtime's
+// spinning threads (PyTorch's OpenMP pool after its work) may hold a core.
+#ifndef SPIN_PAUSES
+#define SPIN_PAUSES 256
+#endif
+
+struct SpinBarrier {
+    explicit SpinBarrier(int n) : n(n) {}
+    const int n;
+    std::atomic<int> arrived{0}, phase{0};
+    std::atomic<bool> failed{false};
+    // Wait until all n threads arrive; false if any thread failed.
+    bool wait() {
+        int ph = phase.load(std::memory_order_acquire);
+        if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+            arrived.store(0, std::memory_order_relaxed);
+            phase.store(ph + 1, std::memory_order_release);
+        } else {
+            for (long spins = 0; phase.load(std::memory_order_acquire) == ph; spins++) {
+                if (spins < SPIN_PAUSES) cpu_relax();
+                else std::this_thread::yield();
+            }
+        }
+        return !failed.load(std::memory_order_acquire);
+    }
+};
+
+std::atomic<int> g_threads{0};      // halstm_set_num_threads; 0: unset
+std::atomic<int> g_last_threads{0}; // threads the last time loop ran on
+
+// Threads this process may use: as set by halstm_set_num_threads, else
+// HL_NUM_THREADS as for Halide's own pool, else the CPUs it may run on.
+int threads_available() {
+    int n = g_threads.load();
+    if (n > 0) return n;
+    const char *env = getenv("HL_NUM_THREADS");
+    n = env ? atoi(env) : 0;
+    if (n > 0) return n;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+    if (n <= 0) n = (int)std::thread::hardware_concurrency();
+    return n > 0 ? n : 1;
+}
+
+// The part of each step one thread computes: the units of panels
+// [q0, q0 + nq) of the batch rows [b0, b0 + nb).
+struct Part {
+    int q0, nq, b0, nb;
+};
+
+// A view with axis 0 (units; `units` of them in the array) cropped to the
+// part's panels and axis `rows` (batch) to its rows.
+View part_of(View v, const Part &part, int units, int rows) {
+    int j0 = part.q0 * P, j1 = (part.q0 + part.nq) * P;
+    v = crop(v, 0, j0, (j1 < units ? j1 : units) - j0);
+    return crop(v, rows, part.b0, part.nb);
+}
+
+// Run body(part, barrier) on as many threads as the work of a step (macs)
+// is worth (HALSTM_SPLIT_MACS each), where the whole loop (T steps) is
+// worth starting threads for (HALSTM_SPLIT_CALL_MACS). Batch rows are independent through the
+// whole time loop, so where every thread gets at least HALSTM_SPLIT_ROWS
+// rows (a multiple of every step tile's rows) and W_hh is small enough to
+// be read by every thread (HALSTM_SPLIT_BATCH_BYTES), each thread takes a
+// range of rows and runs without meeting the others (barrier NULL).
+// Otherwise each takes a range of whole quanta of unit panels
+// (HALSTM_SPLIT_QUANTUM panels: the step tiles span that many at most)
+// and they meet at a barrier after every step. Barrier NULL when one
+// thread runs it all. Returns the first nonzero code; a worker's error
+// message is copied into this thread's.
+template <class F>
+int run_split(double macs, int T, int B, F body) {
+    const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
+    static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
+    const bool by_rows = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES &&
+                         B >= 2 * HALSTM_SPLIT_ROWS;
+    const int units = by_rows ? B / HALSTM_SPLIT_ROWS : groups;
+    int n = threads_available();
+    double worth = macs / HALSTM_SPLIT_MACS;
+    if (worth < n) n = worth < 1 ? 1 : (int)worth;
+    if (macs * T < HALSTM_SPLIT_CALL_MACS) n = 1;   // starting a thread costs more
+    if (n > units) n = units;
+    if (n < 1) n = 1;
+    g_last_threads.store(n);
+    const Part whole{0, panels, 0, B};
+    if (n == 1) return body(whole, nullptr);
+    auto part = [&](int r) {
+        int lo = (int)((int64_t)r * units / n), hi = (int)((int64_t)(r + 1) * units / n);
+        if (by_rows)   // the last range also takes the rows past the whole units
+            return Part{0, panels, lo * HALSTM_SPLIT_ROWS,
+                        (r == n - 1 ? B : hi * HALSTM_SPLIT_ROWS) - lo * HALSTM_SPLIT_ROWS};
+        return Part{lo * HALSTM_SPLIT_QUANTUM, (hi - lo) * HALSTM_SPLIT_QUANTUM, 0, B};
+    };
+    SpinBarrier barrier(n);
+    SpinBarrier *meet = by_rows ? nullptr : &barrier;
+    std::vector<int> rcs(n, 0);
+    std::vector<std::string> errors(n);
+    std::atomic<int> go{0};   // 1: run; -1: a thread could not be started
+    std::vector<std::thread> workers;
+    try {
+        for (int r = 1; r < n; r++) {
+            workers.emplace_back([&, r]() {
+                while (go.load(std::memory_order_acquire) == 0) cpu_relax();
+                if (go.load() < 0) return;
+                g_error[0] = 0;
+                rcs[r] = body(part(r), meet);
+                if (rcs[r]) errors[r] = g_error;
+            });
+        }
+    } catch (...) {   // no thread to spare: run the steps here
+        go.store(-1, std::memory_order_release);
+        for (auto &w : workers) w.join();
+        g_last_threads.store(1);
+        return body(whole, nullptr);
+    }
+    go.store(1, std::memory_order_release);
+    rcs[0] = body(part(0), meet);
+    for (auto &w : workers) w.join();
+    for (int r = 0; r < n; r++) {
+        if (!rcs[r]) continue;
+        if (r > 0) {
+            size_t used = strnlen(g_error, sizeof(g_error) - 1);
+            std::strncat(g_error, errors[r].c_str(), sizeof(g_error) - 1 - used);
+        }
+        return rcs[r];
+    }
+    return 0;
+}
+
+#endif  // HALSTM_SPLIT
+
+#ifndef HALSTM_MODEL
+// In a time loop, the views a thread's part of a step writes (PART: axis 0
+// of `units` units, batch axis `rows`) and the step pipelines' range
+// arguments (RANGE); with one thread doing all of it, the views whole.
+#if HALSTM_SPLIT
+#define PART(v, units, rows) part_of(v, part, units, rows)
+#define RANGE , part.q0, part.nq
+#else
+#define PART(v, units, rows) v
+#define RANGE
+#endif
+
+// After a step: false if this thread or another failed (stop the loop).
+inline bool step_done(void *barrier, int rc) {
+#if HALSTM_SPLIT
+    if (barrier) {
+        auto *b = (SpinBarrier *)barrier;
+        if (rc) b->failed.store(true, std::memory_order_release);
+        return b->wait();
+    }
+#else
+    (void)barrier;
+#endif
+    return rc == 0;
+}
+
+// A time loop's steps: part_steps(part, barrier) on the driver's threads
+// (HALSTM_SPLIT, see run_split), else the whole of every step here.
+template <class F>
+int run_steps(int T, int B, F part_steps) {
+#if HALSTM_SPLIT
+    return run_split((double)G * H * H * B, T, B, [&](const Part &part, SpinBarrier *barrier) {
+        return part_steps(part, barrier);
+    });
+#else
+    (void)T, (void)B;
+    return part_steps(0, nullptr);
+#endif
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Threads for Halide's parallel loops and (HALSTM_SPLIT) the driver's steps.
+void halstm_set_num_threads(int n) {
+    halide_set_num_threads(n);
+#if HALSTM_SPLIT
+    g_threads.store(n > 0 ? n : 0);
+#endif
+}
+
+// Threads the last time loop's steps ran on (HALSTM_SPLIT; else 0).
+int halstm_step_threads(void) {
+#if HALSTM_SPLIT
+    return g_last_threads.load();
+#else
+    return 0;
+#endif
+}
+
+}  // extern "C"

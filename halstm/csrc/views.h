@@ -1,0 +1,66 @@
+// Halide buffer views of the caller's C-contiguous float32 arrays (numpy
+// shapes reversed: innermost first); with HALSTM_CUDA, of device pointers.
+// Part of the driver: included once, by driver.cpp.
+
+namespace {
+
+struct View {
+    halide_buffer_t buf;
+    halide_dimension_t dim[4];
+    // dims: (extent, stride) pairs, innermost first.
+    View(const float *host, std::initializer_list<std::pair<int, int>> dims) {
+        std::memset(this, 0, sizeof(*this));
+#ifdef HALSTM_CUDA
+        buf.device = (uint64_t)(uintptr_t)host;
+        buf.device_interface = halide_cuda_device_interface();
+#else
+        buf.host = (uint8_t *)host;
+#endif
+        buf.type.code = halide_type_float;
+        buf.type.bits = 32;
+        buf.type.lanes = 1;
+        buf.dimensions = (int)dims.size();
+        buf.dim = dim;
+        int d = 0;
+        for (auto &e : dims) {
+            dim[d].min = 0;
+            dim[d].extent = e.first;
+            dim[d].stride = e.second;
+            d++;
+        }
+    }
+    // A 1-D int32 array of n elements (class indices).
+    static View ints(const void *host, int n) {
+        View v((const float *)host, {{n, 1}});
+        v.buf.type.code = halide_type_int;
+        return v;
+    }
+    View(const View &o) {
+        std::memcpy(this, &o, sizeof(*this));
+        buf.dim = dim;
+    }
+    halide_buffer_t *hb() { return &buf; }
+};
+
+#ifndef HALSTM_MODEL
+// A (B, H) slice of a (T+1, B, H) or (T, B, H) array at step t.
+View bh(const float *base, int t, int B) {
+    return View(base + (int64_t)t * B * H, {{H, 1}, {B, H}});
+}
+
+// Row i of a (2, B, HP) state-gradient array: `units` (H or HP) used per row.
+View dstate_row(const float *base, int i, int B, int units) {
+    return View(base + (int64_t)i * B * HP, {{units, 1}, {B, HP}});
+}
+
+// Panels (n/P, ..., P) of a weight as packed by pipeline.py: dims innermost first.
+View panels_t(const float *w, int n_red) {  // (HP/P, n_red, G, P): ji, gate, red, jo
+    return View(w, {{P, 1}, {G, P}, {n_red, G * P}, {HP / P, n_red * G * P}});
+}
+View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate, ko
+    return View(w, {{P, 1}, {H, P}, {G, H * P}, {n_pad / P, G * H * P}});
+}
+
+#endif  // !HALSTM_MODEL
+
+}  // namespace

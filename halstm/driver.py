@@ -1,0 +1,110 @@
+"""The compiled library's C++ driver (csrc/): its sources, the settings it
+is compiled with, and the link of a library.
+
+The driver owns the time loop (one call from Python runs a whole layer)
+and is compiled together with a build's Halide pipelines and one Halide
+runtime into libhalstm.so. What it needs to know about a build (the
+cell's counts, the sizes, the layout's choices) it gets as preprocessor
+defines, made here and nowhere else (Build.defines).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .layout import Layout
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+MAIN = "driver.cpp"
+
+
+def sources() -> list[Path]:
+    """Every file of the driver (driver.cpp includes the others)."""
+    return sorted(SOURCES.glob("*.cpp")) + sorted(SOURCES.glob("*.h"))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A recurrent layer library's driver: one direction of one cell at
+    fixed sizes, built for a schedule's layout."""
+
+    direction: str        # "fwd" or "bwd"
+    states: int           # NS: the cell's states (h first)
+    gates: int            # G
+    saved: int            # S: channels the forward saves for backward
+    dxp_is_dhg: bool      # backward: the cell's dxp and dhg coincide
+    input_size: int       # K
+    hidden_size: int      # H
+    onehot: bool          # x given as int32 class indices
+    layout: Layout
+    cuda: bool
+    fused_bwd: bool       # the backward steps run step_bwd_fused
+    pack_bwd: bool        # the backward packs its weights (pack_bwd)
+    split_quantum: int = 1       # split steps: ranges of this many panels ...
+    split_batch_bytes: int = 0   # ... or of batch rows, where W_hh is at most this size
+
+    def defines(self) -> dict:
+        lay = self.layout
+        d = {"NS": self.states, "G": self.gates, "S": self.saved,
+             "K": self.input_size, "H": self.hidden_size, "P": lay.panel,
+             "DXP_IS_DHG": int(self.dxp_is_dhg), "HALSTM_ONEHOT": int(self.onehot),
+             "HALSTM_FORWARD" if self.direction == "fwd" else "HALSTM_BACKWARD": 1}
+        if lay.split is not None:
+            d |= {"HALSTM_SPLIT": 1, "HALSTM_SPLIT_MACS": lay.split.macs,
+                  "HALSTM_SPLIT_QUANTUM": self.split_quantum, "HALSTM_SPLIT_ROWS": lay.split.rows,
+                  "HALSTM_SPLIT_CALL_MACS": lay.split.call_macs,
+                  "HALSTM_SPLIT_BATCH_BYTES": self.split_batch_bytes}
+        if lay.xp_panels:
+            d["HALSTM_XP_PANELS"] = 1
+        if self.fused_bwd:
+            d["HALSTM_FUSED_BWD"] = 1
+        if self.direction == "bwd" and not self.pack_bwd:
+            d["HALSTM_RAW_BWD"] = 1
+        if self.cuda:
+            d |= _cuda_defines(lay)
+        return d
+
+
+@dataclass(frozen=True)
+class Model:
+    """The char LM's head and optimizer library's driver (sizes at run time)."""
+
+    cuda: bool
+
+    def defines(self) -> dict:
+        return {"HALSTM_MODEL": 1, **(_cuda_defines(Layout()) if self.cuda else {})}
+
+
+def _cuda_defines(layout: Layout) -> dict:
+    """The driver passes device pointers (csrc/cuda_graphs.h)."""
+    return {"HALSTM_CUDA": 1, "HALSTM_CUDA_MAX_REGISTERS": f'"{layout.max_registers}"',
+            "HALSTM_CUDA_GRAPHS": int(layout.cuda_graphs)}
+
+
+def flags(build) -> list[str]:
+    return [f"-D{k}={v}" for k, v in build.defines().items()]
+
+
+def link(build, objects, library: Path) -> subprocess.CompletedProcess:
+    """Compile the driver for `build` and link it with `objects` (the
+    pipelines and the runtime) into `library`; returns the finished
+    process (its returncode, and stderr to report)."""
+    import halide as hl
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
+           f"-I{Path(hl.__file__).parent / 'include'}", *flags(build), str(SOURCES / MAIN),
+           *map(str, objects), "-o", str(library), "-lpthread", "-ldl", "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    res.args = cmd
+    return res
+
+
+def write_sources(out: Path) -> None:
+    """The driver's sources and Halide's runtime header, into out, for a
+    build of a target that cannot run here."""
+    import halide as hl
+    for f in sources():
+        shutil.copy(f, out / f.name)
+    shutil.copy(Path(hl.__file__).parent / "include" / "HalideRuntime.h", out / "HalideRuntime.h")

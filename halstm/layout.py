@@ -1,0 +1,47 @@
+"""What a schedule decides beyond its stages' loops: the operands' packed
+shapes, which pipelines a layer is made of, and how the library's driver
+runs the time loop. A schedule module's `layout(target)` returns one
+Layout; aot passes it to pipeline.build and turns it into the driver's
+build (driver.py); the manifest records it.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """CPU: the driver runs each time step in ranges of units (or of batch
+    rows) on threads of its own (csrc/threads.h run_split)."""
+
+    macs: int         # a thread per this many multiply-adds of a step ...
+    call_macs: int    # ... where the whole time loop has at least this many
+    rows: int         # batch rows a thread takes at least, where it takes rows
+
+
+@dataclass(frozen=True)
+class Layout:
+    panel: int = 1                 # P: weights packed in panels of P units
+    dw_cols: int = 1               # weight-gradient tile: input units ...
+    dw_rows: int = 1               # ... by hidden units
+    xp_panels: bool = False        # the projected inputs stored in panels of P units
+    read_outputs: bool = False     # a stage may read back a pipeline output (step_bwd's dhg)
+    raw_bwd_weights: bool = False  # the backward reads W_ih, W_hh as given (no pack_bwd)
+    fused_bwd_below: int = 0       # hidden sizes below this: one backward kernel a step
+    split: StepSplit | None = None  # CPU: steps split over the driver's threads
+    max_registers: int = 64        # CUDA: registers a thread may use (the JIT's limit)
+    cuda_graphs: bool = False      # CUDA: the step pipelines allocate nothing; loops may be graphs
+
+    def __post_init__(self):
+        for name in ("panel", "dw_cols", "dw_rows", "max_registers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{name}: expected a positive int, got {v!r}")
+
+    def to_dict(self) -> dict:
+        """The layout as JSON data (manifests)."""
+        return asdict(self)
+
+    def without(self, *names: str) -> "Layout":
+        """This layout with the named fields at their defaults."""
+        return replace(self, **{n: Layout.__dataclass_fields__[n].default for n in names})

@@ -1,0 +1,99 @@
+"""Where a compiled library's arrays live: numpy arrays for CPU libraries
+(Host), halstm.cuda.DeviceArrays for CUDA ones (Device). Both offer the
+same small set of operations the runtime and the modules need, so that
+their code does not branch on the device.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def f32(a) -> np.ndarray:
+    """a as a C-contiguous float32 array (no copy when it already is one)."""
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def empty(shape) -> np.ndarray:
+    """An uninitialised float32 array whose data starts on a 64-byte boundary
+    (a cache line; an AVX-512 vector)."""
+    n = math.prod(shape) if hasattr(shape, "__len__") else int(shape)
+    raw = np.empty(n * 4 + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + n * 4].view(np.float32).reshape(shape)
+
+
+def ptr(a: np.ndarray) -> int:
+    assert a.dtype == np.float32 and a.flags.c_contiguous, "runtime arrays must be contiguous f32"
+    return a.ctypes.data
+
+
+class Host:
+    """Arrays of a CPU library: numpy."""
+
+    empty, ptr = staticmethod(empty), staticmethod(ptr)
+
+    @staticmethod
+    def zero(a):
+        a[...] = 0
+        return a
+
+    @classmethod
+    def zeros(cls, shape):
+        return cls.zero(empty(shape))
+
+    @staticmethod
+    def put_leading(dst, src):
+        """dst (R, W)[:, :w] = src (R, w)."""
+        dst[:, :src.shape[-1]] = src
+
+    @staticmethod
+    def leading(a, w):
+        """A contiguous copy of a[..., :w]."""
+        return np.ascontiguousarray(a[..., :w])
+
+
+class Device:
+    """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
+
+    def __init__(self):
+        from . import cuda   # (imported only where a CUDA library is used)
+        self.cuda = cuda
+        self.empty, self.zeros = cuda.empty, cuda.zeros
+
+    @staticmethod
+    def zero(a):
+        a.zero_()
+
+    @staticmethod
+    def ptr(a) -> int:
+        return a.ptr
+
+    def put_leading(self, dst, src):
+        W, w = dst.shape[-1], src.shape[-1]
+        self.cuda.copy_2d(dst, W, src, w, w, src.size // max(w, 1))
+
+    def swap01(self, a):
+        """A new (B, A, n) array from a (A, B, n): batch_first <-> time first."""
+        a = self.cuda.asarray(a)
+        A, B, n = a.shape
+        out = self.cuda.empty((B, A, n))
+        for i in range(A):   # out[:, i] = a[i]
+            self.cuda.copy_2d(out, A * n, a, n, n, B, dst_offset=i * n, src_offset=i * B * n)
+        return out
+
+    def leading(self, a, w):
+        W = a.shape[-1]
+        out = self.cuda.empty(a.shape[:-1] + (w,))
+        self.cuda.copy_2d(out, w, a, W, w, a.size // max(W, 1))
+        return out
+
+
+def for_device(device: str):
+    """The arrays of a library whose manifest says `device` ("cpu", "cuda")."""
+    if device == "cuda":
+        return Device()
+    if device == "cpu":
+        return Host()
+    raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
