@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CPU schedule comparison of bench/RESULTS.md: every shared CPU shape,
-# the hand-written schedule against numpy and PyTorch (measured in the same
-# run), then every schedule on the two smallest shapes. Writes bench/results/.
+# CPU runs of bench/RESULTS.md ("Which schedule is fastest on my CPU?"):
+# the shared CPU shapes, the hand-written schedule against numpy and PyTorch
+# (measured in the same run), then every schedule on the two smallest
+# shapes. Writes bench/results/cpu_main.* and bench/results/cpu_schedules.*.
 # Run on a quiet machine: these 2-core VMs are shared, and a second busy
 # process doubles every figure (PyTorch's OpenMP threads suffer most).
 set -euo pipefail

@@ -1,7 +1,7 @@
 """Measure this CPU's peak float32 FMA rate with a Halide kernel: per
 thread, A independent accumulator vectors (native width), each updated by
-N fused multiply-adds in a loop, no memory traffic. The issue's GEMM
-fraction is halstm's GFLOP/s over this figure.
+N fused multiply-adds in a loop, no memory traffic. The fractions of peak in
+bench/RESULTS.md are halstm's GFLOP/s over this figure.
 
     .venv/bin/python bench/cpu_peak.py            # 1 thread and all threads
 

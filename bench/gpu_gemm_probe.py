@@ -4,7 +4,7 @@ on the large shapes, so this times, on one plain GEMM
 out(x, y) = sum_r A(x, r) B(r, y) (x contiguous in A and out, r in B; the
 projection's layout), three schedules against torch.mm (TF32 off):
 
-- warp:  halstm's current style: one-warp blocks, a lane XR units (32
+- warp:  halstm's register-tile style: one-warp blocks, a lane XR units (32
          apart) x YR rows in registers, the other operand broadcast from
          global memory (L1).
 - chunk: the classic shared-memory GEMM, as far as Halide expresses it:
@@ -16,8 +16,8 @@ projection's layout), three schedules against torch.mm (TF32 off):
          Accumulators cannot stay in registers across chunks: a Func in
          MemoryType.Register computed at the block level keeps the
          thread axes in its index and lands in local memory (PTX
-         .local depot of the whole block tile; tried, see the notes in
-         bench/RESULTS.md).
+         .local depot of the whole block tile; bench/RESULTS.md, "Where
+         the GPU time goes").
 
     python bench/gpu_gemm_probe.py ptx     # here: PTX instruction counts (no GPU)
     python bench/gpu_gemm_probe.py run     # on a GPU: ms and TFLOP/s per schedule
