@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Fast LSTM and GRU kernels for CPUs and NVIDIA GPUs, generated with Halide",
     python_requires=">=3.11",
+    license="MIT",
     # schedules/ is a top-level folder in the repository, installed as
     # halstm.schedules so that it cannot clash with another package.
     packages=["halstm", "halstm.cells", "halstm.model", "halstm.schedules"],
