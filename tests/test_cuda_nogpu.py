@@ -1,13 +1,10 @@
 """halstm.cuda where no CUDA GPU is usable (CI): clear errors, targets kept
 as written, the memory pool's size classes. tests/gpu covers the GPU."""
 import pytest
-from click.testing import CliRunner
 
 import halstm
 from halstm import cuda
-from halstm.cli import main
-
-needs_no_gpu = pytest.mark.skipif(cuda.available(), reason="a CUDA GPU is usable here")
+from helpers import CUDA_TARGET, assert_cli_error, needs_no_gpu, run_cli
 
 
 @needs_no_gpu
@@ -19,10 +16,9 @@ def test_gpu_module_without_gpu_is_a_clear_error():
 
 @needs_no_gpu
 def test_bench_on_a_gpu_target_without_gpu_exits_with_one_line():
-    r = CliRunner().invoke(main, ["bench", "--target", "host-cuda", "--shapes", "small_128_b16",
-                                  "--peers", ""])
-    assert r.exit_code == 1
-    assert "needs a usable CUDA GPU" in r.output and "Traceback" not in r.output
+    r = run_cli("bench", "--target", "host-cuda", "--shapes", "small_128_b16", "--peers", "",
+                ok=False)
+    assert_cli_error(r, "needs a usable CUDA GPU", code=1)
 
 
 @needs_no_gpu
@@ -31,7 +27,7 @@ def test_host_cuda_is_kept_as_written_without_gpu():
 
 
 def test_explicit_or_cpu_targets_are_never_changed():
-    for t in ("host", "host-cuda-cuda_capability_80", "x86-64-linux-cuda", "arm-64-linux"):
+    for t in ("host", CUDA_TARGET, "x86-64-linux-cuda", "arm-64-linux"):
         assert cuda.host_target(t) == t
 
 
@@ -51,7 +47,7 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
     pointers, never one of Halide's allocations. (Compiles, needs no GPU.)"""
     import halide as hl
     from halstm import cells, pipeline, schedules
-    target = hl.Target("host-cuda-cuda_capability_80")
+    target = hl.Target(CUDA_TARGET)
     module = schedules.for_target(target, "cuda")
     layout = module.layout(target)
     assert layout["cuda_graphs"] is True
@@ -69,7 +65,7 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
 def test_only_the_hand_schedule_uses_cuda_graphs():
     import halide as hl
     from halstm import schedules
-    target = hl.Target("host-cuda-cuda_capability_80")
+    target = hl.Target(CUDA_TARGET)
     for name in schedules.names():
         if "gpu" not in schedules.families(name):
             continue

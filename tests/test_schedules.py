@@ -6,23 +6,17 @@ compile for a CUDA target (no GPU needed). Schedules are found through
 schedules.names() / schedules.families(), so a new one is tested without
 editing this file.
 
-Sizes are those of test_modules.py (I=13, H=37, L=2: input sizes 13 and 37)
-so the default schedule's kernels are shared through the session cache; each
-other CPU schedule costs 8 kernels ({lstm, gru} x {fwd, bwd} x {13, 37}),
-shared by every batch size below.
+Sizes are the shared ones of helpers.py (I=13, H=37, L=2: input sizes 13
+and 37), so the default schedule's kernels are shared through the test
+run's cache; each other CPU schedule costs 8 kernels ({lstm, gru} x {fwd,
+bwd} x {13, 37}), shared by every batch size below.
 """
 import numpy as np
 import pytest
 
 import halstm
 from halstm import aot, schedules
-from halstm import reference as ref
-
-I, H, T, L = 13, 37, 7, 2
-RTOL = 1e-4
-CLASSES = {"lstm": halstm.LSTM, "gru": halstm.GRU}
-STATES = {"lstm": ("h", "c"), "gru": ("h",)}
-CUDA_TARGET = "host-cuda-cuda_capability_80"
+from helpers import CLASSES, CUDA_TARGET, STATES, H, I, L, T, assert_close, ref_run
 
 CPU = [n for n in schedules.names() if "cpu" in schedules.families(n)]
 GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
@@ -44,15 +38,6 @@ def cells_for(schedule):
 # rows (row tiles; rows = 6 with AVX-512, 3 with AVX2, and 4-row tiles in
 # the backward step): these batches take both paths, whole tiles and tails.
 BATCHES = (1, 3, 4, 5, 6, 7)
-
-
-def assert_close(name, got, want, rtol=RTOL):
-    """|got - want| <= rtol * max|want| everywhere (plus a tiny floor)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    scale = float(np.abs(want).max())
-    err = float(np.abs(got.astype(np.float64) - want).max())
-    assert err <= rtol * scale + 1e-7, f"{name}: max abs err {err:.3g} vs max abs {scale:.3g}"
 
 
 def test_registry_is_not_empty():
@@ -91,18 +76,7 @@ def test_cpu_schedule_matches_reference(schedule, cell, B):
         assert lib.manifest["schedule"] == schedule, (k, direction)
     assert {d for _, d in m._libs} == {"fwd", "bwd"}
 
-    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
-    h64 = [a.astype(np.float64) for a in hx]
-    d64 = [a.astype(np.float64) for a in dfinal]
-    if cell == "lstm":
-        ry, (rh, rc), cache = ref.forward(cell, params, x.astype(np.float64), tuple(h64))
-        rfinals = (rh, rc)
-        rgrads = ref.backward(cell, cache, dy.astype(np.float64), d64[0], d64[1])
-    else:
-        ry, rh, cache = ref.forward(cell, params, x.astype(np.float64), h64[0])
-        rfinals = (rh,)
-        rgrads = ref.backward(cell, cache, dy.astype(np.float64), d64[0], None)
-
+    ry, rfinals, rgrads = ref_run(cell, m, x, hx, dy, dfinal)
     assert_close("y", y, ry)
     for s, f, rf in zip(STATES[cell], finals, rfinals):
         assert_close(f"{s}_n", f, rf)
@@ -123,9 +97,7 @@ def test_cpu_weight_gradients_where_tiles_write_the_output():
     dy = rng.standard_normal((4, 3, 70)).astype(np.float32)
     m(x)
     grads = m.backward(dy)
-    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
-    _, _, cache = ref.forward("lstm", params, x.astype(np.float64))
-    rgrads = ref.backward("lstm", cache, dy.astype(np.float64))
+    _, _, rgrads = ref_run("lstm", m, x, dy=dy)
     for k in rgrads:
         assert_close(k, grads[k], rgrads[k])
 
