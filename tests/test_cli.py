@@ -82,8 +82,8 @@ def test_targets():
         assert row is not None, f"schedule {name} not listed:\n{out}"
         for fam in schedules.families(name):
             assert fam in row
-        if schedules.default_for("cpu") == name:
-            assert "default for cpu" in row
+    defaults = {r.split()[0]: r.split("(default for ")[1] for r in listed if "default" in r}
+    assert defaults == {"cpu": "cpu targets)", "cuda": "gpu targets)"}
     assert "cuda:" in out
 
 
@@ -96,7 +96,7 @@ def test_compile_host_manifest(host_dir):
     top = manifest(out)
     assert (top["cell"], top["input_size"], top["hidden_size"], top["num_layers"]) == \
         ("lstm", I, H, L)
-    assert top["loadable_here"] is True and top["schedule"] == schedules.default_for("cpu")
+    assert top["loadable_here"] is True and top["schedule"] == "cpu"      # the default
     got = sorted((p["direction"], p["input_size"]) for p in top["parts"])
     assert got == [("bwd", I), ("bwd", H), ("fwd", I), ("fwd", H)]
     for p, d in parts(out):
@@ -172,7 +172,7 @@ def test_inspect_json(host_dir):
 def test_compile_cuda(cuda_dir):
     out, result = cuda_dir
     top = manifest(out)
-    assert top["schedule"] == schedules.default_for("gpu")
+    assert top["schedule"] == "cuda"                                     # the default
     assert "cuda" in top["target"].split("-") and top["loadable_here"] is True
     assert sorted(p["direction"] for p in top["parts"]) == ["bwd", "fwd"]
     for p, d in parts(out):
@@ -305,31 +305,32 @@ def test_inspect_missing_folder(tmp_path):
 
 # ---- folder handling and failures: clean errors, nothing lost ----------------
 
-def _fake_build(spec, out, emit=(), require_loadable=False):
-    """Stands in for aot.build where only compile_model's folder handling is tested."""
-    m = {"library": None, "compile_seconds": 0.0, "target": spec.target,
-         "schedule": spec.schedule, "halide_version": "fake", "direction": spec.direction}
-    (out / "manifest.json").write_text(json.dumps(m))
-    return m
+def _no_build(spec, out, emit=(), require_loadable=False):
+    raise AssertionError("compile built into a folder it should have refused")
 
 
 def test_compile_keeps_files_of_an_unrelated_out_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(halstm.aot, "build", _fake_build)
+    """A folder with files that `halstm compile` did not write is refused
+    before anything is built, and left as it was."""
+    monkeypatch.setattr(halstm.aot, "build", _no_build)
     out = tmp_path / "project"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     result = run_cli("compile", *SIZES, "--out", out, "--target", CROSS_TARGET, ok=False)
-    assert "Traceback" not in result.output
-    assert (out / "notes.txt").is_file(), "compile deleted a file it did not write"
+    assert_cli_error(result, "--out", str(out), "was not written by `halstm compile`")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["project"]
 
 
 def test_compile_out_current_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(halstm.aot, "build", _fake_build)
+    """The current folder (which compiling would replace) is refused."""
+    monkeypatch.setattr(halstm.aot, "build", _no_build)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("keep me")
     result = run_cli("compile", *SIZES, "--out", ".", "--target", CROSS_TARGET, ok=False)
-    assert result.exception is None or isinstance(result.exception, SystemExit), \
-        repr(result.exception)
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("..")]
+    assert_cli_error(result, "--out", "is the current folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_inspect_folder_with_missing_part(tmp_path):
