@@ -1,5 +1,7 @@
-"""Shared fixtures: one kernel cache per test session (or HALSTM_TEST_CACHE,
-to keep compiled kernels between runs while developing)."""
+"""Fixtures shared by the tests (plain helpers: helpers.py).
+
+Kernels are compiled into one cache per test run, so each is built once
+(HALSTM_TEST_CACHE names a folder to keep them between runs)."""
 import os
 
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):
+    """The kernel cache (HALSTM_CACHE) of this test run."""
     path = os.environ.get("HALSTM_TEST_CACHE") or str(tmp_path_factory.mktemp("halstm-cache"))
     old = os.environ.get("HALSTM_CACHE")
     os.environ["HALSTM_CACHE"] = path
@@ -21,3 +24,10 @@ def kernel_cache(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def model_kernels(kernel_cache):
+    """The char LM's head and optimizer kernels for this CPU."""
+    from halstm.model.library import kernels
+    return kernels("host")

@@ -1,8 +1,8 @@
 """Ahead-of-time compilation and the on-disk kernel cache (halstm.aot), and the
 runtime's numpy <-> Halide axis convention (halstm.runtime).
 
-Real compiles cost seconds each, so most tests reuse the session cache's
-I=13, H=37 kernels (the sizes test_modules.py uses); only the tests that must
+Real compiles cost seconds each, so most tests reuse the test run's cached
+I=13, H=37 kernels (the shared sizes of helpers.py); only the tests that must
 build into a cache of their own (a concurrent build, a rebuild of a corrupt
 entry) compile, one kernel each.
 """
@@ -25,8 +25,8 @@ import halstm
 from halstm import aot, cache
 from halstm import reference as ref
 from halstm.runtime import Library
+from helpers import H, I, assert_close
 
-I, H = 13, 37
 SPEC = aot.Spec("gru", I, H, "fwd")            # the kernel most tests here use
 
 
@@ -58,12 +58,6 @@ def gru_layer_reference(lib: Library, T=5, B=3, seed=0):
     return states[0], y
 
 
-def assert_close(name, got, want, rtol=1e-4):
-    assert got.shape == want.shape, f"{name}: {got.shape} != {want.shape}"
-    err = np.abs(got.astype(np.float64) - want).max()
-    assert err <= rtol * np.abs(want).max() + 1e-7, f"{name}: max abs err {err:.3g}"
-
-
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
     """An empty cache of this test's own, as HALSTM_CACHE."""
@@ -75,10 +69,10 @@ def own_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def pristine(kernel_cache, tmp_path, monkeypatch):
     """A copy (new files, never loaded by this process) of SPEC's intact
-    entry from the session cache, outside any cache."""
+    entry from the test run's cache, outside any cache."""
     with monkeypatch.context() as mp:           # whatever own_cache set up
         mp.setenv("HALSTM_CACHE", kernel_cache)
-        path, manifest = aot.library(SPEC)      # session cache: built at most once
+        path, manifest = aot.library(SPEC)      # the run's cache: built at most once
     assert path.parent == Path(kernel_cache) / aot.cache_key(SPEC)
     copy = tmp_path / "pristine"
     shutil.copytree(path.parent, copy)

@@ -18,39 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import halstm
-from halstm import reference as ref
 from halstm import schedules
-from halstm.cli import main as cli
+from helpers import (B, CUDA_TARGET, H, I, L, T, assert_cli_error, assert_close, ref_run,
+                     run_cli)
 
-I, H, T, B, L = 13, 37, 7, 3, 2
-CUDA_TARGET = "host-cuda-cuda_capability_80"
 CROSS_TARGET = "arm-64-linux"
 
 
-def invoke(*args, ok=True):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, (result.output, result.exception)
-    return result
-
-
-def assert_usage_error(result, *needles, code=2):
-    """Exit code `code`, exactly one 'Error:' line naming every needle, and no traceback."""
-    assert result.exit_code == code, result.output
-    assert isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, result.output
-    for needle in needles:
-        assert needle in errors[0], (needle, errors[0])
-    return errors[0]
-
-
 def compile_folder(out, *args):
-    result = invoke("compile", "-i", I, "-H", H, "--out", out, *args)
+    result = run_cli("compile", "-i", I, "-H", H, "--out", out, *args)
     return out, result
 
 
@@ -95,7 +73,7 @@ def test_console_script_is_installed():
 
 def test_targets():
     import halide as hl
-    out = invoke("targets").output
+    out = run_cli("targets").output
     assert f"host target:  {hl.get_host_target()}" in out
     lines = out.splitlines()
     listed = lines[lines.index("schedules:") + 1:]
@@ -104,8 +82,8 @@ def test_targets():
         assert row is not None, f"schedule {name} not listed:\n{out}"
         for fam in schedules.families(name):
             assert fam in row
-        if schedules.default_for("cpu") == name:
-            assert "default for cpu" in row
+    defaults = {r.split()[0]: r.split("(default for ")[1] for r in listed if "default" in r}
+    assert defaults == {"cpu": "cpu targets)", "cuda": "gpu targets)"}
     assert "cuda:" in out
 
 
@@ -118,7 +96,7 @@ def test_compile_host_manifest(host_dir):
     top = manifest(out)
     assert (top["cell"], top["input_size"], top["hidden_size"], top["num_layers"]) == \
         ("lstm", I, H, L)
-    assert top["loadable_here"] is True and top["schedule"] == schedules.default_for("cpu")
+    assert top["loadable_here"] is True and top["schedule"] == "cpu"      # the default
     got = sorted((p["direction"], p["input_size"]) for p in top["parts"])
     assert got == [("bwd", I), ("bwd", H), ("fwd", I), ("fwd", H)]
     for p, d in parts(out):
@@ -139,14 +117,10 @@ def test_load_compiled_folder_matches_reference(host_dir):
     y, (h_n, c_n) = m(x)
     grads = m.backward(dy)
 
-    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
-    ry, (rh, rc), cache = ref.forward("lstm", params, x.astype(np.float64))
-    rgrads = ref.backward("lstm", cache, dy.astype(np.float64))
+    ry, (rh, rc), rgrads = ref_run("lstm", m, x, dy=dy)
     for name, got, want in [("y", y, ry), ("h_n", h_n, rh), ("c_n", c_n, rc),
                             *((k, grads[k], rgrads[k]) for k in rgrads)]:
-        scale = np.abs(want).max()
-        err = np.abs(got - want).max()
-        assert err <= 1e-4 * scale + 1e-7, f"{name}: {err:.3g} vs {scale:.3g}"
+        assert_close(name, got, want)
     # the folder's libraries ran, not freshly compiled ones
     assert {str(lib.path.parent) for lib in m._libs.values()} == {str(d) for _, d in parts(out)}
 
@@ -164,7 +138,7 @@ def test_compile_emit(host_dir):
 
 def test_inspect(host_dir):
     out, _ = host_dir
-    text = invoke("inspect", out).output
+    text = run_cli("inspect", out).output
     assert "cell:           lstm" in text
     assert f"input_size:     {I}" in text and f"hidden_size:    {H}" in text
     assert f"num_layers:     {L}" in text
@@ -176,7 +150,7 @@ def test_inspect(host_dir):
 def test_inspect_lists_the_schedule_notes(cuda_dir):
     """The cuda schedule's shape-dependent choices, as in each part's manifest."""
     out, _ = cuda_dir
-    text = invoke("inspect", out).output
+    text = run_cli("inspect", out).output
     for _, d in parts(out):
         notes = manifest(d)["schedule_notes"]
         assert notes
@@ -186,7 +160,7 @@ def test_inspect_lists_the_schedule_notes(cuda_dir):
 
 def test_inspect_json(host_dir):
     out, _ = host_dir
-    data = json.loads(invoke("inspect", "--json", out).output)
+    data = json.loads(run_cli("inspect", "--json", out).output)
     assert data["model"] == manifest(out)
     assert [p["direction"] for p in data["parts"]] == \
         [p["direction"] for p in data["model"]["parts"]]
@@ -198,7 +172,7 @@ def test_inspect_json(host_dir):
 def test_compile_cuda(cuda_dir):
     out, result = cuda_dir
     top = manifest(out)
-    assert top["schedule"] == schedules.default_for("gpu")
+    assert top["schedule"] == "cuda"                                     # the default
     assert "cuda" in top["target"].split("-") and top["loadable_here"] is True
     assert sorted(p["direction"] for p in top["parts"]) == ["bwd", "fwd"]
     for p, d in parts(out):
@@ -223,7 +197,7 @@ def test_compile_cross(cross_dir):
         assert not list(d.glob("*.so"))
     with pytest.raises(ValueError, match="cannot run here"):
         halstm.load(out)
-    text = invoke("inspect", out).output
+    text = run_cli("inspect", out).output
     assert "static libraries + driver.cpp" in text and "build: " in text
 
 
@@ -248,8 +222,8 @@ def test_cross_driver_compiles_with_its_manifest_flags(cross_dir, tmp_path):
 
 def test_bench_end_to_end(tmp_path):
     paths = {k: tmp_path / f"bench.{k}" for k in ("csv", "json", "png")}
-    result = invoke("bench", "--shapes", "small_128_b16", "--fwd", "--peers", "numpy",
-                    "--csv", paths["csv"], "--json", paths["json"], "--plot", paths["png"])
+    result = run_cli("bench", "--shapes", "small_128_b16", "--fwd", "--peers", "numpy",
+                     "--csv", paths["csv"], "--json", paths["json"], "--plot", paths["png"])
     assert "halstm:" in result.stdout and "numpy" in result.stdout
     assert "fwdbwd" not in result.stdout
     with open(paths["csv"], newline="") as f:
@@ -305,69 +279,70 @@ BAD = {
 def test_bad_arguments(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                   # a compile would write ./lstm_i13_h37
     args, needles = BAD[case]
-    assert_usage_error(invoke(*args, ok=False), *needles)
+    assert_cli_error(run_cli(*args, ok=False), *needles)
     assert not list(tmp_path.iterdir()), "a bad command wrote something"
 
 
 @pytest.mark.parametrize("sub", ["out", "deeper/out"])
 def test_compile_unwritable_out(a_file, sub):
     out = a_file / sub                            # a path under a regular file
-    assert_usage_error(invoke("compile", *SIZES, "--out", out, ok=False), "--out", str(out))
+    assert_cli_error(run_cli("compile", *SIZES, "--out", out, ok=False), "--out", str(out))
     assert a_file.is_file()
 
 
 def test_compile_out_is_a_file(a_file):
-    assert_usage_error(invoke("compile", *SIZES, "--out", a_file, ok=False), "--out")
+    assert_cli_error(run_cli("compile", *SIZES, "--out", a_file, ok=False), "--out")
 
 
 def test_inspect_folder_without_manifest(tmp_path):
-    line = assert_usage_error(invoke("inspect", tmp_path, ok=False), "manifest.json", code=1)
+    line = assert_cli_error(run_cli("inspect", tmp_path, ok=False), "manifest.json", code=1)
     assert str(tmp_path) in line
 
 
 def test_inspect_missing_folder(tmp_path):
-    assert_usage_error(invoke("inspect", tmp_path / "nope", ok=False), "nope")
+    assert_cli_error(run_cli("inspect", tmp_path / "nope", ok=False), "nope")
 
 
 # ---- folder handling and failures: clean errors, nothing lost ----------------
 
-def _fake_build(spec, out, emit=(), require_loadable=False):
-    """Stands in for aot.build where only compile_model's folder handling is tested."""
-    m = {"library": None, "compile_seconds": 0.0, "target": spec.target,
-         "schedule": spec.schedule, "halide_version": "fake", "direction": spec.direction}
-    (out / "manifest.json").write_text(json.dumps(m))
-    return m
+def _no_build(spec, out, emit=(), require_loadable=False):
+    raise AssertionError("compile built into a folder it should have refused")
 
 
 def test_compile_keeps_files_of_an_unrelated_out_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(halstm.aot, "build", _fake_build)
+    """A folder with files that `halstm compile` did not write is refused
+    before anything is built, and left as it was."""
+    monkeypatch.setattr(halstm.aot, "build", _no_build)
     out = tmp_path / "project"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    result = invoke("compile", *SIZES, "--out", out, "--target", CROSS_TARGET, ok=False)
-    assert "Traceback" not in result.output
-    assert (out / "notes.txt").is_file(), "compile deleted a file it did not write"
+    result = run_cli("compile", *SIZES, "--out", out, "--target", CROSS_TARGET, ok=False)
+    assert_cli_error(result, "--out", str(out), "was not written by `halstm compile`")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["project"]
 
 
 def test_compile_out_current_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(halstm.aot, "build", _fake_build)
+    """The current folder (which compiling would replace) is refused."""
+    monkeypatch.setattr(halstm.aot, "build", _no_build)
     monkeypatch.chdir(tmp_path)
-    result = invoke("compile", *SIZES, "--out", ".", "--target", CROSS_TARGET, ok=False)
-    assert result.exception is None or isinstance(result.exception, SystemExit), \
-        repr(result.exception)
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("..")]
+    (tmp_path / "notes.txt").write_text("keep me")
+    result = run_cli("compile", *SIZES, "--out", ".", "--target", CROSS_TARGET, ok=False)
+    assert_cli_error(result, "--out", "is the current folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_inspect_folder_with_missing_part(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(
         {"cell": "lstm", "input_size": I, "hidden_size": H, "num_layers": 1,
          "parts": [{"dir": "fwd_k13", "direction": "fwd", "input_size": I}]}))
-    assert_usage_error(invoke("inspect", tmp_path, ok=False), "fwd_k13", code=1)
+    assert_cli_error(run_cli("inspect", tmp_path, ok=False), "fwd_k13", code=1)
 
 
 def test_inspect_corrupt_manifest_names_the_file(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
-    assert_usage_error(invoke("inspect", tmp_path, ok=False), "manifest.json", code=1)
+    assert_cli_error(run_cli("inspect", tmp_path, ok=False), "manifest.json", code=1)
 
 
 def test_bench_kernel_error_is_one_line(monkeypatch):
@@ -377,5 +352,5 @@ def test_bench_kernel_error_is_one_line(monkeypatch):
         raise halstm.KernelError("lstm fwd kernel (host-cuda, schedule cuda) failed with "
                                  "code -21: CUDA API not found: cuInit")
     monkeypatch.setattr(halstm.benchmark, "run", failing_run)
-    result = invoke("bench", "--target", "host-cuda", "--peers", "", "--fwd", ok=False)
-    assert_usage_error(result, "cuInit", code=1)
+    result = run_cli("bench", "--target", "host-cuda", "--peers", "", "--fwd", ok=False)
+    assert_cli_error(result, "cuInit", code=1)

@@ -1,13 +1,11 @@
 """halstm.cuda where no CUDA GPU is usable (CI): clear errors, targets kept
-as written, the memory pool's size classes. tests/gpu covers the GPU."""
+as written, the memory pool's size classes, what the cuda schedule's step
+pipelines lower to. tests/gpu covers the GPU."""
 import pytest
-from click.testing import CliRunner
 
 import halstm
 from halstm import cuda
-from halstm.cli import main
-
-needs_no_gpu = pytest.mark.skipif(cuda.available(), reason="a CUDA GPU is usable here")
+from helpers import CUDA_TARGET, assert_cli_error, needs_no_gpu, run_cli
 
 
 @needs_no_gpu
@@ -19,10 +17,9 @@ def test_gpu_module_without_gpu_is_a_clear_error():
 
 @needs_no_gpu
 def test_bench_on_a_gpu_target_without_gpu_exits_with_one_line():
-    r = CliRunner().invoke(main, ["bench", "--target", "host-cuda", "--shapes", "small_128_b16",
-                                  "--peers", ""])
-    assert r.exit_code == 1
-    assert "needs a usable CUDA GPU" in r.output and "Traceback" not in r.output
+    r = run_cli("bench", "--target", "host-cuda", "--shapes", "small_128_b16", "--peers", "",
+                ok=False)
+    assert_cli_error(r, "needs a usable CUDA GPU", code=1)
 
 
 @needs_no_gpu
@@ -31,7 +28,7 @@ def test_host_cuda_is_kept_as_written_without_gpu():
 
 
 def test_explicit_or_cpu_targets_are_never_changed():
-    for t in ("host", "host-cuda-cuda_capability_80", "x86-64-linux-cuda", "arm-64-linux"):
+    for t in ("host", CUDA_TARGET, "x86-64-linux-cuda", "arm-64-linux"):
         assert cuda.host_target(t) == t
 
 
@@ -45,16 +42,16 @@ def test_pool_size_classes():
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("H", [37, 128, 512])
 def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
-    """The cuda schedule's layout promises `cuda_graphs`: its per-step
-    pipelines keep every stage in registers or shared memory, so a time
-    loop captured into a CUDA graph (driver.cpp) bakes in only the caller's
-    pointers, never one of Halide's allocations. (Compiles, needs no GPU.)"""
+    """The cuda schedule's per-step pipelines keep every stage in registers
+    or shared memory at every size (the libraries built with it capture
+    their time loops into CUDA graphs: test_schedules.py), so a graph
+    (driver.cpp) bakes in only the caller's pointers, never one of Halide's
+    allocations. (Lowers, needs no GPU.)"""
     import halide as hl
     from halstm import cells, pipeline, schedules
-    target = hl.Target("host-cuda-cuda_capability_80")
+    target = hl.Target(CUDA_TARGET)
     module = schedules.for_target(target, "cuda")
     layout = module.layout(target)
-    assert layout.cuda_graphs is True
     for kind in ("step", "step_bwd", "step_bwd_fused"):
         p = pipeline.build(cells.get(cell), kind, 13, H, layout)
         getattr(module, kind)(p, target)
@@ -64,14 +61,3 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
         text = stmt.read_text(errors="replace")
         assert "halide_cuda_run" in text or "gpu_block" in text, "no GPU kernel in " + kind
         assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
-
-
-def test_only_the_hand_schedule_uses_cuda_graphs():
-    import halide as hl
-    from halstm import schedules
-    target = hl.Target("host-cuda-cuda_capability_80")
-    for name in schedules.names():
-        if "gpu" not in schedules.families(name):
-            continue
-        layout = schedules.for_target(target, name).layout(target)
-        assert layout.cuda_graphs == (name == "cuda"), name

@@ -6,14 +6,12 @@ import pytest
 
 from halstm.model import CharLM, Config, optim
 from halstm.model.charlm import _log_softmax_nll
-from halstm.model.library import kernels
-
-CPU = "host"
+from helpers import CUDA_TARGET, TINY, assert_close, make_corpus
 
 
-@pytest.fixture(scope="module")
-def k():
-    return kernels(CPU)           # compiled once per session (then cached on disk)
+@pytest.fixture
+def k(model_kernels):
+    return model_kernels
 
 
 @pytest.mark.parametrize("N,H,V", [(37, 19, 11), (64, 16, 65), (1, 3, 1)])
@@ -26,10 +24,10 @@ def test_head_matches_numpy(k, N, H, V):
     loss, dw, db, dy = k.head(y, w, b, k.targets(t), 1.0 / N)
     dlogits = y @ w.T + b
     nll = _log_softmax_nll(dlogits, t, grad=1.0 / N)     # dlogits now d(mean)/d logits
-    np.testing.assert_allclose(loss, nll, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dw, dlogits.T @ y, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(db, dlogits.sum(0), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(dy, dlogits @ w, rtol=1e-4, atol=1e-6)
+    assert_close("loss", loss, nll, rtol=1e-5, atol=1e-5, per_element=True)
+    assert_close("dw", dw, dlogits.T @ y, rtol=1e-4, atol=1e-6, per_element=True)
+    assert_close("db", db, dlogits.sum(0), rtol=1e-4, atol=1e-6, per_element=True)
+    assert_close("dy", dy, dlogits @ w, rtol=1e-4, atol=1e-6, per_element=True)
 
 
 def test_head_wrong_shape_names_the_argument(k):
@@ -71,11 +69,11 @@ def test_optimizer_steps_match_numpy(k, name, clip):
         numpy_opt.clip_and_step(want, g, 1e-2, clip)
         kernel_opt.clip_and_step(got, g_copy, 1e-2, clip)
     for n in p0:
-        np.testing.assert_allclose(got[n], want[n], rtol=2e-5, atol=2e-6, err_msg=n)
+        assert_close(n, got[n], want[n], rtol=2e-5, atol=2e-6, per_element=True)
     sd, sd2 = numpy_opt.state_dict(), kernel_opt.state_dict()
     assert sorted(sd) == sorted(sd2)
     for key in sd:
-        np.testing.assert_allclose(sd2[key], sd[key], rtol=2e-5, atol=2e-6, err_msg=key)
+        assert_close(key, sd2[key], sd[key], rtol=2e-5, atol=2e-6, per_element=True)
     # and the state goes back in
     other = optim.make(cfg, {n: a.copy() for n, a in p0.items()}, k)
     other.load_state_dict(sd)
@@ -95,14 +93,14 @@ def test_charlm_with_kernels_matches_numpy_head(cell):
     assert lb == pytest.approx(la, rel=1e-5)
     assert list(ga) == list(gb)
     for key in ga:
-        np.testing.assert_allclose(gb[key], ga[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        assert_close(key, gb[key], ga[key], rtol=1e-4, atol=1e-6, per_element=True)
     assert b.loss(ids, targets, state)[0] == pytest.approx(a.loss(ids, targets, state)[0],
                                                            rel=1e-5)
 
 
 def test_cuda_schedules_compile_without_gpu(tmp_path):
     from halstm.model import library
-    m = library.build("host-cuda-cuda_capability_80", tmp_path)
+    m = library.build(CUDA_TARGET, tmp_path)
     assert m["device"] == "cuda" and (tmp_path / m["library"]).is_file()
     assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd", "onehot")]
 
@@ -111,7 +109,6 @@ def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
     """Trainer with the kernels path (as on a CUDA target, here on the CPU):
     the numpy run's losses; a checkpoint saved mid-run resumes exactly."""
     from halstm.model import Trainer, checkpoint
-    from test_model import TINY, make_corpus
     config = Config(**TINY, steps=6, eval_every=3, clip=0.5)
     corpus = make_corpus(config)
     plain = Trainer(config, corpus)
@@ -128,13 +125,13 @@ def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
     fused.run(until=3, progress=False, handle_sigint=False)
     fused.save(tmp_path / "c.npz")
     fused.run(progress=False, handle_sigint=False)
-    np.testing.assert_allclose(fused.history["train_loss"], plain.history["train_loss"],
-                               rtol=1e-4)
-    np.testing.assert_allclose(fused.history["val_loss"], plain.history["val_loss"], rtol=1e-4)
+    for key in ("train_loss", "val_loss"):
+        assert_close(key, fused.history[key], plain.history[key], rtol=1e-4, atol=0,
+                     per_element=True)
     resumed = Trainer.resume(checkpoint.load(tmp_path / "c.npz"), corpus)
     resumed.run(progress=False, handle_sigint=False)
-    np.testing.assert_allclose(resumed.history["train_loss"], fused.history["train_loss"],
-                               rtol=1e-6)
+    assert_close("train_loss", resumed.history["train_loss"], fused.history["train_loss"],
+                 rtol=1e-6, atol=0, per_element=True)
 
 
 def test_kernels_model_checks_targets():

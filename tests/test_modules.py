@@ -1,9 +1,8 @@
 """halstm.LSTM / halstm.GRU against the numpy reference (float64) and PyTorch.
 
-Every kernel is compiled once per test session (see conftest.py) for each
-(cell, input size, hidden size, direction): to keep the suite fast, every test
-uses I=13, H=37 (layers above the first see input size 37), so the whole file
-needs 8 kernels: {lstm, gru} x {fwd, bwd} x {13, 37}.
+Every test uses the shared sizes I=13, H=37 (helpers.py), so the whole file
+needs 8 kernels: {lstm, gru} x {fwd, bwd} x {13, 37}, compiled once per test
+run. helpers.check_case runs one CASES entry; tests/gpu runs them too.
 """
 import re
 
@@ -11,87 +10,8 @@ import numpy as np
 import pytest
 
 import halstm
-from halstm import reference as ref
-
-I, H, T, B, L = 13, 37, 7, 3, 2
-CLASSES = {"lstm": halstm.LSTM, "gru": halstm.GRU}
-GATES = {"lstm": 4, "gru": 3}
-STATES = {"lstm": ("h", "c"), "gru": ("h",)}
-RTOL = 1e-4
-
-
-def make(cell, num_layers=L, seed=0, **kw):
-    return CLASSES[cell](I, H, num_layers=num_layers, seed=seed, **kw)
-
-
-def assert_close(name, got, want, rtol=RTOL):
-    """|got - want| <= rtol * max|want| everywhere (plus a tiny floor)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    err = float(np.abs(got.astype(np.float64) - want).max()) if want.size else 0.0
-    assert err <= rtol * scale + 1e-7, f"{name}: max abs err {err:.3g} vs max abs {scale:.3g}"
-
-
-def grad_keys(module, cell):
-    return set(module.state_dict()) | {f"{s}0" for s in STATES[cell]} | {"input"}
-
-
-def call(module, cell, x, hx=None):
-    """Run the module; returns (y, [final states]) in the module's layout."""
-    if cell == "lstm":
-        y, (h_n, c_n) = module(x, hx)
-        return y, [h_n, c_n]
-    y, h_n = module(x, hx)
-    return y, [h_n]
-
-
-def backward(module, cell, dy, dfinal=None):
-    dfinal = dfinal or [None] * len(STATES[cell])
-    return module.backward(dy, *dfinal)
-
-
-def ref_run(cell, module, x, hx, dy, dfinal):
-    """Reference forward + backward in float64 with the module's parameters.
-    Everything in (T, B, C) / (L, B, H) layout."""
-    params = {k: np.asarray(v).astype(np.float64) for k, v in module.state_dict().items()}
-    x = x.astype(np.float64)
-    if hx is not None:
-        hx = [a.astype(np.float64) for a in hx]
-        hx = tuple(hx) if cell == "lstm" else hx[0]
-    if cell == "lstm":
-        y, (h_n, c_n), cache = ref.forward(cell, params, x, hx)
-        finals = [h_n, c_n]
-    else:
-        y, h_n, cache = ref.forward(cell, params, x, hx)
-        finals = [h_n]
-    d = [None, None] if dfinal is None else [a.astype(np.float64) for a in dfinal] + [None]
-    grads = ref.backward(cell, cache, dy.astype(np.float64), d[0], d[1] if cell == "lstm" else None)
-    return y, finals, grads
-
-
-CASES = {
-    "base": dict(),
-    "T1": dict(T=1),
-    "B1": dict(B=1),
-    "L1": dict(L=1),
-    "L3": dict(L=3),
-    "batch_first": dict(batch_first=True),
-    "hx_and_dstate": dict(hx=True, dstate=True),
-    "batch_first_hx_dstate": dict(batch_first=True, hx=True, dstate=True),
-    "unbatched": dict(unbatched=True),
-    "unbatched_hx_dstate": dict(unbatched=True, hx=True, dstate=True),
-    "unbatched_batch_first": dict(unbatched=True, batch_first=True, hx=True, dstate=True),
-    "no_bias": dict(bias=False, hx=True, dstate=True),
-    "no_bias_L1": dict(bias=False, L=1),
-    # enough work for the driver to run the steps on several threads
-    # (schedule cpu: one per 2^15 multiply-adds of a step, up to the CPUs,
-    # where the loop has 2^23 or more): batch rows in ranges of 8 or more
-    # (the last one 11 rows), or from fewer than 16 rows, ranges of units
-    # (37 units: three 16-unit panels, the last one partial)
-    "split_rows": dict(T=80, B=27, hx=True, dstate=True),
-    "split_units": dict(T=130, B=12, hx=True, dstate=True),
-}
+from helpers import (B, CASES, CLASSES, GATES, H, I, L, STATES, T, assert_close, backward, call,
+                     check_case, check_no_grad, make, ref_run)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -122,7 +42,7 @@ def test_a_short_loop_stays_on_one_thread(monkeypatch):
     m = halstm.LSTM(I, 128, seed=3)
     x = np.random.default_rng(5).standard_normal((1, 16, I)).astype(np.float32)
     y, _ = call(m, "lstm", x)
-    ry, _, _ = ref_run("lstm", m, x, None, np.zeros_like(y), None)
+    ry, _, _ = ref_run("lstm", m, x)
     assert_close("y", y, ry)
     assert [lib.step_threads() for lib in m._libs.values()] == [1]
 
@@ -140,81 +60,12 @@ def test_split_ranges_are_whole_tiles(batch, monkeypatch):
     dy = rng.standard_normal((64, batch, 128)).astype(np.float32)
     y, finals = call(m, "lstm", x)
     grads = backward(m, "lstm", dy)
-    ry, rfinals, rgrads = ref_run("lstm", m, x, None, dy, None)
+    ry, _, rgrads = ref_run("lstm", m, x, dy=dy)
     assert_close("y", y, ry)
     for k in ("weight_hh_l0", "weight_ih_l0", "input", "h0", "c0"):
         assert_close(k, grads[k], rgrads[k])
     threads = {lib.manifest["direction"]: lib.step_threads() for lib in m._libs.values()}
     assert threads == {"fwd": 3, "bwd": 2}
-
-
-def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
-    """One CASES entry against the reference. put: how the caller's arrays
-    are handed to the module (tests/gpu passes device arrays through it)."""
-    c = dict(T=T, B=B, L=L, batch_first=False, unbatched=False, hx=False, dstate=False,
-             bias=True) | CASES[case]
-    Tc, Bc, Lc, bf, unb = c["T"], (1 if c["unbatched"] else c["B"]), c["L"], c["batch_first"], c["unbatched"]
-    rng = np.random.default_rng(list(CASES).index(case))
-    m = make(cell, Lc, bias=c["bias"], batch_first=bf, seed=7, target=target, schedule=schedule)
-    ns = len(STATES[cell])
-
-    # Problem in the reference's (T, B, C) / (L, B, H) layout...
-    x = rng.standard_normal((Tc, Bc, I)).astype(np.float32)
-    hx = [0.5 * rng.standard_normal((Lc, Bc, H)).astype(np.float32) for _ in range(ns)] if c["hx"] else None
-    dy = rng.standard_normal((Tc, Bc, H)).astype(np.float32)
-    dfinal = [rng.standard_normal((Lc, Bc, H)).astype(np.float32) for _ in range(ns)] if c["dstate"] else None
-
-    # ... and in the module's layout.
-    def seq_in(a):
-        if unb:
-            return put(np.ascontiguousarray(a[:, 0]))
-        return put(np.ascontiguousarray(a.transpose(1, 0, 2)) if bf else a)
-
-    def seq_out(a):
-        if unb:
-            return a[:, None]
-        return a.transpose(1, 0, 2) if bf else a
-
-    st_in = (lambda a: put(np.ascontiguousarray(a[:, 0]))) if unb else put
-    st_out = (lambda a: a[:, None]) if unb else (lambda a: a)
-
-    m_hx = None
-    if hx is not None:
-        m_hx = tuple(map(st_in, hx)) if cell == "lstm" else st_in(hx[0])
-    y, finals = call(m, cell, seq_in(x), m_hx)
-    m_dfinal = [st_in(a) for a in dfinal] if dfinal is not None else None
-    grads = backward(m, cell, seq_in(dy), m_dfinal)
-
-    y, finals = np.asarray(y), [np.asarray(f) for f in finals]
-    grads = {k: np.asarray(g) for k, g in grads.items()}
-    # Shapes as the caller sees them.
-    y_shape = (Tc, H) if unb else ((Bc, Tc, H) if bf else (Tc, Bc, H))
-    st_shape = (Lc, H) if unb else (Lc, Bc, H)
-    assert y.shape == y_shape and y.dtype == np.float32
-    assert all(f.shape == st_shape and f.dtype == np.float32 for f in finals)
-
-    ry, rfinals, rgrads = ref_run(cell, m, x, hx, dy, dfinal)
-    assert_close("y", seq_out(y), ry)
-    for s, f, rf in zip(STATES[cell], finals, rfinals):
-        assert_close(f"{s}_n", st_out(f), rf)
-
-    # Every gradient key: all state_dict keys + input, h0 (+ c0), nothing else.
-    assert set(grads) == grad_keys(m, cell) == set(rgrads)
-    if not c["bias"]:
-        assert not any(k.startswith("bias") for k in list(m.state_dict()) + list(grads))
-    sd = m.state_dict()
-    for k, g in grads.items():
-        assert g.dtype == np.float32, k
-        if k in sd:
-            assert g.shape == sd[k].shape, k
-            assert_close(k, g, rgrads[k])
-        elif k == "input":
-            assert g.shape == np.asarray(seq_in(x)).shape, k
-            assert_close(k, seq_out(g), rgrads[k])
-        else:
-            assert g.shape == st_shape, k
-            assert_close(k, st_out(g), rgrads[k])
-    return m
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
@@ -636,69 +487,28 @@ def test_class_index_input_matches_one_hot(cell, schedule):
     """Integer input = one-hot rows given as class indices: the first layer
     gathers W_ih's columns and scatter-adds dW_ih; every result and gradient
     equals the one-hot float input's (there is no input gradient)."""
-    cls = {"lstm": halstm.LSTM, "gru": halstm.GRU}[cell]
-    K, H, T, B = 13, 37, 7, 3
     rng = np.random.default_rng(5)
-    ids = rng.integers(0, K, (T, B))
-    x = np.eye(K, dtype=np.float32)[ids]
-    m = cls(K, H, num_layers=2, seed=0, schedule=schedule)
+    ids = rng.integers(0, I, (T, B))
+    x = np.eye(I, dtype=np.float32)[ids]
+    m = make(cell, schedule=schedule)
     y1, _ = m(x)
     dy = rng.standard_normal(y1.shape).astype(np.float32)
     g1 = m.backward(dy, input_grad=False)
     y2, _ = m(ids)
     g2 = m.backward(dy)
-    np.testing.assert_allclose(y2, y1, rtol=1e-6, atol=1e-6)
+    assert_close("y", y2, y1, rtol=1e-6, atol=1e-6, per_element=True)
     assert set(g2) == set(g1)
     for k in g1:
-        np.testing.assert_allclose(g2[k], g1[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    mb = cls(K, H, seed=0, batch_first=True, schedule=schedule)
-    np.testing.assert_allclose(mb(ids.T)[0], mb(x.transpose(1, 0, 2))[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(mb(ids[:, 0])[0], mb(x[:, 0])[0], rtol=1e-6, atol=1e-6)
+        assert_close(k, g2[k], g1[k], rtol=1e-5, atol=1e-6, per_element=True)
+    mb = make(cell, num_layers=1, batch_first=True, schedule=schedule)
+    assert_close("y batch_first", mb(ids.T)[0], mb(x.transpose(1, 0, 2))[0], rtol=1e-6,
+                 atol=1e-6, per_element=True)
+    assert_close("y unbatched", mb(ids[:, 0])[0], mb(x[:, 0])[0], rtol=1e-6, atol=1e-6,
+                 per_element=True)
     with pytest.raises(ValueError, match=r"\[0, 13\)"):
-        m(np.full((T, B), K))
+        m(np.full((T, B), I))
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_no_grad_forward_equals_forward_and_blocks_backward(cell):
     check_no_grad(cell)
-
-
-def check_no_grad(cell, target="host"):
-    """Under halstm.no_grad() the steps store only the states (their own
-    kernel, step_infer): the results equal a training forward's to float
-    rounding (the compiler contracts the cell's math differently when the
-    gates are not stored), with an initial state and B=1 too, and backward
-    then raises."""
-    rng = np.random.default_rng(11)
-    m = make(cell, target=target)
-    for batch in (B, 1):
-        x = rng.standard_normal((T, batch, I)).astype(np.float32)
-        hx = [rng.standard_normal((L, batch, H)).astype(np.float32) for _ in STATES[cell]]
-        hx = tuple(hx) if cell == "lstm" else hx[0]
-        want = call(m, cell, x, hx)
-        assert halstm.is_grad_enabled()
-        with halstm.no_grad():
-            assert not halstm.is_grad_enabled()
-            got = call(m, cell, x, hx)
-        assert halstm.is_grad_enabled()
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
-        for g, w in zip(got[1], want[1]):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-    with pytest.raises(RuntimeError, match=r"no_grad\(\)"):
-        backward(m, cell, np.ones((T, 1, H), np.float32))
-    call(m, cell, x, hx)                      # a training forward makes backward work again
-    backward(m, cell, np.ones((T, 1, H), np.float32))
-    # One layer and no initial state: the library zeroes the states' first
-    # row itself, and under no_grad the final states are the module's own
-    # last rows (views, no copy); twice, so a second call cannot change the
-    # first call's results.
-    m1 = make(cell, num_layers=1, target=target)
-    x2 = rng.standard_normal((T + 2, B, I)).astype(np.float32)
-    want = [call(m1, cell, xi) for xi in (x, x2)]
-    with halstm.no_grad():
-        got = [call(m1, cell, xi) for xi in (x, x2)]
-    for (gy, gf), (wy, wf) in zip(got, want):
-        np.testing.assert_allclose(gy, wy, rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(gf[0][0], gy[-1])       # h_n is y's last row
-        for g, w in zip(gf, wf):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

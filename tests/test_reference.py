@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 
 from halstm import reference as ref
-
-GATES = {"lstm": 4, "gru": 3}
+from helpers import GATES, assert_close
 
 
 def make_params(rng, cell, I, H, L, bias=True):
@@ -63,10 +62,6 @@ def numeric_grad(f, a, eps=1e-6):
     return g
 
 
-def rel_err(a, b):
-    return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300)
-
-
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("case", [
     dict(T=4, B=2, I=3, H=5, L=2, bias=True, states=True),
@@ -94,7 +89,7 @@ def test_gradients_match_finite_differences(cell, case):
     for name, arr in targets.items():
         assert grads[name].shape == arr.shape, name
         num = numeric_grad(f, arr)
-        assert rel_err(grads[name], num) < 1e-6, name
+        assert_close(name, grads[name], num, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
@@ -115,6 +110,7 @@ def test_matches_torch(cell):
     T, B, I, H, L = 4, 2, 3, 5, 2
     params, x, hx, R = make_problem(cell, T, B, I, H, L, seed=1)
 
+    exact = dict(rtol=1e-12, atol=1e-12, per_element=True)     # float64 on both sides
     cls = torch.nn.LSTM if cell == "lstm" else torch.nn.GRU
     mod = cls(I, H, num_layers=L).double()
     mod.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
@@ -123,13 +119,13 @@ def test_matches_torch(cell):
         th = tuple(torch.from_numpy(a).requires_grad_() for a in hx)
         ty, (th_n, tc_n) = mod(tx, th)
         y, (h_n, c_n), cache = ref.forward(cell, params, x, hx)
-        np.testing.assert_allclose(c_n, tc_n.detach().numpy(), rtol=1e-12, atol=1e-12)
+        assert_close("c_n", c_n, tc_n.detach().numpy(), **exact)
     else:
         th = torch.from_numpy(hx).requires_grad_()
         ty, th_n = mod(tx, th)
         y, h_n, cache = ref.forward(cell, params, x, hx)
-    np.testing.assert_allclose(y, ty.detach().numpy(), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(h_n, th_n.detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert_close("y", y, ty.detach().numpy(), **exact)
+    assert_close("h_n", h_n, th_n.detach().numpy(), **exact)
 
     tl = (ty * torch.from_numpy(R["y"])).sum() + (th_n * torch.from_numpy(R["h"])).sum()
     if cell == "lstm":
@@ -145,4 +141,4 @@ def test_matches_torch(cell):
         torch_grads["h0"] = th.grad.numpy()
     assert set(grads) == set(torch_grads)
     for name, tg in torch_grads.items():
-        assert rel_err(grads[name], tg) < 1e-8, name
+        assert_close(name, grads[name], tg, rtol=1e-8, atol=0)

@@ -6,29 +6,22 @@ compile for a CUDA target (no GPU needed). Schedules are found through
 schedules.names() / schedules.families(), so a new one is tested without
 editing this file.
 
-Sizes are those of test_modules.py (I=13, H=37, L=2: input sizes 13 and 37)
-so the default schedule's kernels are shared through the session cache; each
-other CPU schedule costs 8 kernels ({lstm, gru} x {fwd, bwd} x {13, 37}),
-shared by every batch size below.
+Sizes are the shared ones of helpers.py (I=13, H=37, L=2: input sizes 13
+and 37), so the default schedule's kernels are shared through the test
+run's cache; each other CPU schedule costs 8 kernels ({lstm, gru} x {fwd,
+bwd} x {13, 37}), shared by every batch size below.
 """
 import numpy as np
 import pytest
 
 import halstm
 from halstm import aot, schedules
-from halstm import reference as ref
-
-I, H, T, L = 13, 37, 7, 2
-RTOL = 1e-4
-CLASSES = {"lstm": halstm.LSTM, "gru": halstm.GRU}
-STATES = {"lstm": ("h", "c"), "gru": ("h",)}
-CUDA_TARGET = "host-cuda-cuda_capability_80"
+from helpers import CLASSES, CUDA_TARGET, STATES, H, I, L, T, assert_close, ref_run
 
 CPU = [n for n in schedules.names() if "cpu" in schedules.families(n)]
 GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
 CPU_ONLY = [n for n in CPU if n not in GPU]      # auto:Li2018 fits both
 GPU_ONLY = [n for n in GPU if n not in CPU]
-KINDS = ("pack", "proj", "step", "pack_bwd", "step_bwd", "grads")
 
 # Autoscheduled kernels take longest to build: one layer (input size 13
 # only) and one cell on the GPU side keep their cost down.
@@ -44,15 +37,6 @@ def cells_for(schedule):
 # rows (row tiles; rows = 6 with AVX-512, 3 with AVX2, and 4-row tiles in
 # the backward step): these batches take both paths, whole tiles and tails.
 BATCHES = (1, 3, 4, 5, 6, 7)
-
-
-def assert_close(name, got, want, rtol=RTOL):
-    """|got - want| <= rtol * max|want| everywhere (plus a tiny floor)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    scale = float(np.abs(want).max())
-    err = float(np.abs(got.astype(np.float64) - want).max())
-    assert err <= rtol * scale + 1e-7, f"{name}: max abs err {err:.3g} vs max abs {scale:.3g}"
 
 
 def test_registry_is_not_empty():
@@ -91,18 +75,7 @@ def test_cpu_schedule_matches_reference(schedule, cell, B):
         assert lib.manifest["schedule"] == schedule, (k, direction)
     assert {d for _, d in m._libs} == {"fwd", "bwd"}
 
-    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
-    h64 = [a.astype(np.float64) for a in hx]
-    d64 = [a.astype(np.float64) for a in dfinal]
-    if cell == "lstm":
-        ry, (rh, rc), cache = ref.forward(cell, params, x.astype(np.float64), tuple(h64))
-        rfinals = (rh, rc)
-        rgrads = ref.backward(cell, cache, dy.astype(np.float64), d64[0], d64[1])
-    else:
-        ry, rh, cache = ref.forward(cell, params, x.astype(np.float64), h64[0])
-        rfinals = (rh,)
-        rgrads = ref.backward(cell, cache, dy.astype(np.float64), d64[0], None)
-
+    ry, rfinals, rgrads = ref_run(cell, m, x, hx, dy, dfinal)
     assert_close("y", y, ry)
     for s, f, rf in zip(STATES[cell], finals, rfinals):
         assert_close(f"{s}_n", f, rf)
@@ -123,29 +96,67 @@ def test_cpu_weight_gradients_where_tiles_write_the_output():
     dy = rng.standard_normal((4, 3, 70)).astype(np.float32)
     m(x)
     grads = m.backward(dy)
-    params = {k: v.astype(np.float64) for k, v in m.state_dict().items()}
-    _, _, cache = ref.forward("lstm", params, x.astype(np.float64))
-    rgrads = ref.backward("lstm", cache, dy.astype(np.float64))
+    _, _, rgrads = ref_run("lstm", m, x, dy=dy)
     for k in rgrads:
         assert_close(k, grads[k], rgrads[k])
 
 
 # ---- GPU schedules compile --------------------------------------------------
 
+@pytest.fixture(scope="module")
+def cuda_build(tmp_path_factory):
+    """build(schedule, cell, direction) -> (manifest, folder): aot.build for
+    CUDA_TARGET at I, H with every pipeline's lowered statement emitted
+    (<kind>.stmt), each built once for this module."""
+    built = {}
+
+    def build(schedule, cell, direction):
+        key = (schedule, cell, direction)
+        if key not in built:
+            out = tmp_path_factory.mktemp("cuda")
+            spec = aot.Spec(cell, I, H, direction, CUDA_TARGET, schedule)
+            built[key] = aot.build(spec, out, emit=("stmt",)), out
+        return built[key]
+    return build
+
+
 @pytest.mark.parametrize("direction", aot.DIRECTIONS)
 @pytest.mark.parametrize("schedule,cell", [(s, c) for s in GPU for c in cells_for(s)])
-def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, tmp_path):
-    spec = aot.Spec(cell, I, H, direction, CUDA_TARGET, schedule)
-    m = aot.build(spec, tmp_path)
-    assert (tmp_path / aot.MANIFEST).is_file()
+def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, cuda_build):
+    m, out = cuda_build(schedule, cell, direction)
+    assert (out / aot.MANIFEST).is_file()
     assert m["schedule"] == schedule
     assert "cuda" in m["target"].split("-") and "cuda_capability_80" in m["target"].split("-")
     assert m["library"], m                      # this CPU can load host-cuda code
-    lib = tmp_path / m["library"]
+    lib = out / m["library"]
     assert lib.suffix == ".so" and lib.read_bytes()[:4] == b"\x7fELF"
     if schedule == "cuda":      # its shape-dependent choices are in the manifest
         want = "step:" if direction == "fwd" else "step_bwd_fused:"    # (H < 512)
         assert any(n.startswith(want) for n in m["schedule_notes"]), m["schedule_notes"]
+
+
+@pytest.mark.parametrize("schedule,cell", [(s, c) for s in GPU for c in cells_for(s)])
+def test_cuda_graphs_only_where_steps_allocate_no_device_memory(schedule, cell, cuda_build):
+    """A CUDA library runs its time loops from captured CUDA graphs where
+    its manifest says cuda_graphs (aot compiles its driver from the same
+    decision). A graph bakes in every pointer its kernels use, and Halide
+    may free a stage's device allocation while a graph still uses it, so a
+    library with graphs must have step pipelines that allocate no device
+    memory: checked in the lowered statements of what was built (the
+    autoschedulers' steps do allocate). The hand-written cuda schedule
+    keeps every step's stages in registers or shared memory, and its
+    libraries do use graphs."""
+    for direction in aot.DIRECTIONS:
+        m, out = cuda_build(schedule, cell, direction)
+        steps = [p.removeprefix("halstm_") for p in m["pipelines"] if p.startswith("halstm_step")]
+        assert steps, m["pipelines"]
+        stmts = {k: (out / f"{k}.stmt").read_text(errors="replace") for k in steps}
+        assert all("halide_cuda_run" in t for t in stmts.values()), "a step runs no GPU kernel"
+        allocating = [k for k, t in stmts.items() if "halide_device_malloc" in t]
+        if m["cuda_graphs"]:
+            assert not allocating, f"{direction}: graphs over steps that allocate: {allocating}"
+        if schedule == "cuda":
+            assert m["cuda_graphs"] is True, direction
 
 
 def _cuda_pipe(cell, kind, K, H):
@@ -242,7 +253,10 @@ def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp, 
     ("host", "cpu"), ("arm-64-linux", "cpu"), ("host-cuda", "cuda"), (CUDA_TARGET, "cuda"),
 ])
 def test_default_schedule(target, default):
+    """A target's default schedule, and it fits the target when asked for
+    by name."""
     assert schedules.resolve(target) == default
+    assert schedules.resolve(target, default) == default
     assert schedules.for_target(target).__name__ == f"halstm.schedules.{default}"
     assert "auto:Adams2019" in schedules.names() and "auto:Anderson2021" in schedules.names()
     assert aot.Spec("lstm", I, H, "fwd", target).schedule == default
@@ -254,25 +268,24 @@ def test_default_schedule_of_a_halide_target_object():
     assert schedules.resolve(hl.Target(CUDA_TARGET)) == "cuda"
 
 
-def test_defaults_fit_their_family():
-    assert schedules.default_for("cpu") in CPU
-    assert schedules.default_for("gpu") in GPU
-
-
 @pytest.mark.parametrize("name", schedules.names())
-def test_every_schedule_module_covers_every_pipeline_kind(name):
+def test_every_schedule_module_covers_every_pipeline_it_is_given(name):
+    """Every pipeline a build with this schedule is made of, on each family
+    it fits (both directions, a hidden size below and above where the
+    backward step changes, class-index input where offered), has its
+    function in the schedule module."""
     import halide as hl
-    fam = sorted(schedules.families(name))[0]
-    target = "host" if fam == "cpu" else CUDA_TARGET
-    mod = schedules.for_target(target, name)
-    layout = mod.layout(hl.Target(target))
-    built = {k for d in ("fwd", "bwd") for k in aot.pipeline_kinds(aot.Spec("lstm", I, H, d,
-                                                                         target, name), layout)}
-    for kind in KINDS:
-        if kind == "pack_bwd" and layout.raw_bwd_weights:
-            assert kind not in built      # the backward reads the weights as given
-            continue
-        assert callable(getattr(mod, kind, None)), f"{name} lacks {kind}"
+    for fam in sorted(schedules.families(name)):
+        target = "host" if fam == "cpu" else CUDA_TARGET
+        mod = schedules.for_target(target, name)
+        layout = mod.layout(hl.Target(target))
+        onehot = (False, True) if fam == "cpu" and name in schedules.ONEHOT else (False,)
+        specs = [aot.Spec("lstm", I, h, d, target, name, ids)
+                 for d in aot.DIRECTIONS for h in (H, 1024) for ids in onehot]
+        built = {k for spec in specs for k in aot.pipeline_kinds(spec, layout)}
+        assert {"proj", "step", "step_infer", "grads"} <= built, built
+        for kind in sorted(built):
+            assert callable(getattr(mod, kind, None)), f"{name} ({fam}) lacks {kind}"
 
 
 @pytest.mark.parametrize("target", ["host-cuda", CUDA_TARGET])

@@ -6,20 +6,11 @@ import pytest
 from halstm import cuda
 from halstm.model import CharLM, Config, Trainer, checkpoint, optim
 from halstm.model.charlm import _log_softmax_nll
-from halstm.model.library import kernels
-
-from conftest import TARGET
-
-TINY = dict(hidden_size=16, layers=2, seq_len=8, batch_size=4, eval_batch_size=8)
+from helpers import TINY, assert_close, make_corpus
 
 
-def _corpus(config):
-    from test_model import make_corpus
-    return make_corpus(config)
-
-
-def test_head_kernel_matches_numpy():
-    k = kernels(TARGET)
+def test_head_kernel_matches_numpy(gpu_model_kernels):
+    k = gpu_model_kernels
     rng = np.random.default_rng(0)
     N, H, V = 300, 64, 67
     y, w = (rng.standard_normal(s).astype(np.float32) for s in ((N, H), (V, H)))
@@ -29,14 +20,14 @@ def test_head_kernel_matches_numpy():
     assert all(isinstance(a, cuda.DeviceArray) for a in (loss, dw, db, dy))
     dl = y @ w.T + b
     nll = _log_softmax_nll(dl, t, grad=1.0 / N)
-    np.testing.assert_allclose(loss.numpy(), nll, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dw.numpy(), dl.T @ y, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(db.numpy(), dl.sum(0), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(dy.numpy(), dl @ w, rtol=1e-4, atol=1e-6)
+    assert_close("loss", loss.numpy(), nll, rtol=1e-5, atol=1e-5, per_element=True)
+    assert_close("dw", dw.numpy(), dl.T @ y, rtol=1e-4, atol=1e-6, per_element=True)
+    assert_close("db", db.numpy(), dl.sum(0), rtol=1e-4, atol=1e-6, per_element=True)
+    assert_close("dy", dy.numpy(), dl @ w, rtol=1e-4, atol=1e-6, per_element=True)
 
 
-def test_onehot_kernel_on_the_device():
-    k = kernels(TARGET)
+def test_onehot_kernel_on_the_device(gpu_model_kernels):
+    k = gpu_model_kernels
     ids = np.random.default_rng(2).integers(0, 84, 2048)
     x = k.onehot(k.targets(ids), 84)
     assert isinstance(x, cuda.DeviceArray)
@@ -44,46 +35,47 @@ def test_onehot_kernel_on_the_device():
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_optimizer_kernel_matches_numpy(name):
+def test_optimizer_kernel_matches_numpy(name, gpu_model_kernels):
     rng = np.random.default_rng(1)
     host = {"a": rng.standard_normal((256, 64)).astype(np.float32),
             "b": rng.standard_normal(70001).astype(np.float32)}
     dev = {n: cuda.DeviceArray.from_numpy(a) for n, a in host.items()}
     cfg = Config(optimizer=name, momentum=0.9)
-    want, got = optim.make(cfg, host), optim.make(cfg, dev, kernels(TARGET))
+    want, got = optim.make(cfg, host), optim.make(cfg, dev, gpu_model_kernels)
     for _ in range(4):
         g = {n: 3 * rng.standard_normal(a.shape).astype(np.float32) for n, a in host.items()}
         got.clip_and_step(dev, {n: cuda.DeviceArray.from_numpy(a) for n, a in g.items()},
                           1e-2, 5.0)
         want.clip_and_step(host, g, 1e-2, 5.0)
     for n in host:
-        np.testing.assert_allclose(dev[n].numpy(), host[n], rtol=1e-4, atol=1e-5, err_msg=n)
+        assert_close(n, dev[n].numpy(), host[n], rtol=1e-4, atol=1e-5, per_element=True)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_training_on_the_gpu_matches_the_cpu(cell, tmp_path):
+def test_training_on_the_gpu_matches_the_cpu(cell, tmp_path, gpu_target):
     config = Config(**TINY, cell=cell, steps=30, eval_every=15, clip=1.0)
-    corpus = _corpus(config)
+    corpus = make_corpus(config)
     cpu = Trainer(config, corpus)
     cpu.run(progress=False, handle_sigint=False)
-    gpu = Trainer(config.replace(target=TARGET), corpus)
+    gpu = Trainer(config.replace(target=gpu_target), corpus)
     assert all(isinstance(p, cuda.DeviceArray) for p in gpu.params.values())
     gpu.run(until=15, out=tmp_path / "c.npz", progress=False, handle_sigint=False)
     assert all(isinstance(s, cuda.DeviceArray) for s in gpu.state)
     gpu.run(progress=False, handle_sigint=False)
-    np.testing.assert_allclose(gpu.history["train_loss"], cpu.history["train_loss"], rtol=2e-3)
-    np.testing.assert_allclose(gpu.history["val_loss"], cpu.history["val_loss"], rtol=2e-3)
+    for key in ("train_loss", "val_loss"):
+        assert_close(key, gpu.history[key], cpu.history[key], rtol=2e-3, atol=0,
+                     per_element=True)
     losses = gpu.history["train_loss"]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05, losses   # 2.76 -> 2.66 (lstm)
     # the checkpoint resumes on the GPU exactly, and loads on the CPU
     ckpt = checkpoint.load(tmp_path / "c.npz")
     resumed = Trainer.resume(ckpt, corpus)
     resumed.run(progress=False, handle_sigint=False)
-    np.testing.assert_allclose(resumed.history["train_loss"], gpu.history["train_loss"],
-                               rtol=1e-6)
+    assert_close("train_loss", resumed.history["train_loss"], gpu.history["train_loss"],
+                 rtol=1e-6, atol=0, per_element=True)
     on_cpu = Trainer.resume(ckpt, corpus, ckpt.config.replace(target="host"))
     on_cpu.run(progress=False, handle_sigint=False)
-    np.testing.assert_allclose(on_cpu.history["train_loss"], gpu.history["train_loss"],
-                               rtol=2e-3)
+    assert_close("train_loss", on_cpu.history["train_loss"], gpu.history["train_loss"],
+                 rtol=2e-3, atol=0, per_element=True)
     model = CharLM.from_config(ckpt.config.replace(target="host"), len(corpus.vocab))
     model.load_parameters(ckpt.params)

@@ -5,54 +5,53 @@ import pytest
 
 import halstm
 from halstm import cuda, schedules
-
-import test_modules as tm
-from conftest import TARGET
+from helpers import (B, CASES, CLASSES, H, I, T, assert_close, backward, call, check_case,
+                     check_no_grad, make, ref_run)
 
 GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
 PUT = {"numpy": lambda a: a, "device": cuda.DeviceArray.from_numpy}
 
 
 @pytest.mark.parametrize("io", list(PUT))
-@pytest.mark.parametrize("case", list(tm.CASES))
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_cuda_schedule_matches_reference(cell, case, io):
-    tm.check_case(cell, case, target=TARGET, schedule="cuda", put=PUT[io])
+def test_cuda_schedule_matches_reference(cell, case, io, gpu_target):
+    check_case(cell, case, target=gpu_target, schedule="cuda", put=PUT[io])
 
 
 @pytest.mark.parametrize("case", ["base", "T1", "B1"])
 @pytest.mark.parametrize("schedule", [s for s in GPU if s != "cuda"])
-def test_autoscheduled_matches_reference(schedule, case):
-    tm.check_case("lstm", case, target=TARGET, schedule=schedule)
+def test_autoscheduled_matches_reference(schedule, case, gpu_target):
+    check_case("lstm", case, target=gpu_target, schedule=schedule)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_device_input_keeps_everything_on_the_device(cell):
-    m = tm.make(cell, target=TARGET)
+def test_device_input_keeps_everything_on_the_device(cell, gpu_target):
+    m = make(cell, target=gpu_target)
     assert all(isinstance(v, cuda.DeviceArray) for v in m.state_dict().values())
-    x = cuda.DeviceArray.from_numpy(np.ones((tm.T, tm.B, tm.I), np.float32))
-    y, finals = tm.call(m, cell, x)
+    x = cuda.DeviceArray.from_numpy(np.ones((T, B, I), np.float32))
+    y, finals = call(m, cell, x)
     assert isinstance(y, cuda.DeviceArray) and all(isinstance(f, cuda.DeviceArray) for f in finals)
-    grads = tm.backward(m, cell, cuda.DeviceArray.from_numpy(np.ones(y.shape, np.float32)))
+    grads = backward(m, cell, cuda.DeviceArray.from_numpy(np.ones(y.shape, np.float32)))
     assert all(isinstance(g, cuda.DeviceArray) for g in grads.values())
     # and numpy in gives numpy out
-    y2, _ = tm.call(m, cell, x.numpy())
+    y2, _ = call(m, cell, x.numpy())
     assert isinstance(y2, np.ndarray)
     np.testing.assert_array_equal(y2, y.numpy())
 
 
-def test_a_cuda_error_leaves_the_module_usable():
-    m = tm.make("lstm", target=TARGET)
-    x = np.ones((tm.T, tm.B, tm.I), np.float32)
-    want, _ = tm.call(m, "lstm", x)
+def test_a_cuda_error_leaves_the_module_usable(gpu_target):
+    m = make("lstm", target=gpu_target)
+    x = np.ones((T, B, I), np.float32)
+    want, _ = call(m, "lstm", x)
     free, total = cuda.mem_info()
     # x takes a 20th of the free memory; the layer's workspaces (projected
     # inputs, saved gates, states) need about 40 times x's size
-    big = cuda.zeros((tm.T, free // 20 // (4 * tm.T * tm.I), tm.I))
+    big = cuda.zeros((T, free // 20 // (4 * T * I), I))
     with pytest.raises(cuda.CudaError, match="OUT_OF_MEMORY"):
         m(big)
     del big
-    got, _ = tm.call(m, "lstm", x)
+    got, _ = call(m, "lstm", x)
     np.testing.assert_array_equal(got, want)
     # the blocks m(big) did get went back to this process's pool: free them,
     # or tests running beside this one (pytest -n) find the GPU full
@@ -60,25 +59,25 @@ def test_a_cuda_error_leaves_the_module_usable():
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_matches_cudnn(cell):
+def test_matches_cudnn(cell, gpu_target):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     tcls = torch.nn.LSTM if cell == "lstm" else torch.nn.GRU
-    t = tcls(tm.I, tm.H, num_layers=2).cuda()
-    m = tm.make(cell, target=TARGET)
+    t = tcls(I, H, num_layers=2).cuda()
+    m = make(cell, target=gpu_target)
     m.load_state_dict({k: cuda.asarray(v.detach().contiguous()) for k, v in t.state_dict().items()})
-    x = torch.randn(tm.T, tm.B, tm.I, device="cuda", requires_grad=True)
+    x = torch.randn(T, B, I, device="cuda", requires_grad=True)
     ty, _ = t(x)
     ty.sum().backward()
-    y, _ = tm.call(m, cell, x.detach())
-    grads = tm.backward(m, cell, torch.ones_like(ty))
-    tm.assert_close("y", y.numpy(), ty.detach().cpu().numpy().astype(np.float64))
-    tm.assert_close("input", grads["input"].numpy(), x.grad.cpu().numpy().astype(np.float64))
+    y, _ = call(m, cell, x.detach())
+    grads = backward(m, cell, torch.ones_like(ty))
+    assert_close("y", y.numpy(), ty.detach().cpu().numpy().astype(np.float64))
+    assert_close("input", grads["input"].numpy(), x.grad.cpu().numpy().astype(np.float64))
     for k, p in t.named_parameters():
-        tm.assert_close(k, grads[k].numpy(), p.grad.cpu().numpy().astype(np.float64))
+        assert_close(k, grads[k].numpy(), p.grad.cpu().numpy().astype(np.float64))
 
 
 # The cuda schedule tiles batch rows (4 a thread; 8 from H=512) and N = T*B
@@ -91,17 +90,17 @@ def test_matches_cudnn(cell):
 @pytest.mark.parametrize("T,B", [(5, 9), (3, 4), (2, 17), (1, 16), (4, 1)])
 @pytest.mark.parametrize("H", [37, 96, 128])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_cuda_schedule_batch_tiles(cell, H, T, B):
+def test_cuda_schedule_batch_tiles(cell, H, T, B, gpu_target):
     rng = np.random.default_rng(T * 100 + B)
-    m = tm.CLASSES[cell](tm.I, H, num_layers=2, seed=0, target=TARGET)
-    x = rng.standard_normal((T, B, tm.I)).astype(np.float32)
+    m = CLASSES[cell](I, H, num_layers=2, seed=0, target=gpu_target)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
     dy = rng.standard_normal((T, B, H)).astype(np.float32)
-    y, finals = tm.call(m, cell, x)
-    grads = tm.backward(m, cell, dy)
-    ry, rfinals, rgrads = tm.ref_run(cell, m, x, None, dy, None)
-    tm.assert_close("y", y, ry)
+    y, finals = call(m, cell, x)
+    grads = backward(m, cell, dy)
+    ry, _, rgrads = ref_run(cell, m, x, dy=dy)
+    assert_close("y", y, ry)
     for k, g in grads.items():
-        tm.assert_close(k, g, rgrads[k])
+        assert_close(k, g, rgrads[k])
 
 
 # From H=512 (a multiple of 32) the per-step products, the projection and
@@ -117,29 +116,29 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B):
 @pytest.mark.parametrize("T,B", [(3, 9), (1, 3), (20, 1), (2, 17)])
 @pytest.mark.parametrize("H", [512, 1024])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_cuda_schedule_large_hidden(cell, H, T, B):
+def test_cuda_schedule_large_hidden(cell, H, T, B, gpu_target):
     rng = np.random.default_rng(T + B)
-    m = tm.CLASSES[cell](tm.I, H, num_layers=2, seed=0, target=TARGET)
-    x = rng.standard_normal((T, B, tm.I)).astype(np.float32)
+    m = CLASSES[cell](I, H, num_layers=2, seed=0, target=gpu_target)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
     dy = rng.standard_normal((T, B, H)).astype(np.float32)
-    y, _ = tm.call(m, cell, x)
-    grads = tm.backward(m, cell, dy)
-    ry, _, rgrads = tm.ref_run(cell, m, x, None, dy, None)
-    tm.assert_close("y", y, ry)
+    y, _ = call(m, cell, x)
+    grads = backward(m, cell, dy)
+    ry, _, rgrads = ref_run(cell, m, x, dy=dy)
+    assert_close("y", y, ry)
     for k, g in grads.items():
-        tm.assert_close(k, g, rgrads[k])
+        assert_close(k, g, rgrads[k])
 
 
-def test_changing_a_device_output_leaves_backward_alone():
+def test_changing_a_device_output_leaves_backward_alone(gpu_target):
     """y is the caller's own array, not a view of what backward reads."""
     rng = np.random.default_rng(5)
-    m = tm.make("lstm", target=TARGET)
-    x = rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32)
-    dy = rng.standard_normal((tm.T, tm.B, tm.H)).astype(np.float32)
+    m = make("lstm", target=gpu_target)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
     m(x)
     want = m.backward(dy)
     y, _ = m(cuda.DeviceArray.from_numpy(x))
-    y[0] = np.zeros((tm.B, tm.H), np.float32)            # the caller reuses its output
+    y[0] = np.zeros((B, H), np.float32)            # the caller reuses its output
     got = m.backward(cuda.DeviceArray.from_numpy(dy))
     for k, g in want.items():
         np.testing.assert_array_equal(got[k].numpy(), g, err_msg=k)
@@ -161,23 +160,23 @@ def _stats(m):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_time_loops_from_cuda_graphs_equal_direct_launches(cell):
+def test_time_loops_from_cuda_graphs_equal_direct_launches(cell, gpu_target):
     """The time loops replayed from captured graphs give the same bits as
     launching every step directly, also when the inputs' values change
     under the same pointers (a graph reads memory when it runs) and when
     the batch changes (another graph)."""
     rng = np.random.default_rng(11)
-    m = tm.make(cell, target=TARGET)
+    m = make(cell, target=gpu_target)
 
     def run(T, B, x, dy):
-        y, finals = tm.call(m, cell, x)
-        grads = tm.backward(m, cell, dy)
+        y, finals = call(m, cell, x)
+        grads = backward(m, cell, dy)
         return [y.numpy()] + [f.numpy() for f in finals] + [g.numpy() for g in grads.values()]
 
     problems = []
     for T, B in [(6, 5), (6, 5), (6, 2), (6, 5)]:
-        x = rng.standard_normal((T, B, tm.I)).astype(np.float32)
-        dy = rng.standard_normal((T, B, tm.H)).astype(np.float32)
+        x = rng.standard_normal((T, B, I)).astype(np.float32)
+        dy = rng.standard_normal((T, B, H)).astype(np.float32)
         problems.append((T, B, x, dy))
     xd = cuda.DeviceArray.from_numpy(problems[0][2])
     dyd = cuda.DeviceArray.from_numpy(problems[0][3])
@@ -210,23 +209,23 @@ def test_time_loops_from_cuda_graphs_equal_direct_launches(cell):
     assert after["captures"] > before["captures"]
     # and the results are the reference's
     T, B, x, dy = problems[-1]
-    ry, _, rgrads = tm.ref_run(cell, m, x, None, dy, None)
-    tm.assert_close("y", got[-1][0], ry)
+    ry, _, _ = ref_run(cell, m, x)
+    assert_close("y", got[-1][0], ry)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_a_training_loop_replays_its_graphs(cell):
+def test_a_training_loop_replays_its_graphs(cell, gpu_target):
     """At a fixed shape the pointers a loop is given recur (the pool hands
     back the free block at the lowest address), so after a few iterations
     every time loop is a replay: no capture, no direct launch. (On an H100
     the loop below settled at its 8th iteration.)"""
     rng = np.random.default_rng(5)
-    m = tm.make(cell, num_layers=3, target=TARGET)
+    m = make(cell, num_layers=3, target=gpu_target)
     counts = []
     for _ in range(14):
-        x = cuda.DeviceArray.from_numpy(rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32))
-        dy = cuda.DeviceArray.from_numpy(rng.standard_normal((tm.T, tm.B, tm.H)).astype(np.float32))
-        tm.call(m, cell, x)
+        x = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, I)).astype(np.float32))
+        dy = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, H)).astype(np.float32))
+        call(m, cell, x)
         m.backward(dy)
         counts.append(_stats(m))
     last, before = counts[-1], counts[-4]
@@ -236,16 +235,16 @@ def test_a_training_loop_replays_its_graphs(cell):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_backward_without_input_grad(cell):
+def test_backward_without_input_grad(cell, gpu_target):
     """input_grad=False leaves out the input gradient, nothing else (on a
     GPU the first layer's dx is still computed, then dropped)."""
     rng = np.random.default_rng(9)
-    m = tm.make(cell, target=TARGET)
-    x = rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32)
-    dy = rng.standard_normal((tm.T, tm.B, tm.H)).astype(np.float32)
-    tm.call(m, cell, x)
-    want = tm.backward(m, cell, dy)
-    tm.call(m, cell, x)
+    m = make(cell, target=gpu_target)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    call(m, cell, x)
+    want = backward(m, cell, dy)
+    call(m, cell, x)
     got = m.backward(dy, input_grad=False)
     assert set(got) == set(want) - {"input"}
     for k, g in got.items():
@@ -253,8 +252,8 @@ def test_backward_without_input_grad(cell):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_no_grad_runs_the_step_infer_kernels(cell):
-    tm.check_no_grad(cell, target=TARGET)
+def test_no_grad_runs_the_step_infer_kernels(cell, gpu_target):
+    check_no_grad(cell, target=gpu_target)
 
 
 # Under no_grad a device input is read where it is (no copy: no backward
@@ -262,20 +261,19 @@ def test_no_grad_runs_the_step_infer_kernels(cell):
 # training forward's, the caller's input is left alone, and a later
 # training forward and backward work.
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_no_grad_reads_a_device_input_in_place(batch_first):
+def test_no_grad_reads_a_device_input_in_place(batch_first, gpu_target):
     rng = np.random.default_rng(5)
-    m = tm.CLASSES["lstm"](tm.I, tm.H, num_layers=2, seed=0, target=TARGET,
-                           batch_first=batch_first)
-    x = rng.standard_normal((tm.T, tm.B, tm.I)).astype(np.float32)
+    m = make("lstm", target=gpu_target, batch_first=batch_first)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
     for xs in (x, x[:, 0]):                      # batched, unbatched
         xd = cuda.DeviceArray.from_numpy(xs)
         want_y, (want_h, want_c) = m(xd)
         with halstm.no_grad():
             y, (h, c) = m(xd)
         np.testing.assert_array_equal(xd.numpy(), xs)
-        for g, w in ((y, want_y), (h, want_h), (c, want_c)):
+        for name, g, w in (("y", y, want_y), ("h_n", h, want_h), ("c_n", c, want_c)):
             assert isinstance(g, cuda.DeviceArray)
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+            assert_close(name, g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6, per_element=True)
     y, _ = m(xd)
     grads = m.backward(cuda.DeviceArray.from_numpy(np.ones(y.shape, np.float32)))
     assert np.all(np.isfinite(grads["weight_hh_l0"].numpy()))
