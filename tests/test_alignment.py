@@ -2,7 +2,7 @@
 where they are.
 
 runtime.Library hands a C-contiguous float32 array's own pointer to the
-library (runtime.f32 and np.ascontiguousarray keep such an array as it is,
+library (memory.f32 and np.ascontiguousarray keep such an array as it is,
 wherever it starts), so a caller's array at any address reaches the
 compiled code. Halide assumes its own allocations are vector-aligned: a
 pipeline that read back an output buffer as if it were one emitted aligned
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import halstm
-from halstm import aot, reference, runtime
+from halstm import aot, memory, reference, runtime
 from helpers import B, I, STATES, T, assert_close, make, ref_run
 
 HV = 32      # a multiple of the vector width (8 floats with AVX2, 16 with AVX-512)
@@ -49,9 +49,9 @@ def test_f32_keeps_a_misaligned_array_where_it_is():
     aligned buffer), so the kernels read it at its own address."""
     a = at_offset(np.arange(24.0).reshape(2, 3, 4), 1)
     assert a.ctypes.data % 16 == 4
-    for same in (runtime.f32(a), np.ascontiguousarray(a), np.ascontiguousarray(a, np.float32)):
+    for same in (memory.f32(a), np.ascontiguousarray(a), np.ascontiguousarray(a, np.float32)):
         assert same.ctypes.data == a.ctypes.data
-    assert runtime.empty((2, 3, 4)).ctypes.data % 64 == 0       # the runtime's own arrays
+    assert memory.empty((2, 3, 4)).ctypes.data % 64 == 0       # the runtime's own arrays
 
 
 def _record_pointers(lib):
