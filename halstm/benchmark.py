@@ -370,8 +370,16 @@ def write_csv(results, path) -> None:
 
 def write_json(results, path) -> None:
     import platform
+    from . import machine
     meta = {"machine": platform.machine(), "processor": platform.processor(),
-            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            **machine.facts()}
+    try:
+        import torch
+        meta["torch"] = torch.__version__
+        meta["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+    except ImportError:
+        pass
     try:
         import halide as hl
         meta["host_target"] = str(hl.get_host_target())

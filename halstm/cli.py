@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import aot, cells
+from . import aot, cells, machine
 from .errors import KernelError
 
 
@@ -61,6 +61,7 @@ def targets():
     click.echo(f"architecture: {arch}-{bits}-{os_}")
     click.echo(f"features:     {', '.join(features) or '(none)'}")
     click.echo(f"cuda:         {_cuda_status()}")
+    click.echo(f"machine:      {machine.summary()}")
     click.echo("schedules:")
     for name in schedules.names():
         fams = ", ".join(sorted(schedules.families(name)))
@@ -202,6 +203,7 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
         raise click.ClickException(str(e)) from None
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    click.echo(f"machine: {machine.summary()}")
     click.echo(B.table(results))
     if csv_path:
         B.write_csv(results, csv_path)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import halstm
-from halstm import schedules
+from halstm import cuda, schedules
 from helpers import (B, CUDA_TARGET, H, I, L, T, assert_cli_error, assert_close, ref_run,
                      run_cli)
 
@@ -85,6 +85,8 @@ def test_targets():
     defaults = {r.split()[0]: r.split("(default for ")[1] for r in listed if "default" in r}
     assert defaults == {"cpu": "cpu targets)", "cuda": "gpu targets)"}
     assert "cuda:" in out
+    machine = next(r for r in lines if r.startswith("machine:"))
+    assert f"{len(os.sched_getaffinity(0))} cores" in machine
 
 
 # ---- compile for this machine -----------------------------------------------
@@ -235,6 +237,9 @@ def test_bench_end_to_end(tmp_path):
     assert float(halstm_row["max_rel_err"]) < 1e-3 and float(halstm_row["x_numpy"]) > 0
     data = json.loads(paths["json"].read_text())
     assert len(data["results"]) == 2 and "host_target" in data["meta"]
+    meta = data["meta"]                   # the machine every figure was taken on
+    assert meta["cores"] == len(os.sched_getaffinity(0)) and meta["cpu"]
+    assert ("gpu" in meta) == cuda.available()
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
