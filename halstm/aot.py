@@ -126,7 +126,12 @@ def code_hash() -> str:
 
 
 def cache_key(spec: Spec) -> str:
-    return cache.key({**asdict(spec), "code": code_hash(), "format": FORMAT}, spec.target)
+    material = {**asdict(spec), "code": code_hash(), "format": FORMAT}
+    if spec.schedule.startswith("auto:"):     # its search depends on the machine's parallelism
+        from halstm import schedules
+        from halstm.schedules import auto
+        material["parallelism"] = auto.parallelism(schedules.family(spec.target))
+    return cache.key(material, spec.target)
 
 
 cache_dir = cache.cache_dir

@@ -37,6 +37,20 @@ ANDERSON_FALLBACK = {"step": "SIGFPE in its cost model on the step's Tuple outpu
                      "grads": "an invalid GPU loop nest at estimates of 1"}
 
 
+# SMs assumed for a CUDA build where no GPU is at hand (an H100's count)
+SMS_WITHOUT_GPU = 132
+
+
+def parallelism(family: str) -> int:
+    """The autoschedulers' parallelism: this machine's usable cores (CPU),
+    the GPU's SM count (CUDA; SMS_WITHOUT_GPU without a GPU). A cache key
+    of an autoscheduled build includes it."""
+    from .. import machine
+    if family == "cpu":
+        return machine.cores()
+    return machine.facts().get("gpu_sms", SMS_WITHOUT_GPU)
+
+
 @lru_cache(maxsize=None)
 def _load(name: str) -> None:
     hl.load_plugin(f"{hl.install_dir()}/lib64/libautoschedule_{name.lower()}.so")
@@ -77,7 +91,7 @@ class Auto:
             self.notes.append(f"{p.kind} pipeline scheduled by Li2018: Anderson2021 gives "
                               f"{ANDERSON_FALLBACK[p.kind]}")
         _load(name)
-        params = {"parallelism": "2"} if self.family == "cpu" else {}
+        params = {"parallelism": str(parallelism("cpu"))} if self.family == "cpu" else {}
         if name == "Adams2019":
             # Its default beam of 32 spent 28.6 s on the grads pipeline at
             # H=1024 (over the 20 s bar for one pipeline); a beam of 4 spent
@@ -86,7 +100,7 @@ class Auto:
             # the 2-core VM; the whole layer compiled in 10.5 s, was 26.5).
             params["beam_size"] = str(ADAMS_BEAM)
         if name == "Anderson2021":
-            params = {"parallelism": "132"}
+            params = {"parallelism": str(parallelism("gpu"))}
         p.pipeline().apply_autoscheduler(target, hl.AutoschedulerParams(name, params))
 
 
