@@ -112,7 +112,21 @@ class _RNN:
                     rng.uniform(-bound, bound, shape).astype(np.float32))
         self._zero_bias = self._array(np.zeros(G * H, np.float32))
         self._libs: dict = {}
-        self._tape = None
+        self._libs_lock = threading.Lock()
+        # What backward reads is kept per thread: each thread's backward
+        # follows its own last forward. load_state_dict bumps the version,
+        # which voids every thread's tape.
+        self._local = threading.local()
+        self._version = 0
+
+    @property
+    def _tape(self):
+        tape = getattr(self._local, "tape", None)
+        return tape[1] if tape is not None and tape[0] == self._version else None
+
+    @_tape.setter
+    def _tape(self, value):
+        self._local.tape = None if value is None else (self._version, value)
 
     # ---- parameters -------------------------------------------------------
     def _param_shapes(self, layer) -> dict:
@@ -158,16 +172,17 @@ class _RNN:
                 self._params[k].copy_from(a)     # numpy (cast to float32) or device
             else:
                 np.copyto(self._params[k], np.asarray(a), casting="unsafe")
-        self._tape = None
+        self._version += 1
 
     # ---- kernels ----------------------------------------------------------
     def _lib(self, layer: int, direction: str, onehot: bool = False) -> Library:
         K = self.input_size if layer == 0 else self.hidden_size
         key = (K, direction) + (("onehot",) if onehot else ())
-        if key not in self._libs:
-            spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target, self.schedule,
-                            onehot)
-            self._libs[key] = Library(*aot.library(spec))
+        with self._libs_lock:
+            if key not in self._libs:
+                spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target,
+                                self.schedule, onehot)
+                self._libs[key] = Library(*aot.library(spec))
         return self._libs[key]
 
     def _onehot_ok(self) -> bool:

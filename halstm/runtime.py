@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,9 @@ class Library:
             self._entry.argtypes = [_I, _I] + [_P] * 17
         self._entry.restype = _I
         self._ws = {}
+        # One call at a time: the workspaces are shared between calls, and
+        # ctypes releases the GIL while the library runs.
+        self._lock = threading.Lock()
 
     def _workspace(self, name: str, shape, zeros=False):
         """An array that only lives through one call (packed weights, the
@@ -141,24 +145,25 @@ class Library:
         Arrays are numpy for a CPU library, DeviceArrays for a CUDA one.
         A one-hot library (manifest "onehot") takes x as (T, B) int32 class
         indices in [0, K) instead."""
-        T, B, K = self._x_shape(x)
-        G, H, S, mem = self.G, self.H, self.S, self.mem
-        states = []
-        for s0 in init:
-            st = mem.empty((T + 1, B, H))
-            if s0 is None:
-                mem.zero(st[0])
-            else:
-                st[0] = s0
-            states.append(st)
-        saved = mem.empty((T, B, S, H)) if save else None
-        Hp, P = self.Hp, self.P
-        ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
-              self._workspace("wp_hh", (Hp // P, H, G, P)),
-              self._workspace("xp", (T, B, G, Hp))]
-        self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh, *ws)),
-                   None if saved is None else mem.ptr(saved), self._ptrs(states))
-        return states, saved
+        with self._lock:
+            T, B, K = self._x_shape(x)
+            G, H, S, mem = self.G, self.H, self.S, self.mem
+            states = []
+            for s0 in init:
+                st = mem.empty((T + 1, B, H))
+                if s0 is None:
+                    mem.zero(st[0])
+                else:
+                    st[0] = s0
+                states.append(st)
+            saved = mem.empty((T, B, S, H)) if save else None
+            Hp, P = self.Hp, self.P
+            ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
+                  self._workspace("wp_hh", (Hp // P, H, G, P)),
+                  self._workspace("xp", (T, B, G, Hp))]
+            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh, *ws)),
+                       None if saved is None else mem.ptr(saved), self._ptrs(states))
+            return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True):
         """BPTT of one layer. dfinal: one (B, H) gradient (or None: zeros) per
@@ -166,39 +171,40 @@ class Library:
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H).
         need_dx False: no dx in the result, and a CPU library skips its GEMM.
         A one-hot library takes x as (T, B) int32 indices and gives no dx."""
-        T, B, K = self._x_shape(x)
-        G, H, Hp, Kp, P, mem = self.G, self.H, self.Hp, self.Kp, self.P, self.mem
-        if dy.shape != (T, B, H):
-            raise ValueError(f"dy: expected (T, B, {H}) = {(T, B, H)}, got {dy.shape}")
-        need_dx = need_dx and not self.onehot
-        dstate = []
-        for d in dfinal:
-            a = mem.zeros((2, B, Hp))
-            if d is not None:
-                mem.put_leading(a[0], d)
-            dstate.append(a)
-        ws = [None, None]       # no pack_bwd: the products read the weights as given
-        if "halstm_pack_bwd" in self.manifest["pipelines"]:
-            ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
-                  self._workspace("wq_hh", (Hp // P, G, H, P))]
-        dxp = self._workspace("dxp", (T, B, G, H))
-        dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
-        fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
-        if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
-            fused = self._workspace("fused_bwd", (3 * B * Hp + 3 * B * G * H,), zeros=True)
-        skip_dx = not need_dx and self.device == "cpu"
-        out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
-               "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
-               "db_hh": mem.empty(G * H)}
-        self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
-                   mem.ptr(dy), self._ptrs(dstate),
-                   *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
-                                                                 *out.values())])
-        if not need_dx:
-            del out["dx"]
-        elif Kp != K:
-            out["dx"] = mem.leading(out["dx"], K)
-        for s, a in zip(self.states, dstate):   # the driver leaves them in row T & 1
-            # (a is this call's own: where it has no padding, a view will do)
-            out[f"d{s}0"] = a[T & 1] if Hp == H else mem.leading(a[T & 1], H)
-        return out
+        with self._lock:
+            T, B, K = self._x_shape(x)
+            G, H, Hp, Kp, P, mem = self.G, self.H, self.Hp, self.Kp, self.P, self.mem
+            if dy.shape != (T, B, H):
+                raise ValueError(f"dy: expected (T, B, {H}) = {(T, B, H)}, got {dy.shape}")
+            need_dx = need_dx and not self.onehot
+            dstate = []
+            for d in dfinal:
+                a = mem.zeros((2, B, Hp))
+                if d is not None:
+                    mem.put_leading(a[0], d)
+                dstate.append(a)
+            ws = [None, None]       # no pack_bwd: the products read the weights as given
+            if "halstm_pack_bwd" in self.manifest["pipelines"]:
+                ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
+                      self._workspace("wq_hh", (Hp // P, G, H, P))]
+            dxp = self._workspace("dxp", (T, B, G, H))
+            dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
+            fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
+            if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
+                fused = self._workspace("fused_bwd", (3 * B * Hp + 3 * B * G * H,), zeros=True)
+            skip_dx = not need_dx and self.device == "cpu"
+            out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
+                   "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
+                   "db_hh": mem.empty(G * H)}
+            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
+                       mem.ptr(dy), self._ptrs(dstate),
+                       *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
+                                                                     *out.values())])
+            if not need_dx:
+                del out["dx"]
+            elif Kp != K:
+                out["dx"] = mem.leading(out["dx"], K)
+            for s, a in zip(self.states, dstate):   # the driver leaves them in row T & 1
+                # (a is this call's own: where it has no padding, a view will do)
+                out[f"d{s}0"] = a[T & 1] if Hp == H else mem.leading(a[T & 1], H)
+            return out

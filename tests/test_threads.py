@@ -1,0 +1,124 @@
+"""Calls from several threads at once: one module (each thread's backward
+follows its own forward) and one loaded library (its workspaces are shared
+between calls, and ctypes releases the GIL while it runs) give exactly the
+results of the same calls made one after another."""
+import threading
+
+import numpy as np
+import pytest
+
+from helpers import B, I, STATES, T, backward, call, make
+
+THREADS, ROUNDS = 4, 6
+
+
+def _inputs(n, seed):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((T + i % 3, B, I)).astype(np.float32),
+             rng.standard_normal((T + i % 3, B, 37)).astype(np.float32)) for i in range(n)]
+
+
+def _run_threads(work, n):
+    """work(i) on n threads started together; the first exception re-raised."""
+    errors, start = [], threading.Barrier(n)
+
+    def run(i):
+        try:
+            start.wait()
+            work(i)
+        except BaseException as e:      # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_one_module_from_several_threads(cell):
+    m = make(cell)
+    problems = _inputs(THREADS * ROUNDS, seed=7)
+
+    def one(x, dy):
+        y, finals = call(m, cell, x)
+        return y, finals, backward(m, cell, dy)
+
+    want = [one(x, dy) for x, dy in problems]           # one after another
+    got = [None] * len(problems)
+
+    def work(i):
+        for r in range(ROUNDS):
+            k = r * THREADS + i
+            got[k] = one(*problems[k])
+
+    _run_threads(work, THREADS)
+    for k, ((y, finals, grads), (wy, wfinals, wgrads)) in enumerate(zip(got, want)):
+        assert np.array_equal(y, wy), f"problem {k}: y differs"
+        for s, a, b in zip(STATES[cell], finals, wfinals):
+            assert np.array_equal(a, b), f"problem {k}: {s}_n differs"
+        for name in wgrads:
+            assert np.array_equal(grads[name], wgrads[name]), f"problem {k}: {name} differs"
+
+
+def test_backward_follows_the_threads_own_forward():
+    """A forward in another thread between this thread's forward and
+    backward does not change what this backward differentiates."""
+    m = make("lstm")
+    (x1, dy1), (x2, _) = _inputs(2, seed=3)[0], _inputs(2, seed=4)[1]
+    call(m, "lstm", x1)
+    want = backward(m, "lstm", dy1)
+    call(m, "lstm", x1)
+    other = threading.Thread(target=lambda: call(m, "lstm", x2))
+    other.start()
+    other.join()
+    got = backward(m, "lstm", dy1)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def test_backward_in_a_thread_without_a_forward_raises():
+    m = make("gru")
+    call(m, "gru", _inputs(1, seed=5)[0][0])
+    err = []
+    t = threading.Thread(target=lambda: err.append(_raises(lambda: backward(m, "gru", None))))
+    t.start()
+    t.join()
+    assert err and isinstance(err[0], RuntimeError) and "forward first" in str(err[0])
+
+
+def _raises(f):
+    try:
+        f()
+    except Exception as e:   # noqa: BLE001 - the test inspects it
+        return e
+    return None
+
+
+def test_one_library_from_several_threads():
+    """runtime.Library itself, the object halstm.load and the modules share."""
+    m = make("lstm", num_layers=1)
+    lib = m._lib(0, "fwd")
+    w = m.state_dict()
+    problems = _inputs(THREADS * ROUNDS, seed=11)
+    args = (w["weight_ih_l0"], w["bias_ih_l0"], w["weight_hh_l0"], w["bias_hh_l0"])
+
+    def one(x):
+        states, saved = lib.forward(x, *args, [None, None])
+        return states, saved
+
+    want = [one(x) for x, _ in problems]
+    got = [None] * len(problems)
+
+    def work(i):
+        for r in range(ROUNDS):
+            k = r * THREADS + i
+            got[k] = one(problems[k][0])
+
+    _run_threads(work, THREADS)
+    for k, ((states, saved), (wstates, wsaved)) in enumerate(zip(got, want)):
+        assert all(np.array_equal(a, b) for a, b in zip(states, wstates)), k
+        assert np.array_equal(saved, wsaved), k
