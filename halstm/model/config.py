@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 
 CELLS = ("lstm", "gru")
@@ -58,8 +59,8 @@ class Config:
 
         def number(name, lo, hi=None, lo_open=False):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                raise ValueError(f"{name}: expected a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name}: expected a finite number, got {v!r}")
             if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
                 rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
                 raise ValueError(f"{name}: expected a value in {rng}, got {v!r}")
