@@ -24,8 +24,9 @@ import pytest
 from click.testing import CliRunner
 
 from halstm.cli import main as cli
-from halstm.model import CharLM, CheckpointError, Corpus, checkpoint
+from halstm.model import CharLM, CheckpointError, Config, Corpus, checkpoint, optim
 from halstm.model.charlm import parameter_shapes
+from halstm.model.optim import NonFiniteError
 
 ALPHABET = "abcdefghijklmn \n"            # 16 symbols
 WORDS = ["bad", "cab", "fig", "hen", "jam", "kind", "lime", "mile", "can", "dig",
@@ -174,6 +175,52 @@ def nan_grad(name, value=np.nan):
         grads[name] = g
         return out[0], grads, out[2]
     return act
+
+
+# ---- class 1: non-finite gradients in the optimizers ---------------------------
+
+@pytest.mark.parametrize("opt,momentum,value", [("adam", 0.0, np.nan), ("adam", 0.0, np.inf),
+                                                ("sgd", 0.0, np.nan), ("sgd", 0.9, -np.inf)])
+def test_the_numpy_optimizers_refuse_a_nonfinite_gradient_changing_nothing(opt, momentum, value):
+    rng = np.random.default_rng(0)
+    params = {"a": rng.standard_normal((4, 3)).astype(np.float32),
+              "b": rng.standard_normal(5).astype(np.float32)}
+    o = optim.make(Config(optimizer=opt, momentum=momentum), params)
+    o.clip_and_step(params, {k: np.ones_like(p) for k, p in params.items()}, 0.1, 1.0)
+    before = ({k: p.copy() for k, p in params.items()},
+              {k: np.array(v) for k, v in o.state_dict().items()})
+    grads = {k: np.ones_like(p) for k, p in params.items()}
+    grads["b"][2] = value
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient \(norm (nan|inf)\) in b$"):
+        o.clip_and_step(params, grads, 0.1, 1.0)
+    for k, p in params.items():
+        np.testing.assert_array_equal(p, before[0][k])
+    for k, v in o.state_dict().items():
+        np.testing.assert_array_equal(v, before[1][k])
+    assert o.t == 1
+
+
+@pytest.mark.parametrize("opt,clip", [("adam", 5.0), ("sgd", 0.0)])
+def test_the_kernel_optimizers_refuse_a_nonfinite_gradient_changing_nothing(opt, clip):
+    from halstm.model import library
+    k = library.kernels("host")
+    rng = np.random.default_rng(1)
+    params = {"a": rng.standard_normal((4, 3)).astype(np.float32),
+              "b": rng.standard_normal(7).astype(np.float32)}
+    o = optim.make(Config(optimizer=opt, momentum=0.5), params, k)
+    before = ({n: p.copy() for n, p in params.items()},
+              {n: np.array(v) for n, v in o.state_dict().items()})
+    grads = {n: np.ones_like(p) for n, p in params.items()}
+    grads["a"][1, 2] = np.nan
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient \(norm nan\) in a$"):
+        o.clip_and_step(params, grads, 0.1, clip)
+    for n, p in params.items():
+        np.testing.assert_array_equal(p, before[0][n])
+    for n, v in o.state_dict().items():
+        np.testing.assert_array_equal(v, before[1][n])
+    grads["a"][1, 2] = 1.0                            # and a finite step still works
+    assert o.clip_and_step(params, grads, 0.1, clip) == pytest.approx(np.sqrt(19), rel=1e-6)
+    assert o.t == 1 and not np.array_equal(params["a"], before[0]["a"])
 
 
 # ---- class 6: damaged and hostile checkpoints -------------------------------------------
