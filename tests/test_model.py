@@ -399,7 +399,7 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path, text_file):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
-    assert "Traceback" not in err and "interrupted: continue with" in err
+    assert "Traceback" not in err and "interrupted by SIGINT: " in err and "continue with" in err
     ckpt = checkpoint.load(out)
     assert ckpt.step > 0 and len(ckpt.history["train_loss"]) == ckpt.step
 

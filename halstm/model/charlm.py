@@ -22,6 +22,25 @@ from .. import cuda
 from ..nn import GRU, LSTM, no_grad
 
 MODULES = {"lstm": LSTM, "gru": GRU}
+GATES = {"lstm": 4, "gru": 3}
+
+
+def parameter_shapes(vocab_size: int, cell: str, hidden_size: int, layers: int) -> dict:
+    """name -> shape of every parameter of CharLM(vocab_size, cell,
+    hidden_size, layers), in parameters() order, computed without
+    allocating anything (a checkpoint's header is checked against it)."""
+    if cell not in GATES:
+        raise ValueError(f"cell: expected one of {list(GATES)}, got {cell!r}")
+    V, H, G = int(vocab_size), int(hidden_size), GATES[cell]
+    shapes = {}
+    for k in range(int(layers)):
+        shapes[f"rnn.weight_ih_l{k}"] = (G * H, V if k == 0 else H)
+        shapes[f"rnn.weight_hh_l{k}"] = (G * H, H)
+        shapes[f"rnn.bias_ih_l{k}"] = (G * H,)
+        shapes[f"rnn.bias_hh_l{k}"] = (G * H,)
+    shapes["head.weight"] = (V, H)
+    shapes["head.bias"] = (V,)
+    return shapes
 
 
 class CharLM:

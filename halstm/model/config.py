@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 
 CELLS = ("lstm", "gru")
@@ -14,7 +15,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 ARCHITECTURE = ("cell", "hidden_size", "layers")
 # Fields a resumed run may change: they change neither array shapes nor what
 # the run has done so far (more steps, other evaluation cadence, other device).
-RESUMABLE = ("steps", "eval_every", "save_every", "target", "schedule")
+RESUMABLE = ("steps", "eval_every", "save_every", "save_minutes", "target", "schedule")
 
 
 @dataclass
@@ -41,7 +42,9 @@ class Config:
     clip: float = 5.0                # global gradient-norm clip; 0 disables
     eval_every: int = 200            # validation loss every N steps (0: only at the end)
     eval_batch_size: int = 128       # parallel streams over the validation text
-    save_every: int = 0              # checkpoint every N steps (0: at the end and on Ctrl-C)
+    save_every: int = 0              # checkpoint every N steps (0: by time only)
+    save_minutes: float = 5.0        # checkpoint when this long has passed since the last
+                                     # (0: only by save_every, at the end and on a signal)
     seed: int = 0
     target: str = "host"             # Halide target of the kernels (not part of the model)
     schedule: str | None = None      # kernel schedule name; None: the target's default
@@ -58,8 +61,8 @@ class Config:
 
         def number(name, lo, hi=None, lo_open=False):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                raise ValueError(f"{name}: expected a number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name}: expected a finite number, got {v!r}")
             if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
                 rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
                 raise ValueError(f"{name}: expected a value in {rng}, got {v!r}")
@@ -82,6 +85,7 @@ class Config:
         number("eps", 0.0, lo_open=True)
         number("momentum", 0.0, 1.0)
         number("clip", 0.0)
+        number("save_minutes", 0.0)
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target: expected a Halide target string, got {self.target!r}")
         if self.schedule is not None and not isinstance(self.schedule, str):

@@ -3,7 +3,11 @@ global gradient-norm clipping and the learning-rate schedule. All updates
 are in place on the parameter arrays, in float32, with preallocated scratch,
 so that a step allocates nothing. Adam and SGD run in numpy (CPU training);
 KernelAdam and KernelSGD run the same rules as Halide pipelines
-(model/kernels.py) on a target's arrays: DeviceArrays for CUDA training."""
+(model/kernels.py) on a target's arrays: DeviceArrays for CUDA training.
+
+Every optimizer refuses a non-finite gradient: clip_and_step raises
+NonFiniteError, naming the parameters whose gradients hold NaN or Inf,
+before it changes any parameter or moment (docs/reliability.md)."""
 from __future__ import annotations
 
 import math
@@ -26,6 +30,21 @@ def lr_at(config, step: int) -> float:
     if config.lr_schedule == "cosine":
         return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
     return lr - (lr - floor) * frac                      # linear
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient that is NaN or infinite (training stops on it)."""
+
+
+def _check_finite(names, sumsq) -> float:
+    """The global norm from per-parameter sums of squares; NonFiniteError
+    naming the parameters whose sum is NaN or Inf (a NaN or Inf in the
+    gradient, or squares beyond float32's range)."""
+    bad = [k for k, s in zip(names, sumsq) if not math.isfinite(s)]
+    if bad:
+        worst = next((s for s in sumsq if math.isnan(s)), math.inf)
+        raise NonFiniteError(f"non-finite gradient (norm {worst}) in {', '.join(bad)}")
+    return math.sqrt(sum(sumsq))
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> float:
@@ -86,10 +105,19 @@ class Optimizer:
         for k, p in params.items():
             self._update(k, p, grads[k], lr)
 
-    def clip_and_step(self, params: dict, grads: dict, lr: float, max_norm: float) -> None:
-        """clip_grad_norm(grads, max_norm) (in place), then step."""
-        clip_grad_norm(grads, max_norm)
+    def clip_and_step(self, params: dict, grads: dict, lr: float, max_norm: float) -> float:
+        """clip_grad_norm(grads, max_norm) (in place), then step. Returns the
+        norm before clipping; NonFiniteError, with nothing changed, if it is
+        not finite."""
+        total = _check_finite(list(grads), [float(np.dot(g.ravel(), g.ravel()))
+                                            for g in grads.values()])
+        if max_norm > 0:
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                for g in grads.values():
+                    g *= np.float32(coef)
         self.step(params, grads, lr)
+        return total
 
 
 class SGD(Optimizer):
@@ -192,15 +220,20 @@ class _KernelOptimizer(Optimizer):
     def step(self, params: dict, grads: dict, lr: float) -> None:
         self.clip_and_step(params, grads, lr, 0.0)
 
-    def clip_and_step(self, params: dict, grads: dict, lr: float, max_norm: float) -> None:
+    def clip_and_step(self, params: dict, grads: dict, lr: float, max_norm: float) -> float:
         """One update with the gradients clipped to global norm max_norm
-        (0: none); grads are left as they are."""
+        (0: none); grads are left as they are. Returns the norm before
+        clipping; NonFiniteError, with nothing changed, if it is not finite.
+        The per-parameter sums of squares are read back (P floats) to check
+        them before the update is queued: one wait for the device a step,
+        after the backward that the loss read already waited for."""
+        for i, k in enumerate(params):
+            self.kernels.sumsq(grads[k], self._sq[i:i + 1])
+        total = _check_finite(list(params), np.asarray(self._sq, np.float64).tolist())
         self.t += 1
-        if max_norm > 0:
-            for i, k in enumerate(params):
-                self.kernels.sumsq(grads[k], self._sq[i:i + 1])
         for k, p in params.items():
             self._update(k, p, grads[k], lr, max_norm)
+        return total
 
 
 class KernelAdam(_KernelOptimizer):

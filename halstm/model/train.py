@@ -2,19 +2,27 @@
 
     corpus = Corpus.from_text(*data.load(None), config.seq_len, config.batch_size)
     trainer = Trainer(config, corpus)
-    trainer.run(out="charlm.npz")            # Ctrl-C: checkpoint, then return
+    trainer.run(out="charlm.npz")            # SIGINT/TERM/HUP: checkpoint, then return
     trainer = Trainer.resume(checkpoint.load("charlm.npz"), corpus)
 
 A run is deterministic for a given config (seed included): weights start
 from CharLM(seed), the data order from Streams(rng(seed, 1)), and a
 checkpoint holds all the state that changes, so that a resumed run
 continues exactly as an uninterrupted one.
+
+What a run guarantees (docs/reliability.md): it saves every
+config.save_minutes (and save_every steps), at the end and on a signal,
+so that a kill loses at most the work since the last save; a save that
+fails (disk full, folder gone read-only) keeps the previous checkpoint,
+is reported, and is tried again at the next save; a non-finite loss or
+gradient stops the run before the update, with the state of the last
+good step saved; a checkpoint never holds NaN or Inf.
 """
 from __future__ import annotations
 
 import collections
-import signal
-import threading
+import math
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -23,12 +31,14 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from . import checkpoint as ckpt_mod
-from . import optim
+from . import optim, signals
 from .charlm import CharLM
 from .config import RESUMABLE, Config
 from .data import Corpus, Streams
+from .optim import NonFiniteError
 
 HISTORY = ("train_step", "train_loss", "val_step", "val_loss")
+_clock = time.monotonic          # of the periodic saves (tests replace it)
 
 
 class Timer:
@@ -72,6 +82,13 @@ class Trainer:
         self.timer = Timer()
         self.train_seconds, self.train_chars = 0.0, 0      # of the last run()
         self._val = None
+        self._consistent = True       # False while a step is under way (or was cut short)
+        # of the last run(): the signal that stopped it, the step its last
+        # successful save wrote, and the last failed save's message (None
+        # once a save succeeds again)
+        self.interrupted_by: int | None = None
+        self.saved_step: int | None = None
+        self.save_error: str | None = None
 
     # ---- checkpoints -------------------------------------------------------
     def checkpoint(self) -> ckpt_mod.Checkpoint:
@@ -86,7 +103,30 @@ class Trainer:
                      for k, v in self.history.items()})
 
     def save(self, path) -> None:
-        ckpt_mod.save(path, self.checkpoint())
+        """Write the checkpoint to path (atomically). NonFiniteError, writing
+        nothing, if a parameter, moment or carried state holds NaN or Inf;
+        RuntimeError if a step was cut short (the state is half updated)."""
+        ckpt = self._checked_checkpoint()
+        ckpt_mod.save(path, ckpt)
+
+    def _checked_checkpoint(self) -> ckpt_mod.Checkpoint:
+        if not self._consistent:
+            raise RuntimeError("the trainer was stopped in the middle of a step: its state is "
+                               "half updated and cannot be saved")
+        ckpt = self.checkpoint()
+        arrays = {**{f"param/{k}": v for k, v in ckpt.params.items()},
+                  **{f"opt/{k}": v for k, v in ckpt.optimizer.items()},
+                  **{f"state/{i}": v for i, v in enumerate(ckpt.state)}}
+        bad = [k for k, v in arrays.items() if not np.isfinite(v).all()]
+        if bad:
+            raise NonFiniteError(f"the model holds NaN or Inf ({', '.join(bad[:4])}"
+                                 f"{', ...' if len(bad) > 4 else ''}): not saved")
+        return ckpt
+
+    def probe_save(self, path) -> int:
+        """Write a checkpoint beside path and delete it (path untouched):
+        OSError where saving to path would fail now. Returns its size."""
+        return ckpt_mod.probe(path, self.checkpoint())
 
     @classmethod
     def resume(cls, ckpt: ckpt_mod.Checkpoint, corpus: Corpus,
@@ -133,18 +173,32 @@ class Trainer:
         return optim.lr_at(self.config, self.step)
 
     def train_step(self) -> float:
-        """One optimizer step on the next batch; returns its mean loss (nats/char)."""
+        """One optimizer step on the next batch; returns its mean loss (nats/char).
+        NonFiniteError if the loss or the gradient is NaN or Inf: then
+        nothing changes (no update; the data position and carried state put
+        back), so that the trainer stays in its last good state."""
         timer = self.timer
-        x, y, new_epoch = self.streams.batch()
-        if new_epoch:
-            self.state = self.model.zero_state(self.config.batch_size)
-        with threadpool_limits(1, user_api="blas"):
-            loss, grads, self.state = self.model.loss_and_grads(x, y, self.state, timer)
-        with timer("optimizer"):
-            self.optimizer.clip_and_step(self.params, grads, self.lr(), self.config.clip)
+        position, state = self.streams.position(), self.state
+        self._consistent = False
+        try:
+            x, y, new_epoch = self.streams.batch()
+            if new_epoch:
+                state = self.model.zero_state(self.config.batch_size)
+            with threadpool_limits(1, user_api="blas"):
+                loss, grads, new_state = self.model.loss_and_grads(x, y, state, timer)
+            if not math.isfinite(loss):
+                raise NonFiniteError(f"non-finite training loss ({loss})")
+            with timer("optimizer"):
+                self.optimizer.clip_and_step(self.params, grads, self.lr(), self.config.clip)
+        except NonFiniteError as e:
+            self.streams.set_position(position)     # nothing was updated: undo the batch
+            self._consistent = True
+            raise NonFiniteError(f"{e} at step {self.step + 1}: the step was not applied") from None
+        self.state = new_state
         self.step += 1
         self.history["train_step"].append(self.step)
         self.history["train_loss"].append(loss)
+        self._consistent = True
         return loss
 
     def _val_streams(self):
@@ -175,66 +229,135 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------
     def run(self, until: int | None = None, out=None, progress: bool = True,
-            handle_sigint: bool = True) -> str:
+            handle_signals: bool = True, log=None, handle_sigint: bool | None = None) -> str:
         """Train up to step `until` (default and at most config.steps).
-        Validates every eval_every steps and at config.steps; with `out`,
-        saves every save_every steps, at the end and when interrupted.
-        Ctrl-C (SIGINT, main thread) finishes the current step (dropping a
-        validation under way), saves and returns "interrupted"; a second
-        Ctrl-C aborts at once. Returns
-        "done" (config.steps reached) or "stopped" (until reached)."""
+        Validates every eval_every steps and at config.steps. With `out`,
+        saves every save_every steps, whenever save_minutes have passed since
+        the last save, at the end and when a signal stops the run; a run that
+        completed no step writes nothing.
+
+        Signals (SIGINT, SIGTERM, SIGHUP; main thread, handle_signals): once
+        a step is done, the first finishes the current step (dropping a
+        validation under way), saves and returns "interrupted"
+        (interrupted_by says which); during the run's first step (which may
+        build kernels) it raises signals.Interrupted at once, writing
+        nothing; a second signal raises Interrupted at once (a save under
+        way is abandoned, the previous checkpoint kept).
+
+        A save that fails (OSError: disk full, read-only folder) is reported
+        through log (a callable taking one line; default: stderr, above the
+        progress bar), the previous checkpoint is
+        kept and training goes on; the next save tries again. save_error
+        holds the message while the last save failed, saved_step the step
+        of the last successful save of this run.
+
+        A non-finite loss or gradient raises NonFiniteError: the step's
+        update is not applied; the last good state is saved first (if this
+        run completed a step). A non-finite validation loss raises it too,
+        saving nothing (that step's update is already applied).
+
+        Returns "done" (config.steps reached), "stopped" (until reached) or
+        "interrupted". handle_sigint: the former name of handle_signals."""
+        if handle_sigint is not None:
+            handle_signals = handle_sigint
         cfg = self.config
         until = cfg.steps if until is None else min(until, cfg.steps)
-        interrupted = threading.Event()
-        previous = None                       # the SIGINT handler to put back, once replaced
-        if handle_sigint and threading.current_thread() is threading.main_thread():
-            def on_sigint(signum, frame):
-                interrupted.set()
-                signal.signal(signal.SIGINT, previous)   # a second Ctrl-C aborts
-            previous = signal.getsignal(signal.SIGINT)
-            if previous is None:                  # installed from C: restore the default
-                previous = signal.SIG_DFL
-            signal.signal(signal.SIGINT, on_sigint)
         bar = _progress(cfg.steps, self.step, progress)
+        if log is None:            # above the progress bar, or a line on stderr
+            log = (lambda msg: bar.write(msg, file=sys.stderr)) if bar is not None else _stderr
+
+        def say(msg):
+            _safe(log, msg)
         chars = cfg.seq_len * cfg.batch_size
         window = collections.deque(maxlen=20)
         self.train_seconds, self.train_chars = 0.0, 0      # excluding each run's first step
+        self.interrupted_by, self.saved_step, self.save_error = None, None, None
         val = self.history["val_loss"][-1] if self.history["val_loss"] else None
-        try:
-            first = True
-            while self.step < until and not interrupted.is_set():
-                t0 = time.perf_counter()
-                loss = self.train_step()
-                dt = time.perf_counter() - t0
-                if not first:                   # the first step may compile kernels
-                    self.train_seconds += dt
-                    self.train_chars += chars
-                    window.append(dt)
-                first = False
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
-                    with self.timer("validation"):
-                        v = self.evaluate(stop=interrupted.is_set)
-                    if v is not None:                 # None: Ctrl-C during validation
-                        val = v
-                        self.history["val_step"].append(self.step)
-                        self.history["val_loss"].append(val)
-                if out is not None and cfg.save_every and self.step % cfg.save_every == 0:
-                    self.save(out)
+        start = self.step
+        save_seconds = cfg.save_minutes * 60.0
+        last_save = _clock()
+
+        def save(why: str) -> bool:
+            nonlocal last_save
+            last_save = _clock()
+            if self.saved_step == self.step:
+                return True
+            try:
+                self.save(out)
+            except OSError as e:
+                self.save_error = (f"could not write the checkpoint {out} at step {self.step} "
+                                   f"({why}): {_oserror(e)}")
+                say(f"warning: {self.save_error}; the training state is kept in memory and "
+                    f"the previous checkpoint left as it was; trying again at the next save")
+                return False
+            self.saved_step, self.save_error = self.step, None
+            return True
+
+        with signals.guard(handle_signals) as sig:
+            try:
+                first = True
+                while self.step < until and sig.signum is None:
+                    # the run's first step may build kernels: a signal then
+                    # stops it at once (nothing done yet to save)
+                    sig.deferred = not first
+                    t0 = time.perf_counter()
+                    try:
+                        loss = self.train_step()
+                    except NonFiniteError:
+                        if out is not None and self.step > start:
+                            try:
+                                save("the last good step, before the non-finite one")
+                            except NonFiniteError:
+                                pass     # the weights were already bad: nothing written
+                        raise
+                    sig.deferred = True
+                    dt = time.perf_counter() - t0
+                    if not first:                   # the first step may compile kernels
+                        self.train_seconds += dt
+                        self.train_chars += chars
+                        window.append(dt)
+                    first = False
+                    if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                        with self.timer("validation"):
+                            v = self._validate(sig)
+                        if v is not None:                 # None: a signal during validation
+                            if not math.isfinite(v):
+                                raise NonFiniteError(
+                                    f"non-finite validation loss ({v}) after step {self.step}: "
+                                    f"the weights of step {self.step} are not saved")
+                            val = v
+                            self.history["val_step"].append(self.step)
+                            self.history["val_loss"].append(val)
+                    if out is not None and sig.signum is None and (
+                            (cfg.save_every and self.step % cfg.save_every == 0) or
+                            (save_seconds and _clock() - last_save >= save_seconds)):
+                        save("periodic save")
+                    if bar is not None:
+                        speed = f"{chars * len(window) / sum(window):,.0f}" if window else "-"
+                        _safe(bar.set_postfix_str, f"loss {loss:.3f}  val "
+                              f"{'-' if val is None else f'{val:.3f}'}  {speed} chars/s",
+                              refresh=False)
+                        _safe(bar.update, 1)
+                if out is not None and self.step > start:
+                    save("signal" if sig.signum is not None else "end of the run")
+            finally:
                 if bar is not None:
-                    bar.update(1)
-                    speed = f"{chars * len(window) / sum(window):,.0f}" if window else "-"
-                    bar.set_postfix_str(f"loss {loss:.3f}  val {'-' if val is None else f'{val:.3f}'}"
-                                        f"  {speed} chars/s", refresh=False)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-            if bar is not None:
-                bar.close()
-        if out is not None:
-            self.save(out)
-        if interrupted.is_set():
+                    _safe(bar.close)
+            self.interrupted_by = sig.signum
+        if self.interrupted_by is not None:
             return "interrupted"
         return "done" if self.step >= cfg.steps else "stopped"
+
+    def _validate(self, sig):
+        """evaluate(), stopping early on a signal. A failure after a signal
+        (a kernel build killed by the terminal's Ctrl-C) counts as the
+        signal's, not as an error."""
+        try:
+            return self.evaluate(stop=lambda: sig.signum is not None)
+        except Exception:
+            if sig.signum is not None:
+                return None
+            raise
 
     def chars_per_second(self) -> float | None:
         """Training throughput of the last run() (its first step, which may
@@ -245,6 +368,22 @@ class Trainer:
 def _host(a) -> np.ndarray:
     """A numpy copy of a DeviceArray; numpy arrays as they are."""
     return a if isinstance(a, np.ndarray) else np.array(a, np.float32)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _safe(fn, *args, **kwargs) -> None:
+    """Report or draw, ignoring a closed or hung-up terminal (SIGHUP)."""
+    try:
+        fn(*args, **kwargs)
+    except (OSError, ValueError):
+        pass
+
+
+def _oserror(e: OSError) -> str:
+    return e.strerror or str(e) or type(e).__name__
 
 
 def _progress(total, initial, enabled):

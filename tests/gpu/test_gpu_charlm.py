@@ -51,6 +51,39 @@ def test_optimizer_kernel_matches_numpy(name, gpu_model_kernels):
         assert_close(n, dev[n].numpy(), host[n], rtol=1e-4, atol=1e-5, per_element=True)
 
 
+@pytest.mark.parametrize("name,value", [("adam", np.nan), ("sgd", np.inf)])
+def test_optimizer_kernel_refuses_a_nonfinite_gradient_changing_nothing(name, value):
+    rng = np.random.default_rng(3)
+    host = {"a": rng.standard_normal((64, 16)).astype(np.float32),
+            "b": rng.standard_normal(1001).astype(np.float32)}
+    dev = {n: cuda.DeviceArray.from_numpy(a) for n, a in host.items()}
+    o = optim.make(Config(optimizer=name, momentum=0.9), dev, kernels(TARGET))
+    g = {n: np.ones_like(a) for n, a in host.items()}
+    g["b"][500] = value
+    for clip in (5.0, 0.0):              # also unclipped: the norm is checked all the same
+        with pytest.raises(optim.NonFiniteError,
+                           match=r"non-finite gradient \(norm (nan|inf)\) in b$"):
+            o.clip_and_step(dev, {n: cuda.DeviceArray.from_numpy(a) for n, a in g.items()},
+                            1e-2, clip)
+    assert o.t == 0
+    for n in host:
+        np.testing.assert_array_equal(dev[n].numpy(), host[n], err_msg=n)
+    for n, a in o.state_dict().items():
+        assert n == "t" or not a.any(), n
+
+
+def test_training_on_the_gpu_stops_on_a_nonfinite_loss(tmp_path):
+    config = Config(**TINY, steps=10, eval_every=0, save_minutes=0, target=TARGET)
+    gpu = Trainer(config, _corpus(config))
+    gpu.run(until=3, out=tmp_path / "c.npz", progress=False, handle_signals=False)
+    w = gpu.params["head.weight"].numpy()     # NaN reaches the loss or dy = dlogits @ W
+    w[2, 0] = np.nan
+    gpu.params["head.weight"].copy_from(w)
+    with pytest.raises(optim.NonFiniteError, match="at step 4: the step was not applied"):
+        gpu.run(out=tmp_path / "c.npz", progress=False, handle_signals=False)
+    assert gpu.step == 3 and checkpoint.load(tmp_path / "c.npz").step == 3
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_training_on_the_gpu_matches_the_cpu(cell, tmp_path, gpu_target):
     config = Config(**TINY, cell=cell, steps=30, eval_every=15, clip=1.0)
