@@ -21,13 +21,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import cache, cells, driver
+from . import manifest as manifest_schema
 from .errors import CompileError
 from .layout import Layout
 
 DIRECTIONS = ("fwd", "bwd")
 LIBRARY = "libhalstm.so"
 MANIFEST = cache.MANIFEST
-FORMAT = 2
+FORMAT = manifest_schema.FORMAT
 _HERE = Path(__file__).resolve().parent
 
 # What each direction's C entry point takes (numpy shapes), for manifests.
@@ -139,14 +140,15 @@ cache_dir = cache.cache_dir
 
 def read_entry(folder: Path) -> dict | None:
     """The manifest of a complete, intact layer library in folder, else None."""
-    return cache.read_entry(folder, FORMAT)
+    return cache.read_entry(folder, FORMAT, manifest_schema.check)
 
 
 def library(spec: Spec) -> tuple[Path, dict]:
     """The cached library for spec, built first if missing or damaged.
     Returns (path of the .so, manifest)."""
     return cache.entry(cache_key(spec), FORMAT,
-                       lambda folder: build(spec, folder, require_loadable=True))
+                       lambda folder: build(spec, folder, require_loadable=True),
+                       manifest_schema.check)
 
 
 # `halstm compile --emit` names -> Halide output files (suffix per pipeline)

@@ -30,6 +30,8 @@ from typing import Callable
 
 from filelock import FileLock
 
+from .errors import CacheError
+
 MANIFEST = "manifest.json"
 
 
@@ -39,6 +41,33 @@ def cache_dir() -> Path:
         return Path(env)
     import platformdirs
     return Path(platformdirs.user_cache_dir("halstm"))
+
+
+def root() -> Path:
+    """cache_dir(), created private (0700) if missing, and checked: a
+    folder this user owns and can write, which no other user can write
+    (a library loaded from it runs its code). Raises CacheError."""
+    path = cache_dir()
+    where = f"the kernel cache folder {path} (HALSTM_CACHE, or the user cache directory)"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CacheError(f"{where}: expected a folder, got a file") from None
+    except OSError as e:
+        raise CacheError(f"{where}: cannot create it: {e.strerror}") from None
+    if not path.is_dir():
+        raise CacheError(f"{where}: expected a folder, got a file")
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise CacheError(f"{where}: expected a folder of this user's, got one of uid "
+                         f"{st.st_uid}; loading a library from it would run its code")
+    if st.st_mode & 0o022:
+        raise CacheError(f"{where}: expected a folder only its owner can write, got mode "
+                         f"{st.st_mode & 0o777:o}; loading a library from it would run code "
+                         f"others can put there (chmod go-w it, or set HALSTM_CACHE)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CacheError(f"{where}: not writable")
+    return path
 
 
 def file_sha256(path) -> str:
@@ -127,13 +156,21 @@ def key(material: dict, target: str, prefix: str = "") -> str:
     return prefix + hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def read_entry(folder: Path, format) -> dict | None:
-    """The manifest of a complete, intact entry of `format`, else None."""
+def read_entry(folder: Path, format, check: Callable[[dict], None] | None = None) -> dict | None:
+    """The manifest of a complete, intact entry of `format`, else None:
+    check(manifest) raises ValueError (or KeyError, TypeError) on a
+    manifest of the wrong shape, and the library's checksum must match,
+    before anything loads it."""
     try:
         manifest = json.loads((Path(folder) / MANIFEST).read_text())
-        if manifest.get("format") != format:
+        if not isinstance(manifest, dict) or manifest.get("format") != format:
             return None
-        if file_sha256(Path(folder) / manifest["library"]) != manifest["sha256"]:
+        if check is not None:
+            check(manifest)
+        library = manifest["library"]
+        if not isinstance(library, str) or Path(library).name != library:
+            return None
+        if file_sha256(Path(folder) / library) != manifest["sha256"]:
             return None
         return manifest
     except (OSError, ValueError, KeyError, TypeError):
@@ -148,25 +185,27 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     os.replace(tmp, Path(folder) / MANIFEST)
 
 
-def entry(key: str, format, build: Callable[[Path], dict]) -> tuple[Path, dict]:
+def entry(key: str, format, build: Callable[[Path], dict],
+          check: Callable[[dict], None] | None = None) -> tuple[Path, dict]:
     """The cached library under `key`: (path of the .so, manifest).
-    Missing or damaged, it is first built by build(folder), which writes a
-    library and a manifest (with "format", "library" and "sha256") into the
-    empty folder it is given and returns the manifest."""
-    root = cache_dir()
-    folder = root / key
-    manifest = read_entry(folder, format)
+    Missing or damaged (see read_entry), it is first built by build(folder),
+    which writes a library and a manifest (with "format", "library" and
+    "sha256") into the empty folder it is given and returns the manifest."""
+    base = root()
+    folder = base / key
+    manifest = read_entry(folder, format, check)
     if manifest is not None:
         return folder / manifest["library"], manifest
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(root)
-    with FileLock(str(root / f"{key}.lock")):
-        manifest = read_entry(folder, format)          # another process may have built it
+    _remove_stale_builds(base)
+    with FileLock(str(base / f"{key}.lock")):
+        manifest = read_entry(folder, format, check)   # another process may have built it
         if manifest is None:
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=base))
             try:
                 manifest = build(tmp)
-                if folder.exists():            # a damaged entry: replace it
+                if folder.is_symlink() or folder.is_file():   # something else in its place
+                    folder.unlink()
+                elif folder.exists():          # a damaged entry: replace it
                     shutil.rmtree(folder)
                 os.rename(tmp, folder)
             finally:

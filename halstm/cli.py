@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from . import aot, cells, machine
-from .errors import KernelError
+from .errors import CacheError, KernelError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -132,7 +132,7 @@ def inspect(folder, as_json):
         top = compiled.read(folder)
         parts = [compiled.read(folder / p["dir"]) for p in top.get("parts", [])]
     except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        raise click.ClickException(f"{folder}: {e}") from None
+        raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps({"model": top, "parts": parts}, indent=2))
         return
@@ -199,7 +199,7 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     modes = ["fwd", "fwdbwd"] if fwd_only is None else (["fwd"] if fwd_only else ["fwdbwd"])
     try:
         results, notes = B.run(names, cell, scheds, target, peer_list, modes, progress=True)
-    except (aot.CompileError, KernelError, AssertionError) as e:
+    except (aot.CompileError, CacheError, KernelError, AssertionError) as e:
         raise click.ClickException(str(e)) from None
     for note in notes:
         click.echo(f"note: {note}", err=True)

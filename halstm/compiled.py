@@ -15,7 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import aot
+from . import aot, manifest
+from .errors import LibraryError
 
 MANIFEST = "manifest.json"
 
@@ -82,15 +83,49 @@ def check_out(out: Path) -> None:
 
 
 def read(path) -> dict:
-    """The top manifest of a compiled folder (or a single library's)."""
+    """The checked manifest of a compiled folder, or of one library's
+    folder in it (manifest.check); LibraryError (a ValueError) naming the
+    file and the field where it is damaged."""
     path = Path(path) / MANIFEST
     try:
-        return json.loads(path.read_text())
+        top = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path.parent}: no {MANIFEST}; not a folder written by "
                                 f"`halstm compile`") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not a valid manifest ({e})") from None
+    except (ValueError, OSError) as e:
+        raise LibraryError(f"{path}: not a valid manifest ({e})") from None
+    if isinstance(top, dict) and "parts" not in top:      # one library's folder
+        return manifest.check(top, str(path))
+    _check_top(top, str(path))
+    return top
+
+
+def _check_top(top, where: str) -> None:
+    def bad(key, what):
+        got = top.get(key, "nothing") if isinstance(top, dict) else top
+        raise LibraryError(f"{where}: {key!r}: expected {what}, got {got!r}")
+    if not isinstance(top, dict):
+        bad("(top)", "a JSON object")
+    if top.get("cell") not in ("lstm", "gru"):
+        bad("cell", "'lstm' or 'gru'")
+    for key in ("input_size", "hidden_size", "num_layers"):
+        v = top.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 1 << 24:
+            bad(key, "a positive int")
+    for key in ("target", "target_requested", "schedule"):
+        if not isinstance(top.get(key), str):
+            bad(key, "a string")
+    if not isinstance(top.get("loadable_here"), bool):
+        bad("loadable_here", "true or false")
+    parts = top.get("parts")
+    if not isinstance(parts, list) or not parts:
+        bad("parts", "a list of the compiled libraries")
+    for part in parts:
+        if (not isinstance(part, dict) or not isinstance(part.get("dir"), str)
+                or Path(part["dir"]).name != part["dir"] or part["dir"] in ("", ".", "..")
+                or part.get("direction") not in manifest.DIRECTIONS
+                or not isinstance(part.get("input_size"), int)):
+            bad("parts", "entries with a folder name, a direction and an input size")
 
 
 def load(path, seed=None):

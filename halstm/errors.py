@@ -7,3 +7,12 @@ class CompileError(RuntimeError):
 
 class KernelError(RuntimeError):
     """A compiled pipeline reported an error."""
+
+
+class CacheError(RuntimeError):
+    """The kernel cache folder cannot be used (not a folder, not writable,
+    or writable by other users: loading a library from it runs its code)."""
+
+
+class LibraryError(ValueError):
+    """A compiled library or its manifest is damaged or not halstm's."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -156,6 +157,9 @@ class _RNN:
     def load_state_dict(self, state_dict, strict: bool = True) -> None:
         """Copy parameters in. Any missing, unexpected or wrongly shaped key
         raises (strict) before anything changes."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of parameter names to arrays "
+                            f"(as state_dict() returns), got {type(state_dict).__name__}")
         expected = {k: s for layer in range(self.num_layers)
                     for k, s in self._param_shapes(layer).items()}
         missing = sorted(set(expected) - set(state_dict))
@@ -361,6 +365,10 @@ class LSTM(_RNN):
     def __call__(self, x, hx=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None or (h0, c0) each
         (L, B, H). Returns y (T, B, H), (h_n, c_n) each (L, B, H)."""
+        if hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+            raise TypeError(f"hx: expected None or a pair (h0, c0) of (num_layers, batch, "
+                            f"hidden_size) arrays, got {type(hx).__name__}"
+                            + (f" of length {len(hx)}" if isinstance(hx, (tuple, list)) else ""))
         h0, c0 = (None, None) if hx is None else hx
         y, (h_n, c_n) = self._forward(x, [("h0", h0), ("c0", c0)])
         return y, (h_n, c_n)

@@ -11,14 +11,14 @@ It never imports halide: a process that only loads cached libraries starts fast.
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from . import memory
-from .errors import KernelError
+from . import cache, memory
+from . import manifest as manifest_schema
+from .errors import KernelError, LibraryError
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -54,8 +54,16 @@ class Library:
     def __init__(self, path, manifest: dict | None = None):
         path = Path(path)
         if manifest is None:              # a folder written by `halstm compile`
-            manifest = json.loads((path / "manifest.json").read_text())
+            manifest = manifest_schema.read(path)
+            if manifest["library"] is None:
+                raise LibraryError(f"{path}: compiled for {manifest['target']}, which cannot "
+                                   f"run here (static libraries only)")
             path = path / manifest["library"]
+            if not path.is_file():
+                raise LibraryError(f"{path}: missing (named by {path.parent}/manifest.json)")
+            if cache.file_sha256(path) != manifest["sha256"]:
+                raise LibraryError(f"{path}: damaged: its checksum is not the manifest's; "
+                                   f"compile it again (`halstm compile`)")
         self.path, self.manifest = path, manifest
         self.K, self.H = manifest["input_size"], manifest["hidden_size"]
         self.G, self.S = len(manifest["gates"]), len(manifest["saved"])

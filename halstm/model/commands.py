@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .. import CompileError, KernelError
+from .. import CacheError, CompileError, KernelError
 from . import checkpoint as ckpt_mod
 from . import data, outputs, signals
 from .charlm import CharLM
@@ -139,7 +139,7 @@ def train(ctx, text, out, resume, plot, quiet, **options):
         except signals.Interrupted as e:
             _interrupted(e.signum, trainer, out, resume, again, aborted=True)
             ctx.exit(e.exit_status)
-        except (CompileError, KernelError) as e:
+        except (CacheError, CompileError, KernelError) as e:
             if sig.signum is not None:            # a build killed by the terminal's Ctrl-C
                 _interrupted(sig.signum, trainer, out, resume, again, aborted=True)
                 ctx.exit(signals.exit_status(sig.signum))
@@ -195,7 +195,7 @@ def _setup(text, out, resume, plot, given, options):
             config = Config(**{_FIELDS.get(k, k): v for k, v in options.items()})
             corpus = Corpus.from_text(raw, source, config.seq_len, config.batch_size)
             trainer = Trainer(config, corpus)
-    except (CorpusError, ckpt_mod.CheckpointError, ValueError, CompileError, KernelError) as e:
+    except (CorpusError, ckpt_mod.CheckpointError, ValueError, CacheError, CompileError, KernelError) as e:
         raise click.ClickException(str(e)) from None      # KernelError: CudaError, no GPU
     del raw
     try:
@@ -321,7 +321,7 @@ def sample(checkpoint, prime, length, temperature, seed, target, schedule):
         text = generate(model, vocab, prime, length, temperature, seed)
     except (ckpt_mod.CheckpointError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    except (CompileError, KernelError) as e:
+    except (CacheError, CompileError, KernelError) as e:
         raise click.ClickException(str(e)) from None
     except MemoryError:
         raise click.ClickException(f"not enough memory for the model of {checkpoint}") from None
