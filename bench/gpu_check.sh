@@ -5,7 +5,8 @@
 # against cuDNN on the shared shapes. Output into $OUT (default
 # /tmp/halstm-gpu-check): gpu_tests.log, bench.{txt,json,csv}.
 #   bench/gpu_check.sh [tests] [bench]      (both when none is named)
-#   SHAPES=small_128_b16,latency_256_b1 bench/gpu_check.sh bench
+#   SHAPES=small_128_b16,latency_256_b1 CELL=gru bench/gpu_check.sh bench
+#   TARGET=host bench/gpu_check.sh bench     (the machine's CPU against torch's)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/halstm-gpu-check}
@@ -28,8 +29,8 @@ if [[ " $what " == *" tests "* ]]; then
 fi
 if [[ " $what " == *" bench "* ]]; then
     shapes=${SHAPES:-charrnn_512x2,deepbench_1024,large_2048,small_128_b16,latency_256_b1}
-    python3 -c "from halstm.cli import main; main()" bench --target host-cuda \
-        --shapes "$shapes" --peers torch --json "$out/bench.json" --csv "$out/bench.csv" \
+    python3 -c "from halstm.cli import main; main()" bench --target "${TARGET:-host-cuda}" \
+        --cell "${CELL:-lstm}" --shapes "$shapes" --peers torch --json "$out/bench.json" --csv "$out/bench.csv" \
         | tee "$out/bench.txt"
     rc=$((rc | PIPESTATUS[0]))
 fi

@@ -102,7 +102,9 @@ def read(path) -> dict:
 
 def _check_top(top, where: str) -> None:
     def bad(key, what):
-        got = top.get(key, "nothing") if isinstance(top, dict) else top
+        if isinstance(top, dict) and key not in top:
+            raise LibraryError(f"{where}: no {key!r} (expected {what})")
+        got = top[key] if isinstance(top, dict) else top
         raise LibraryError(f"{where}: {key!r}: expected {what}, got {got!r}")
     if not isinstance(top, dict):
         bad("(top)", "a JSON object")

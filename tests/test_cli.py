@@ -341,8 +341,19 @@ def test_compile_out_current_folder(tmp_path, monkeypatch):
 def test_inspect_folder_with_missing_part(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(
         {"cell": "lstm", "input_size": I, "hidden_size": H, "num_layers": 1,
+         "target": "host", "target_requested": "host", "schedule": "cpu",
+         "loadable_here": True,
          "parts": [{"dir": "fwd_k13", "direction": "fwd", "input_size": I}]}))
     assert_cli_error(run_cli("inspect", tmp_path, ok=False), "fwd_k13", code=1)
+
+
+def test_inspect_manifest_without_a_field_names_it(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"cell": "lstm", "input_size": I, "hidden_size": H, "num_layers": 1,
+         "parts": [{"dir": "fwd_k13", "direction": "fwd", "input_size": I}]}))
+    line = assert_cli_error(run_cli("inspect", tmp_path, ok=False), "manifest.json",
+                            "no 'target'", code=1)
+    assert "nothing" not in line
 
 
 def test_inspect_corrupt_manifest_names_the_file(tmp_path):
