@@ -52,12 +52,13 @@ def test_optimizer_kernel_matches_numpy(name, gpu_model_kernels):
 
 
 @pytest.mark.parametrize("name,value", [("adam", np.nan), ("sgd", np.inf)])
-def test_optimizer_kernel_refuses_a_nonfinite_gradient_changing_nothing(name, value):
+def test_optimizer_kernel_refuses_a_nonfinite_gradient_changing_nothing(name, value,
+                                                                     gpu_model_kernels):
     rng = np.random.default_rng(3)
     host = {"a": rng.standard_normal((64, 16)).astype(np.float32),
             "b": rng.standard_normal(1001).astype(np.float32)}
     dev = {n: cuda.DeviceArray.from_numpy(a) for n, a in host.items()}
-    o = optim.make(Config(optimizer=name, momentum=0.9), dev, kernels(TARGET))
+    o = optim.make(Config(optimizer=name, momentum=0.9), dev, gpu_model_kernels)
     g = {n: np.ones_like(a) for n, a in host.items()}
     g["b"][500] = value
     for clip in (5.0, 0.0):              # also unclipped: the norm is checked all the same
@@ -72,9 +73,9 @@ def test_optimizer_kernel_refuses_a_nonfinite_gradient_changing_nothing(name, va
         assert n == "t" or not a.any(), n
 
 
-def test_training_on_the_gpu_stops_on_a_nonfinite_loss(tmp_path):
-    config = Config(**TINY, steps=10, eval_every=0, save_minutes=0, target=TARGET)
-    gpu = Trainer(config, _corpus(config))
+def test_training_on_the_gpu_stops_on_a_nonfinite_loss(tmp_path, gpu_target):
+    config = Config(**TINY, steps=10, eval_every=0, save_minutes=0, target=gpu_target)
+    gpu = Trainer(config, make_corpus(config))
     gpu.run(until=3, out=tmp_path / "c.npz", progress=False, handle_signals=False)
     w = gpu.params["head.weight"].numpy()     # NaN reaches the loss or dy = dlogits @ W
     w[2, 0] = np.nan
