@@ -1,10 +1,12 @@
-"""Time schedule variants of one LSTM layer against each other on the GPU,
-interleaved in one process, so that the machine's drift (10-15% between
-processes on the shared H100s) falls on every variant alike.
+"""Time variants of one LSTM or GRU layer against each other, interleaved
+in one process, so that the machine's drift (10-15% between processes on
+the shared H100s) falls on every variant alike.
 
-Each variant is a cache folder holding a library compiled under that
+A variant NAME is a cache folder holding a library compiled under that
 variant's settings (bench/gpu_variants.sh with COMPILE_ONLY=1 makes them:
-/tmp/halstm-variant-NAME). Every variant is checked against the numpy
+/tmp/halstm-variant-NAME); NAME=DIR is a folder written by `halstm compile`
+(e.g. by a copy of the source with one change: bench/cell_ab.sh). The GPU
+by default; --target host times the CPU. Every variant is checked against the numpy
 reference (forward and gradients) before timing; then each repetition runs
 every variant once, in turn, and the medians are printed with their ratio
 to the first variant's:
@@ -32,17 +34,24 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--cell", choices=["lstm", "gru"], default="lstm")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--target", default="host-cuda")
     a = ap.parse_args()
     I, H, B, T = a.input_size or a.hidden_size, a.hidden_size, a.batch, a.steps
     cls = halstm.LSTM if a.cell == "lstm" else halstm.GRU
+    gpu = "cuda" in a.target
+    put = cuda.DeviceArray.from_numpy if gpu else (lambda v: v)
     rng = np.random.default_rng(0)
-    x = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, I)))
-    dy = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, H)))
+    x = put(rng.standard_normal((T, B, I)).astype(np.float32))
+    dy = put(rng.standard_normal((T, B, H)).astype(np.float32))
     mods = {}
-    for name in a.variants:       # a variant that fails or differs is reported and left out
+    for variant in a.variants:   # a variant that fails or differs is reported and left out
+        name, _, folder = variant.partition("=")
         os.environ["HALSTM_CACHE"] = a.cache_prefix + name
         try:
-            m = cls(I, H, target="host-cuda", seed=0).compile()
+            m = (halstm.load(folder, seed=0) if folder else
+                 cls(I, H, target=a.target, seed=0).compile())
+            if (m.input_size, m.hidden_size) != (I, H):
+                raise ValueError(f"{folder} holds I={m.input_size} H={m.hidden_size}")
             err = max(reference_errors(m, a.cell, x, m(x)[0], dy).values())
         except Exception as e:
             print(f"  {name}: failed: {e}")
@@ -51,19 +60,20 @@ def main():
             print(f"  {name}: differs from the reference by {err:.2e}")
             continue
         mods[name] = m
-    if a.variants[0] not in mods:
-        raise SystemExit(f"the first variant, {a.variants[0]}, is needed for the ratios")
+    first = a.variants[0].partition("=")[0]
+    if first not in mods:
+        raise SystemExit(f"the first variant, {first}, is needed for the ratios")
     calls = {}
     for n, m in mods.items():             # (m=m: each call its own module)
         calls[n, "fwd"] = lambda m=m: m(x)
         calls[n, "bwd"] = lambda m=m: m.backward(dy)
     # the first round warms up
-    med = {k: s * 1e3 for k, s in alternating(calls, a.reps + 1, 1, cuda.synchronize).items()}
-    first = a.variants[0]
-    print(f"{a.cell} I={I} H={H} B={B} T={T}, {a.reps} interleaved rounds, medians in ms "
+    sync = cuda.synchronize if gpu else (lambda: None)
+    med = {k: s * 1e3 for k, s in alternating(calls, a.reps + 1, 1, sync).items()}
+    print(f"{a.target} {a.cell} I={I} H={H} B={B} T={T}, {a.reps} interleaved rounds, medians in ms "
           f"(ratio to {first})")
     for n, m in mods.items():
-        captures = sum(lib.graph_stats()["captures"] for lib in m._libs.values())
+        captures = sum(lib.graph_stats()["captures"] for lib in m._libs.values()) if gpu else 0
         print(f"  {n:12s} fwd {med[n, 'fwd']:8.3f} ({med[n, 'fwd'] / med[first, 'fwd']:.3f})  "
               f"bwd {med[n, 'bwd']:8.3f} ({med[n, 'bwd'] / med[first, 'bwd']:.3f})  "
               f"graphs captured {captures}")

@@ -2,8 +2,8 @@
 input, an initial state or a weight gives NaN in exactly the outputs and
 gradients that the float64 numpy reference has NaN in (nothing is clamped
 into a finite value), and an infinity saturates the gates as in the
-reference. CPU here; tests/gpu/test_gpu_modules.py runs the same cases on
-a GPU."""
+reference. CPU here; tests/gpu/test_gpu_nan.py runs the same cases on a
+GPU."""
 import numpy as np
 import pytest
 
@@ -19,9 +19,9 @@ POISON = {   # where a special value goes: (array, index)
 }
 
 
-def _problem(cell, where, value, rng):
+def _problem(cell, where, value, rng, target="host"):
     """A module (2 layers) and inputs with `value` at `where`."""
-    m = make(cell)
+    m = make(cell, target=target)
     x = rng.standard_normal((T, B, I)).astype(np.float32)
     hx = [0.5 * rng.standard_normal((2, B, 37)).astype(np.float32) for _ in STATES[cell]]
     name, index = POISON[where]
@@ -30,8 +30,9 @@ def _problem(cell, where, value, rng):
     elif name in ("h0", "c0"):
         hx[STATES[cell].index(name[0])][index] = value
     else:
-        w = m.state_dict()[name]
-        w[index] = value            # the module's own array (state_dict is not a copy)
+        params = {k: np.array(v) for k, v in m.state_dict().items()}  # (GPU: copies)
+        params[name][index] = value
+        m.load_state_dict(params)
     return m, x, hx
 
 
@@ -55,9 +56,8 @@ def _cases():
             yield cell, where
 
 
-@pytest.mark.parametrize("cell,where", list(_cases()))
-def test_nan_reaches_what_it_reaches_in_the_reference(cell, where, rng):
-    m, x, hx = _problem(cell, where, np.nan, rng)
+def check_nan(cell, where, rng, target="host"):
+    m, x, hx = _problem(cell, where, np.nan, rng, target)
     y, finals = call(m, cell, x, tuple(hx) if cell == "lstm" else hx[0])
     dy = rng.standard_normal(y.shape).astype(np.float32)
     grads = backward(m, cell, dy)
@@ -70,12 +70,26 @@ def test_nan_reaches_what_it_reaches_in_the_reference(cell, where, rng):
         _same_specials(k, grads[k], want)
 
 
-@pytest.mark.parametrize("value", [np.inf, -np.inf], ids=["+inf", "-inf"])
-@pytest.mark.parametrize("cell,where", [c for c in _cases() if c[1] != "bias_hh_l0"])
-def test_inf_saturates_as_in_the_reference(cell, where, value, rng):
-    m, x, hx = _problem(cell, where, value, rng)
+def check_inf(cell, where, value, rng, target="host"):
+    m, x, hx = _problem(cell, where, value, rng, target)
     y, finals = call(m, cell, x, tuple(hx) if cell == "lstm" else hx[0])
     ry, rfinals, _ = ref_run(cell, m, x, hx)
     _same_specials("y", y, ry)
     for s, got, want in zip(STATES[cell], finals, rfinals):
         _same_specials(f"{s}_n", got, want)
+
+
+NAN_CASES = list(_cases())
+INF_CASES = [c for c in _cases() if c[1] != "bias_hh_l0"]
+INF_VALUES = pytest.mark.parametrize("value", [np.inf, -np.inf], ids=["+inf", "-inf"])
+
+
+@pytest.mark.parametrize("cell,where", NAN_CASES)
+def test_nan_reaches_what_it_reaches_in_the_reference(cell, where, rng):
+    check_nan(cell, where, rng)
+
+
+@INF_VALUES
+@pytest.mark.parametrize("cell,where", INF_CASES)
+def test_inf_saturates_as_in_the_reference(cell, where, value, rng):
+    check_inf(cell, where, value, rng)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Time source variants of halstm against each other, one layer per shape,
+# interleaved in one process (bench/gpu_ab.py). A variant is NAME (this
+# tree as it is) or NAME:PATCH (a copy of this tree with PATCH, a unified
+# diff, applied by patch -p1). Each variant compiles every cell and shape
+# into /tmp/cell-ab/NAME (all at once, in parallel), then each cell and
+# shape times every variant; the first variant is the base of the ratios.
+#   [TARGET=host-cuda] [CELLS="lstm gru"] [SHAPES="I H B T;..."] [REPS=30] \
+#       bench/cell_ab.sh OUT.txt NAME[:PATCH] ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$1; shift
+target=${TARGET:-host-cuda}
+shapes=${SHAPES:-"1024 1024 64 25;128 128 16 100;256 256 1 1000"}
+IFS=';' read -ra rows <<< "$shapes"
+root=/tmp/cell-ab
+rm -rf "$root" && mkdir -p "$root"
+
+pids=(); what=(); args=()
+for v in "$@"; do
+  name=${v%%:*}; patch=${v#*:}; [ "$patch" = "$v" ] && patch=""
+  tree=$root/$name
+  mkdir -p "$tree" && cp -r halstm schedules setup.py "$tree"/
+  if [ -n "$patch" ]; then
+    patch -s -p1 -d "$tree" < "$patch" || { echo "$patch does not apply" >&2; exit 1; }
+  fi
+  for cell in ${CELLS:-lstm gru}; do
+    for s in "${rows[@]}"; do
+      read -r I H B T <<< "$s"
+      log=$tree/$cell-$H.log
+      HALSTM_CACHE=$tree/cache PYTHONPATH="$tree:${PYTHONPATH:-}" python3 -c \
+        "from halstm.cli import main; main()" compile --cell "$cell" -i "$I" -H "$H" \
+        --target "$target" --out "$tree/$cell-$I-$H" > "$log" 2>&1 &
+      pids+=($!); what+=("$name $cell H=$H (log $log)")
+    done
+  done
+done
+failed=0
+for k in "${!pids[@]}"; do
+  wait "${pids[$k]}" || { echo "compile failed: ${what[$k]}" >&2; failed=1; }
+done
+[ "$failed" = 0 ] || exit 1
+for cell in ${CELLS:-lstm gru}; do
+  for s in "${rows[@]}"; do
+    read -r I H B T <<< "$s"
+    folders=()
+    for v in "$@"; do folders+=("${v%%:*}=$root/${v%%:*}/$cell-$I-$H"); done
+    python3 bench/gpu_ab.py --target "$target" --cell "$cell" --input-size "$I" \
+      --hidden-size "$H" --batch "$B" --steps "$T" --reps "${REPS:-30}" "${folders[@]}" \
+      2>&1 | tee -a "$out"
+  done
+done
