@@ -128,6 +128,8 @@ def code_hash() -> str:
 
 def cache_key(spec: Spec) -> str:
     material = {**asdict(spec), "code": code_hash(), "format": FORMAT}
+    if spec.cell not in cells.NAMES:   # a user's cell is in no code file: its math is
+        material["cell_definition"] = cells.definition(spec.cell).signature()   # the key
     if spec.schedule.startswith("auto:"):     # its search depends on the machine's parallelism
         from halstm import schedules
         from halstm.schedules import auto
@@ -183,8 +185,11 @@ def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dic
 def _build_in_child(spec: Spec, out: Path, emit, require_loadable) -> dict:
     import signal
     import sys
-    args = json.dumps([asdict(spec), str(out), list(emit), require_loadable])
-    code = ("import json, sys; from halstm import aot; s, o, e, r = json.loads(sys.argv[1]); "
+    d = None if spec.cell in cells.NAMES else cells.definition(spec.cell)
+    files = [d.file] if d is not None and d.file else []
+    args = json.dumps([asdict(spec), str(out), list(emit), require_loadable, files])
+    code = ("import json, sys; from halstm import aot, cells; s, o, e, r, f = "
+            "json.loads(sys.argv[1]); [cells.load_file(p) for p in f]; "
             "aot._build(aot.Spec(**s), aot.Path(o), e, r)")
     res = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True)
     if res.returncode != 0:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from . import aot, cells, machine
+from .cell_options import cell_file_option, cell_options
 from .errors import CacheError, KernelError
 
 
@@ -70,8 +71,36 @@ def targets():
         click.echo(f"  {name:10s} {fams}{note}")
 
 
+@main.command("cells")
+@cell_file_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def cells_command(as_json):
+    """List the cells: gates, states, parameters, and what backward reads."""
+    rows = []
+    for name in cells.names():
+        d = cells.info(name)
+        G = len(d["gates"])
+        gh = "H" if G == 1 else f"{G}H"
+        params = {"weight_ih_l{k}": f"({gh}, I or H)", "weight_hh_l{k}": f"({gh}, H)",
+                  "bias_ih_l{k}": f"({gh},)", "bias_hh_l{k}": f"({gh},)"}
+        kind = "built in" if name in cells.NAMES else "from a file"
+        backward = "derived" if cells.definition(name) is not None else "hand-written"
+        rows.append(d | {"parameters": params, "origin": kind, "backward": backward})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['name']}  ({r['origin']}; backward {r['backward']})")
+        if r["doc"]:
+            click.echo(f"  {r['doc'].splitlines()[0]}")
+        click.echo(f"  gates {', '.join(r['gates'])}; states {', '.join(r['states'])}; "
+                   f"saved for backward {', '.join(r['saved'])}")
+        click.echo("  parameters per layer k: " + ", ".join(f"{k} {v}" for k, v in
+                                                           r["parameters"].items()))
+
+
 @main.command()
-@click.option("--cell", type=click.Choice(cells.NAMES), default="lstm", show_default=True)
+@cell_options
 @click.option("--input-size", "-i", type=int, required=True, callback=_positive)
 @click.option("--hidden-size", "-H", type=int, required=True, callback=_positive)
 @click.option("--layers", type=int, default=1, show_default=True, callback=_positive)
@@ -155,7 +184,8 @@ def inspect(folder, as_json):
 @main.command()
 @click.option("--shapes", default="small_128_b16", show_default=True,
               help="Comma-separated shape names from the shared set, or 'all'.")
-@click.option("--cell", type=click.Choice(cells.NAMES), default="lstm", show_default=True)
+@click.option("--cell", type=click.Choice(["lstm", "gru"]), default="lstm", show_default=True,
+              help="The cells with peers (torch.nn.LSTM, torch.nn.GRU).")
 @click.option("--schedules", "schedule_list", default=None,
               help="Comma-separated schedules (default: the target's default).")
 @_target_option

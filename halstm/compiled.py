@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import aot, manifest
+from . import aot, cells, manifest
 from .errors import LibraryError
 
 MANIFEST = "manifest.json"
@@ -50,6 +50,11 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
                "num_layers": layers, "target": m["target"], "target_requested": target,
                "schedule": m["schedule"], "halide_version": m["halide_version"],
                "loadable_here": m["library"] is not None, "parts": parts}
+        d = cells.definition(cell)
+        if d is not None:
+            top["cell_definition"] = d.signature()
+            if cell not in cells.NAMES:
+                top["cell_file"] = d.file
         (tmp / MANIFEST).write_text(json.dumps(top, indent=2))
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -108,8 +113,8 @@ def _check_top(top, where: str) -> None:
         raise LibraryError(f"{where}: {key!r}: expected {what}, got {got!r}")
     if not isinstance(top, dict):
         bad("(top)", "a JSON object")
-    if top.get("cell") not in ("lstm", "gru"):
-        bad("cell", "'lstm' or 'gru'")
+    if not isinstance(top.get("cell"), str) or not top["cell"].isidentifier():
+        bad("cell", "a cell name")
     for key in ("input_size", "hidden_size", "num_layers"):
         v = top.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 1 << 24:
@@ -132,16 +137,26 @@ def _check_top(top, where: str) -> None:
 
 def load(path, seed=None):
     """A halstm.LSTM or halstm.GRU running the kernels compiled into `path`."""
-    from .nn import GRU, LSTM
+    from .nn import GRU, LSTM, Recurrent
     from .runtime import Library
     path = Path(path)
     top = read(path)
     if not top.get("loadable_here"):
         raise ValueError(f"{path}: compiled for {top['target']}, which cannot run here")
-    cls = {"lstm": LSTM, "gru": GRU}[top["cell"]]
-    m = cls(top["input_size"], top["hidden_size"], num_layers=top["num_layers"],
-            target=top["target_requested"], schedule=top["schedule"], seed=seed)
+    cell = top["cell"]
+    if cell not in cells.names():
+        raise LibraryError(f"{path / MANIFEST}: 'cell': {cell!r} is no cell known here; load "
+                           f"its definition first: halstm.cells.load_file("
+                           f"{top.get('cell_file', 'FILE')!r})")
+    kw = dict(num_layers=top["num_layers"], target=top["target_requested"],
+              schedule=top["schedule"], seed=seed)
+    m = (LSTM(top["input_size"], top["hidden_size"], **kw) if cell == "lstm" else
+         GRU(top["input_size"], top["hidden_size"], **kw) if cell == "gru" else
+         Recurrent(cell, top["input_size"], top["hidden_size"], **kw))
     for part in top["parts"]:
         lib = Library(path / part["dir"])
+        if lib.manifest["cell"] != cell:
+            raise LibraryError(f"{path / MANIFEST}: 'cell': {cell!r}, but {part['dir']} holds "
+                               f"kernels of cell {lib.manifest['cell']!r}")
         m._libs[(part["input_size"], part["direction"])] = lib
     return m

@@ -61,8 +61,6 @@ def check(manifest, where: str = "manifest") -> dict:
                                f"library manifest of format {FORMAT}")
         if not _ok(key, manifest[key], manifest):
             raise LibraryError(f"{where}: {key!r}: expected {what}, got {manifest[key]!r}")
-    if len(manifest["saved"]) != 4:
-        raise LibraryError(f"{where}: 'saved': expected 4 channels, got {manifest['saved']!r}")
     return manifest
 
 

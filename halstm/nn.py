@@ -396,3 +396,70 @@ class GRU(_RNN):
         """Gradients of the last forward call: every state_dict key, plus
         input (unless input_grad=False, as for LSTM.backward), h0."""
         return self._backward(dy, [("dh_n", dh_n)], input_grad)
+
+
+class RNN(_RNN):
+    """Multi-layer Elman RNN with torch.nn.RNN's semantics, parameters and
+    layout: h' = tanh (or relu) of W_ih x + b_ih + W_hh h + b_hh."""
+
+    n_gates, _state_names = 1, ("h",)
+
+    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
+                 batch_first=False, target="host", schedule=None, seed=None):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        self.nonlinearity, self.cell = nonlinearity, f"rnn_{nonlinearity}"
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, target,
+                         schedule, seed)
+
+    __call__, backward = GRU.__call__, GRU.backward
+
+
+class Recurrent(_RNN):
+    """A multi-layer recurrent network of any cell by name (halstm.cells:
+    built in, or registered from a user's file) or of a cell definition.
+    Parameters weight_ih_l{k} (G*H, I), weight_hh_l{k} (G*H, H), bias_ih_l{k}
+    and bias_hh_l{k} (G*H), G the cell's gate blocks. A call returns
+    y, h_n for a cell of one state, else y, (h_n, s2_n, ...), states in the
+    cell's order; backward takes one d<state>_n per state."""
+
+    def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
+                 batch_first=False, target="host", schedule=None, seed=None):
+        from . import cells
+        if isinstance(cell, cells.Definition):
+            cell = cells.register(cell)
+        if not isinstance(cell, str):
+            raise TypeError(f"cell: expected a cell name or definition, got "
+                            f"{type(cell).__name__}")
+        desc = cells.info(cells.check(cell))
+        self.cell, self.n_gates = cell, len(desc["gates"])
+        self._state_names = tuple(desc["states"])
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, target,
+                         schedule, seed)
+
+    def __call__(self, x, hx=None):
+        """x (T, B, I) (batch_first: (B, T, I)); hx None, or per state an
+        (L, B, H) array: h0 alone for a one-state cell, else a tuple."""
+        names = self._state_names
+        if len(names) == 1:
+            hx = [("h0", hx)]
+        else:
+            if hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != len(names)):
+                raise TypeError(f"hx: expected None or a tuple of {len(names)} arrays "
+                                f"({', '.join(s + '0' for s in names)}), each (num_layers, "
+                                f"batch, hidden_size), got {type(hx).__name__}")
+            hx = [(s + "0", None if hx is None else a) for s, a in zip(names, hx or names)]
+        y, finals = self._forward(x, hx)
+        return (y, finals[0]) if len(names) == 1 else (y, tuple(finals))
+
+    def backward(self, dy, *dfinal, input_grad=True) -> dict:
+        """Gradients of the last forward call given dL/dy and optionally
+        dL/d(final state), one per state in order: every state_dict key,
+        plus input and <state>0."""
+        names = self._state_names
+        if len(dfinal) > len(names):
+            raise TypeError(f"backward: expected at most {len(names)} final-state gradients "
+                            f"({', '.join('d' + s + '_n' for s in names)}), got {len(dfinal)}")
+        dfinal = list(dfinal) + [None] * (len(names) - len(dfinal))
+        return self._backward(dy, [("d" + s + "_n", d) for s, d in zip(names, dfinal)],
+                              input_grad)

@@ -210,3 +210,71 @@ def backward(cell, cache, dy, dh_n=None, dc_n=None):
     if cell == "lstm":
         grads["c0"] = np.stack(dc0)
     return grads
+
+
+# ----------------------------------------------------------------------------
+# Any cell given as a numpy step; gradients by central differences.
+# ----------------------------------------------------------------------------
+
+def _rnn_tanh(xg, hg, s):
+    return (np.tanh(xg + hg),)
+
+
+def _rnn_relu(xg, hg, s):
+    return (np.maximum(xg + hg, 0.0),)
+
+
+def _cifg_lstm(xg, hg, s):
+    H = s[0].shape[1]
+    a = xg + hg                                   # (B, 3H): f, g, o
+    f, g, o = _sigmoid(a[:, :H]), np.tanh(a[:, H:2 * H]), _sigmoid(a[:, 2 * H:])
+    c = f * s[1] + (1.0 - f) * g
+    return o * np.tanh(c), c
+
+
+# cell -> step(xg (B, G*H) = x W_ih^T + b_ih, hg (B, G*H) = h W_hh^T + b_hh,
+# states (h, ...) each (B, H)) -> new states; written apart from halstm.cells
+STEPS = {"rnn_tanh": _rnn_tanh, "rnn_relu": _rnn_relu, "cifg_lstm": _cifg_lstm}
+
+
+def step_forward(step, params, x, states0):
+    """Multi-layer forward of a numpy step; x (T, B, I), states0 one (L, B, H)
+    array per state. Returns y (T, B, H) and the final states, each (L, B, H)."""
+    finals = []
+    inp = x
+    for k in range(_num_layers(params)):
+        w_ih, w_hh, b_ih, b_hh = _layer_params(params, k)
+        s, ys = tuple(a[k] for a in states0), []
+        for t in range(inp.shape[0]):
+            s = step(inp[t] @ w_ih.T + b_ih, s[0] @ w_hh.T + b_hh, s)
+            ys.append(s[0])
+        finals.append(s)
+        inp = np.stack(ys)
+    return inp, [np.stack([f[i] for f in finals]) for i in range(len(states0))]
+
+
+def step_gradients(step, params, x, states0, dy, dfinal, names, eps=1e-6):
+    """Gradients of sum(dy * y) + sum(dfinal * finals) by central
+    differences (float64 in, float64 out): every key of params, 'input'
+    and '<state>0' for each state of `names`."""
+    def loss(p, xx, ss):
+        y, fin = step_forward(step, p, xx, ss)
+        return float((dy * y).sum() + sum((d * f).sum() for d, f in zip(dfinal, fin)))
+
+    def numeric(a, f):
+        g = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            keep = a[i]
+            a[i] = keep + eps
+            up = f()
+            a[i] = keep - eps
+            down = f()
+            a[i] = keep
+            g[i] = (up - down) / (2 * eps)
+        return g
+
+    grads = {k: numeric(v, lambda: loss(params, x, states0)) for k, v in params.items()}
+    grads["input"] = numeric(x, lambda: loss(params, x, states0))
+    for name, s in zip(names, states0):
+        grads[f"{name}0"] = numeric(s, lambda: loss(params, x, states0))
+    return grads

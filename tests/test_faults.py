@@ -77,7 +77,7 @@ def test_a_manifest_without_a_field_names_it(lib_dir, key):
 @pytest.mark.parametrize("key,value", [
     ("format", 1), ("cell", ""), ("cell", 3), ("input_size", "13"), ("input_size", -1),
     ("input_size", True), ("hidden_size", 10 ** 9), ("direction", "up"), ("gates", []),
-    ("saved", ["a", "b"]), ("panel", 0), ("device", "tpu"), ("library", "../libhalstm.so"),
+    ("saved", ["a", ""]), ("panel", 0), ("device", "tpu"), ("library", "../libhalstm.so"),
     ("library", "/lib/x86_64-linux-gnu/libc.so.6"), ("sha256", "abc"), ("dxp_is_dhg", "yes"),
     ("pipelines", "halstm_step"),
 ])
@@ -137,7 +137,7 @@ def test_an_intact_model_folder_loads_and_runs(model_dir):
 
 
 @pytest.mark.parametrize("key,value", [
-    ("cell", "rnn"), ("num_layers", 0), ("num_layers", "1"), ("hidden_size", None),
+    ("cell", "no cell"), ("num_layers", 0), ("num_layers", "1"), ("hidden_size", None),
     ("parts", []), ("parts", [{"dir": "../fwd_k13", "direction": "fwd", "input_size": I}]),
     ("parts", [{"dir": "fwd_k13", "direction": "sideways", "input_size": I}]),
     ("loadable_here", "yes"), ("target", 7),
@@ -150,6 +150,13 @@ def test_load_refuses_a_damaged_model_manifest(model_dir, key, value):
     result = run_cli("inspect", model_dir, ok=False)
     assert result.exit_code == 1 and f"'{key}'" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("cell", ["gru", "nosuch"])
+def test_load_refuses_a_manifest_naming_another_cell(model_dir, cell):
+    _edit(model_dir, lambda m: m.__setitem__("cell", cell))
+    with pytest.raises(halstm.LibraryError, match="'cell'"):
+        halstm.load(model_dir)
 
 
 def test_load_refuses_a_damaged_part(model_dir):

@@ -1,21 +1,105 @@
 """Recurrent cells: algorithms only (Funcs in, named Funcs out).
 
-A new cell is one module here defining a Cell subclass, plus a line in
-_CELLS. Cells are imported lazily: halide is only needed to build.
+A built-in cell is one module here, plus a line in _BUILTIN: either a
+language definition (`CELL = language.define(...)`, backward derived) or
+a Cell subclass with a hand-written forward and backward. A user's cell
+is a Python file of definitions: load_file registers them by name.
+Cells are imported lazily: halide is only needed to build.
 """
-import importlib
+from __future__ import annotations
 
-_CELLS = {"lstm": ("lstm", "LSTMCell"), "gru": ("gru", "GRUCell")}
-NAMES = tuple(_CELLS)
+import importlib
+import importlib.util
+import threading
+from pathlib import Path
+
+from .language import CellError, Definition, define, relu, sigmoid, tanh  # noqa: F401
+
+# name -> (module, attribute): a Cell subclass, or a language Definition
+_BUILTIN = {"lstm": ("lstm", "LSTMCell"), "gru": ("gru", "GRUCell"),
+            "rnn_tanh": ("rnn", "TANH"), "rnn_relu": ("rnn", "RELU"),
+            "cifg_lstm": ("cifg_lstm", "CELL")}
+NAMES = tuple(_BUILTIN)
+_user: dict[str, Definition] = {}
+_lock = threading.Lock()
+
+
+def names() -> tuple[str, ...]:
+    """Every cell a build can name: the built-in ones, then the registered."""
+    return NAMES + tuple(n for n in _user if n not in _BUILTIN)
 
 
 def check(name: str) -> str:
-    if name not in _CELLS:
-        raise ValueError(f"cell: expected one of {list(NAMES)}, got {name!r}")
+    if name not in _BUILTIN and name not in _user:
+        raise ValueError(f"cell: expected one of {list(names())}, got {name!r}"
+                         + ("" if _user else " (a cell of your own: halstm.cells.load_file)"))
     return name
 
 
+def _builtin(name: str):
+    module, attr = _BUILTIN[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+
+
+def definition(name: str) -> Definition | None:
+    """The language definition of cell `name`; None for a hand-written one."""
+    if name in _user:
+        return _user[name]
+    obj = _builtin(check(name))
+    return obj if isinstance(obj, Definition) else None
+
+
+def info(name: str) -> dict:
+    """name, gates, states (h first), saved and dxp_is_dhg of cell `name`."""
+    d = definition(name)
+    if d is not None:
+        return d.describe()
+    c = get(name)
+    return {"name": c.name, "gates": list(c.gates), "states": list(c.states),
+            "saved": list(c.saved), "dxp_is_dhg": c.dxp_is_dhg,
+            "doc": (importlib.import_module(type(c).__module__).__doc__ or "").strip()}
+
+
 def get(name: str):
-    """An instance of the cell called `name`."""
-    module, cls = _CELLS[check(name)]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    """An instance of the cell called `name` (a Cell)."""
+    d = definition(name)
+    if d is not None:
+        from .lowering import DefinedCell
+        return DefinedCell(d)
+    return _builtin(name)()
+
+
+def register(d: Definition) -> str:
+    """Make definition d buildable by its name; the same name again must
+    be the same math. Returns the name."""
+    if not isinstance(d, Definition):
+        raise TypeError(f"register: expected a cell definition (halstm.cells.define), "
+                        f"got {type(d).__name__}")
+    with _lock:
+        if d.name in _BUILTIN:
+            raise CellError(f"cell {d.name!r}: a built-in cell has that name; choose another")
+        old = _user.get(d.name)
+        if old is not None and old.signature() != d.signature():
+            raise CellError(f"cell {d.name!r}: a different cell of that name is registered "
+                            f"(from {old.file})")
+        _user[d.name] = d
+    return d.name
+
+
+def load_file(path) -> list[str]:
+    """Register every cell definition at the top level of the Python file
+    `path`; returns their names. CellError if it defines none."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"cell file: {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"halstm_user_cell_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except CellError as e:
+        raise CellError(f"{path}: {e}") from None
+    found = [v for v in vars(module).values() if isinstance(v, Definition)]
+    if not found:
+        raise CellError(f"{path}: defines no cell (expected NAME = halstm.cells.define(...) "
+                        f"at the top level)")
+    return [register(d) for d in found]

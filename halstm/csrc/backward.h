@@ -20,13 +20,8 @@ int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, H
 #if HALSTM_FUSED_BWD
 // inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh;
 // outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], the next call's dh_add
-#if NS == 1 && !DXP_IS_DHG && G == 3
-int halstm_step_bwd_fused(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
-#elif NS == 2 && DXP_IS_DHG && G == 4
-int halstm_step_bwd_fused(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
-#else
-#error "HALSTM_FUSED_BWD: the driver passes the LSTM's and the GRU's arguments; extend it for this cell"
-#endif
+// (called through Halide's argv entry point: buffers as given)
+int halstm_step_bwd_fused_argv(void **);
 #endif
 int halstm_pack_bwd(HB, HB, HB, HB);
 #if HALSTM_ONEHOT && DXP_IS_DHG
@@ -95,21 +90,36 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             // a gate's plane of (B, G, H)
             auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {B, G * H}}); };
             float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
-#if NS == 1
-            float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + (int64_t)t * B * G * H;
-            View d0 = plane(dxp_t, 0), d1 = plane(dxp_t, 1), d2 = plane(dxp_t, 2);
-            View e0 = plane(dhg_t, 0), e1 = plane(dhg_t, 1), e2 = plane(dhg_t, 2);
-            rc = halstm_step_bwd_fused(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh_add.hb(),
-                                       dhg_next.hb(), vwq_hh.hb(), dh.hb(), d0.hb(), d1.hb(),
-                                       d2.hb(), e0.hb(), e1.hb(), e2.hb(), add_out.hb());
-#else
+            void *args[10 + 2 * G + 3];
+            int n = 0;
+            args[n++] = saved_t.hb(), args[n++] = h0.hb();
+#if NS == 2
             View c0 = bh(states[1], u, B), c1 = bh(states[1], u + 1, B);
             View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = dstate_row(dstate[1], nxt, B, H);
-            View d0 = plane(dxp_t, 0), d1 = plane(dxp_t, 1), d2 = plane(dxp_t, 2), d3 = plane(dxp_t, 3);
-            rc = halstm_step_bwd_fused(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(),
-                                       dc1.hb(), dh_add.hb(), dhg_next.hb(), vwq_hh.hb(), dh.hb(),
-                                       d0.hb(), d1.hb(), d2.hb(), d3.hb(), dc0.hb(), add_out.hb());
+            args[n++] = c0.hb();
 #endif
+            args[n++] = h1.hb();
+#if NS == 2
+            args[n++] = c1.hb();
+#endif
+            args[n++] = dy_t.hb();
+#if NS == 2
+            args[n++] = dc1.hb();
+#endif
+            args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
+            args[n++] = dh.hb();
+            View dplanes[G];
+            for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = plane(dxp_t, g)).hb();
+#if !DXP_IS_DHG
+            float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + (int64_t)t * B * G * H;
+            View eplanes[G];
+            for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = plane(dhg_t, g)).hb();
+#endif
+#if NS == 2
+            args[n++] = dc0.hb();
+#endif
+            args[n++] = add_out.hb();
+            rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;
         }
         return rc;

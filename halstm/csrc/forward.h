@@ -11,14 +11,10 @@ int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halid
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
 // inputs xp, wp_hh, b_hh, prev[NS] (with HALSTM_SPLIT then int panel0, panels);
-// outputs new[NS], saved channels[S]
-static_assert(S == 4, "the driver passes four saved channels; extend it for other cells");
+// outputs new[NS], saved channels[S]: called through Halide's argv entry
+// point, whose arguments are buffers as given and pointers to scalars
+int halstm_step_argv(void **);
 #define HB halide_buffer_t *
-#if NS == 1
-int halstm_step(HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB);
-#else
-int halstm_step(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB, HB, HB);
-#endif
 // the same without the saved channels (a forward that no backward follows)
 #if NS == 1
 int halstm_step_infer(HB, HB, HB, HB RANGE_ARGS, HB);
@@ -78,18 +74,27 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
                                        h1.hb(), c1.hb());
 #endif
             } else {
+                // saved channel c: the (B, H) rows of saved[t] (B, S, H)
                 const float *saved_t = saved + (int64_t)t * B * S * H;
-                View s0 = PART(View(saved_t, {{H, 1}, {B, S * H}}), H, 1);
-                View s1 = PART(View(saved_t + H, {{H, 1}, {B, S * H}}), H, 1);
-                View s2 = PART(View(saved_t + 2 * H, {{H, 1}, {B, S * H}}), H, 1);
-                View s3 = PART(View(saved_t + 3 * H, {{H, 1}, {B, S * H}}), H, 1);
-#if NS == 1
-                rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb(),
-                                 s0.hb(), s1.hb(), s2.hb(), s3.hb());
-#else
-                rc = halstm_step(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb() RANGE,
-                                 h1.hb(), c1.hb(), s0.hb(), s1.hb(), s2.hb(), s3.hb());
+                View sv[S];
+                for (int c = 0; c < S; c++)
+                    sv[c] = PART(View(saved_t + c * H, {{H, 1}, {B, S * H}}), H, 1);
+                void *args[3 + 2 * NS + 2 + S];
+                int n = 0;
+                args[n++] = xp_t.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
+                args[n++] = h0.hb();
+#if NS == 2
+                args[n++] = c0.hb();
 #endif
+#if HALSTM_SPLIT
+                args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
+#endif
+                args[n++] = h1.hb();
+#if NS == 2
+                args[n++] = c1.hb();
+#endif
+                for (int c = 0; c < S; c++) args[n++] = sv[c].hb();
+                rc = halstm_step_argv(args);
             }
             if (!step_done(barrier, rc)) break;
         }

@@ -35,9 +35,18 @@ struct View {
         v.buf.type.code = halide_type_int;
         return v;
     }
+    View() {
+        std::memset(this, 0, sizeof(*this));
+        buf.dim = dim;
+    }
     View(const View &o) {
         std::memcpy(this, &o, sizeof(*this));
         buf.dim = dim;
+    }
+    View &operator=(const View &o) {   // (buf.dim points at this View's own dims)
+        std::memmove(this, &o, sizeof(*this));
+        buf.dim = dim;
+        return *this;
     }
     halide_buffer_t *hb() { return &buf; }
 };

@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cuda
-from ..nn import GRU, LSTM, no_grad
-
-MODULES = {"lstm": LSTM, "gru": GRU}
-GATES = {"lstm": 4, "gru": 3}
+from .. import cells, cuda
+from ..nn import Recurrent, no_grad
 
 
 def parameter_shapes(vocab_size: int, cell: str, hidden_size: int, layers: int) -> dict:
     """name -> shape of every parameter of CharLM(vocab_size, cell,
     hidden_size, layers), in parameters() order, computed without
     allocating anything (a checkpoint's header is checked against it)."""
-    if cell not in GATES:
-        raise ValueError(f"cell: expected one of {list(GATES)}, got {cell!r}")
-    V, H, G = int(vocab_size), int(hidden_size), GATES[cell]
+    V, H, G = int(vocab_size), int(hidden_size), len(cells.info(cells.check(cell))["gates"])
     shapes = {}
     for k in range(int(layers)):
         shapes[f"rnn.weight_ih_l{k}"] = (G * H, V if k == 0 else H)
@@ -55,8 +50,7 @@ class CharLM:
     def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
                  layers: int = 2, target: str = "host", schedule: str | None = None,
                  seed: int = 0, kernels: bool | None = None):
-        if cell not in MODULES:
-            raise ValueError(f"cell: expected one of {list(MODULES)}, got {cell!r}")
+        cells.check(cell)
         from halstm import schedules
         self.on_gpu = schedules.family(target) == "gpu"
         if self.on_gpu and "cuda" not in str(target).split("-"):
@@ -66,9 +60,9 @@ class CharLM:
             raise ValueError("kernels: a CUDA target runs the head and optimizer as kernels; "
                              "kernels=False fits CPU targets only")
         self.V, self.H, self.L, self.cell = int(vocab_size), int(hidden_size), int(layers), cell
-        self.rnn = MODULES[cell](self.V, self.H, num_layers=self.L, target=target,
-                                 schedule=schedule)
-        self.n_states = 2 if cell == "lstm" else 1
+        self.rnn = Recurrent(cell, self.V, self.H, num_layers=self.L, target=target,
+                             schedule=schedule)
+        self.n_states = len(self.rnn._state_names)
         rng = np.random.default_rng(seed)
         bound = 1.0 / np.sqrt(self.H)
 
@@ -160,9 +154,9 @@ class CharLM:
             return self._rnn(x, state)
 
     def _rnn(self, x, state):
-        if self.cell == "lstm":
-            y, (h, c) = self.rnn(x, state)
-            return y, (h, c)
+        if self.n_states > 1:
+            y, finals = self.rnn(x, tuple(state))
+            return y, tuple(finals)
         y, h = self.rnn(x, state[0])
         return y, (h,)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import cells
 from .charlm import parameter_shapes
 from .config import Config
 from .data import Vocab
@@ -329,7 +330,7 @@ class _Reader:
         slots = {"adam": ("m", "v"), "sgd": ("momentum",) if config.momentum else ()}
         for slot in slots[config.optimizer]:
             out.update({f"opt/{slot}/{k}": (f32, s) for k, s in params.items()})
-        n_states = 2 if config.cell == "lstm" else 1
+        n_states = len(cells.info(config.cell)["states"])
         for i in range(n_states):
             out[f"state/{i}"] = (f32, (config.layers, config.batch_size, config.hidden_size))
         out.update({f"history/{k}": (np.dtype(t), None) for k, t in HISTORY.items()})

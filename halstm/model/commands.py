@@ -22,10 +22,11 @@ import click
 from click.core import ParameterSource
 
 from .. import CacheError, CompileError, KernelError
+from ..cell_options import cell_file_option, cell_options
 from . import checkpoint as ckpt_mod
 from . import data, outputs, signals
 from .charlm import CharLM
-from .config import CELLS, LR_SCHEDULES, OPTIMIZERS, RESUMABLE, Config
+from .config import LR_SCHEDULES, OPTIMIZERS, RESUMABLE, Config
 from .data import Corpus, CorpusError
 from .optim import NonFiniteError
 from .sample import generate
@@ -66,7 +67,7 @@ def _option(name: str) -> str:
 @click.option("--hidden-size", type=click.IntRange(min=1), default=_DEFAULTS.hidden_size,
               show_default=True, help="Units per recurrent layer.")
 @click.option("--layers", type=click.IntRange(min=1), default=_DEFAULTS.layers, show_default=True)
-@click.option("--cell", type=click.Choice(CELLS), default=_DEFAULTS.cell, show_default=True)
+@cell_options
 @click.option("--seq-len", type=click.IntRange(min=1), default=_DEFAULTS.seq_len, show_default=True,
               help="Truncated-BPTT length.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=_DEFAULTS.batch_size,
@@ -283,6 +284,7 @@ def _finish(trainer, config, source, out, plot) -> list:
 
 
 @click.command()
+@cell_file_option
 @click.argument("checkpoint", type=PATH)
 @click.option("--prime", default=None,
               help="Text to start from [default: a newline, if in the vocabulary].")

@@ -5,7 +5,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 
-CELLS = ("lstm", "gru")
+from .. import cells
+
 OPTIMIZERS = ("adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -24,7 +25,7 @@ class Config:
     configuration: LSTM 2 x 256, seq-len 64, batch 32, Adam lr 2e-3, clip 5,
     one-hot input."""
 
-    cell: str = "lstm"               # lstm | gru
+    cell: str = "lstm"               # a name of halstm.cells.names()
     hidden_size: int = 256
     layers: int = 2
     seq_len: int = 64                # truncated-BPTT length
@@ -71,7 +72,7 @@ class Config:
             if getattr(self, name) not in options:
                 raise ValueError(f"{name}: expected one of {list(options)}, got {getattr(self, name)!r}")
 
-        choice("cell", CELLS)
+        choice("cell", cells.names())
         choice("optimizer", OPTIMIZERS)
         choice("lr_schedule", LR_SCHEDULES)
         for name in ("hidden_size", "layers", "seq_len", "batch_size", "steps", "eval_batch_size"):

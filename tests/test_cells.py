@@ -1,0 +1,241 @@
+"""The cell language: definitions, their errors, and kernels of language
+cells (forward and every gradient) against numpy steps written apart from
+halstm.cells, with gradients by central differences in float64; the
+derived backward of LSTM and GRU against their hand-written one."""
+import numpy as np
+import pytest
+
+import halstm
+from halstm import cells, reference
+from halstm.cells import CellError, define, relu, sigmoid, tanh
+from helpers import assert_close
+
+I, H = 5, 7            # odd sizes; every kernel here is built once per run
+SIZES = {"base": dict(T=4, B=3, L=2), "T1": dict(T=1, B=3, L=2), "B1": dict(T=4, B=1, L=2),
+         "L3": dict(T=3, B=2, L=3)}
+
+
+def _problem(m, names, T, B, L, rng):
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    hx = [0.5 * rng.standard_normal((L, B, H)).astype(np.float32) for _ in names]
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in names]
+    return x, hx, dy, dfinal
+
+
+def check_against_step(cell, step, size="base", seed=0, **kw):
+    """Module of `cell` against the numpy `step` at SIZES[size]."""
+    T, B, L = (SIZES[size][k] for k in "TBL")
+    rng = np.random.default_rng(seed)
+    m = halstm.Recurrent(cell, I, H, num_layers=L, seed=seed, **kw)
+    names = m._state_names
+    x, hx, dy, dfinal = _problem(m, names, T, B, L, rng)
+    y, finals = m(x, hx[0] if len(names) == 1 else tuple(hx))
+    finals = [finals] if len(names) == 1 else list(finals)
+    grads = m.backward(dy, *dfinal)
+    p64 = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
+    f64 = lambda a: np.asarray(a, np.float64)   # noqa: E731
+    ry, rfinals = reference.step_forward(step, p64, f64(x), [f64(a) for a in hx])
+    assert_close("y", y, ry)
+    for s, got, want in zip(names, finals, rfinals):
+        assert_close(f"{s}_n", got, want)
+    want = reference.step_gradients(step, p64, f64(x), [f64(a) for a in hx], f64(dy),
+                                    [f64(a) for a in dfinal], names)
+    assert set(grads) == set(want)
+    for k, g in grads.items():
+        assert_close(k, g, want[k], rtol=1e-4, atol=1e-6)
+    return m
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "cifg_lstm"])
+def test_builtin_language_cell_matches_its_numpy_step(cell, size):
+    check_against_step(cell, reference.STEPS[cell], size)
+
+
+def test_cell_without_bias():
+    m = check_against_step("cifg_lstm", reference.STEPS["cifg_lstm"], bias=False)
+    assert not any(k.startswith("bias") for k in m.state_dict())
+
+
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_rnn_matches_torch(nonlinearity):
+    torch = pytest.importorskip("torch")
+    m = halstm.RNN(I, H, num_layers=2, nonlinearity=nonlinearity, seed=3)
+    t = torch.nn.RNN(I, H, num_layers=2, nonlinearity=nonlinearity).double()
+    t.load_state_dict({k: torch.tensor(np.asarray(v, np.float64))
+                       for k, v in m.state_dict().items()})
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 3, I)).astype(np.float32)
+    h0 = rng.standard_normal((2, 3, H)).astype(np.float32)
+    y, h_n = m(x, h0)
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ht = torch.tensor(h0, dtype=torch.float64, requires_grad=True)
+    yt, hnt = t(xt, ht)
+    assert_close("y", y, yt.detach().numpy())
+    assert_close("h_n", h_n, hnt.detach().numpy())
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    grads = m.backward(dy)
+    yt.backward(torch.tensor(dy, dtype=torch.float64))
+    assert_close("input", grads["input"], xt.grad.numpy())
+    assert_close("h0", grads["h0"], ht.grad.numpy())
+    for k, p in t.named_parameters():
+        assert_close(k, grads[k], p.grad.numpy())
+
+
+def _lstm_step(x, r, s):
+    i, f = sigmoid(x.i + r.i), sigmoid(x.f + r.f)
+    g, o = tanh(x.g + r.g), sigmoid(x.o + r.o)
+    c = f * s.c + i * g
+    return {"h": o * tanh(c), "c": c}
+
+
+def _gru_step(x, r, s):
+    rr, z = sigmoid(x.r + r.r), sigmoid(x.z + r.z)
+    n = tanh(x.n + rr * r.n)
+    return {"h": (1 - z) * n + z * s.h}
+
+
+DERIVED = {"lstm": define("lstm_derived", "ifgo", "hc", _lstm_step),
+           "gru": define("gru_derived", "rzn", "h", _gru_step)}
+
+
+def check_derived(cell, target="host"):
+    """The same math as the hand-written cell saves the same values and
+    gives the same outputs and gradients (float32, to rounding)."""
+    d = DERIVED[cell]
+    hand = cells.info(cell)
+    assert (len(d.saved), d.dxp_is_dhg) == (len(hand["saved"]), hand["dxp_is_dhg"])
+    cls = {"lstm": halstm.LSTM, "gru": halstm.GRU}[cell]
+    a = cls(I, H, num_layers=2, seed=1, target=target)
+    b = halstm.Recurrent(d, I, H, num_layers=2, seed=1, target=target)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 3, I)).astype(np.float32)
+    dy = rng.standard_normal((5, 3, H)).astype(np.float32)
+    ya, yb = a(x)[0], b(x)[0]
+    assert_close("y", yb, ya, rtol=1e-5)
+    ga, gb = a.backward(dy), b.backward(dy)
+    assert set(ga) == set(gb)
+    for k in ga:
+        assert_close(k, gb[k], ga[k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_derived_backward_equals_the_hand_written_one(cell):
+    check_derived(cell)
+
+
+def test_what_the_language_saves():
+    lstm, gru = DERIVED["lstm"], DERIVED["gru"]
+    assert lstm.saved == ("sigmoid_i", "sigmoid_f", "tanh_g", "sigmoid_o") and lstm.dxp_is_dhg
+    assert gru.saved == ("sigmoid_r", "sigmoid_z", "tanh_n_r", "r_n") and not gru.dxp_is_dhg
+    rnn = cells.definition("rnn_tanh")
+    assert rnn.saved == ("tanh_h",) and rnn.dxp_is_dhg     # h' itself (one channel at least)
+
+
+def _ok(x, r, s):
+    return {"h": tanh(x.a + r.a)}
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(step=lambda x, r, s: {"h": tanh(x.q + r.a)}), "x.q: no gate 'q'"),
+    (dict(step=lambda x, r, s: {"h": tanh(x.a + r.a + s.c)}), "s.c: no state 'c'"),
+    (dict(step=lambda x, r, s: {"c": tanh(x.a + r.a)}), "missing ['h']"),
+    (dict(step=lambda x, r, s: tanh(x.a + r.a)), "must return a dict"),
+    (dict(gates="ab"), "gate 'b' is used in no expression"),
+    (dict(step=lambda x, r, s: {"h": tanh(x.a) if x.a > 0 else x.a}), "cannot branch"),
+    (dict(step=lambda x, r, s: {"h": tanh(x.a + r.a) * np.ones(3)}), "symbols and numbers"),
+    (dict(step=lambda x, r, s: {"h": tanh(x.a)}), "not recurrent"),
+    (dict(states="hcd", step=_ok), "at most two"),
+    (dict(states="ch", step=_ok), "the first state must be 'h'"),
+    (dict(gates="aa"), "appears twice"),
+    (dict(step=lambda x, r, s: {"h": s.h}), "a new state must be computed"),
+    (dict(step=lambda x, r, s: {"h": np.exp(x.a + r.a)}), "its step raised"),
+])
+def test_bad_definitions_are_refused_naming_the_cell(kwargs, needle):
+    args = dict(name="mine", gates="a", states="h", step=_ok) | kwargs
+    with pytest.raises(CellError, match="cell 'mine'") as e:
+        define(**args)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_register_refuses_a_builtin_name_and_a_different_cell_of_a_known_name():
+    with pytest.raises(CellError, match="built-in"):
+        cells.register(define("lstm", "a", "h", _ok))
+    cells.register(define("mine_once", "a", "h", _ok))
+    cells.register(define("mine_once", "a", "h", _ok))        # the same math: fine
+    with pytest.raises(CellError, match="a different cell"):
+        cells.register(define("mine_once", "a", "h", lambda x, r, s: {"h": relu(x.a + r.a)}))
+
+
+USER_CELL = '''
+from halstm.cells import define, sigmoid, tanh
+
+
+def step(x, r, s):
+    """Minimal GRU: one update gate."""
+    z = sigmoid(x.z + r.z)
+    return {"h": (1 - z) * tanh(x.n + r.n) + z * s.h}
+
+
+MINIMAL_GRU = define("minimal_gru", gates="zn", states="h", step=step)
+'''
+
+
+def _minimal_gru(xg, hg, s):
+    H = s[0].shape[1]
+    a = xg + hg
+    z = 1.0 / (1.0 + np.exp(-a[:, :H]))
+    return ((1 - z) * np.tanh(a[:, H:]) + z * s[0],)
+
+
+def test_a_users_cell_file_trains_like_a_builtin_cell(tmp_path):
+    path = tmp_path / "mycell.py"
+    path.write_text(USER_CELL)
+    assert cells.load_file(path) == ["minimal_gru"]
+    assert "minimal_gru" in cells.names()
+    check_against_step("minimal_gru", _minimal_gru, seed=5)
+
+
+def test_a_cell_file_without_a_definition_is_refused(tmp_path):
+    path = tmp_path / "empty.py"
+    path.write_text("x = 1\n")
+    with pytest.raises(CellError, match="defines no cell"):
+        cells.load_file(path)
+
+
+def test_cli_lists_and_compiles_a_users_cell(tmp_path):
+    from helpers import run_cli
+    path = tmp_path / "mycell.py"
+    path.write_text(USER_CELL)
+    listing = run_cli("cells", "--cell-file", path).output
+    assert "minimal_gru  (from a file; backward derived)" in listing
+    assert "cifg_lstm  (built in; backward derived)" in listing
+    out = tmp_path / "built"
+    run_cli("compile", "--cell-file", path, "--cell", "minimal_gru", "-i", I, "-H", H,
+            "--layers", 2, "--out", out)
+    m = halstm.load(out, seed=0)
+    assert isinstance(m, halstm.Recurrent) and m.cell == "minimal_gru"
+    x = np.random.default_rng(0).standard_normal((3, 2, I)).astype(np.float32)
+    y, h_n = m(x)
+    ry, rf = reference.step_forward(_minimal_gru, {k: np.asarray(v, np.float64) for k, v in
+                                                  m.state_dict().items()},
+                                    x.astype(np.float64), [np.zeros((2, 2, H))])
+    assert_close("y", y, ry)
+
+
+def test_cli_refuses_an_unknown_cell_naming_the_option():
+    from helpers import assert_cli_error, run_cli
+    result = run_cli("compile", "--cell", "nosuch", "-i", I, "-H", H, ok=False)
+    assert_cli_error(result, "--cell", "nosuch", "--cell-file")
+
+
+def test_char_lm_trains_with_a_language_cell(tmp_path):
+    from halstm.model import Config, Trainer
+    from helpers import TINY, make_corpus
+    config = Config(**(TINY | dict(hidden_size=H)), cell="cifg_lstm", steps=12, eval_every=0)
+    trainer = Trainer(config, make_corpus(config))
+    trainer.run(progress=False, handle_signals=False)
+    losses = trainer.history["train_loss"]
+    assert len(losses) == 12 and all(np.isfinite(losses))
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
