@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import reference
+from . import cells, reference
 from .nn import GRU, LSTM, no_grad
 
 MODULES = {"lstm": LSTM, "gru": GRU}
@@ -41,7 +41,7 @@ def shapes() -> dict[str, dict]:
 
 def flops(cell: str, s: dict, mode: str) -> float:
     """Multiply-add FLOPs of the GEMMs (forward; backward counted as 2x)."""
-    G = {"lstm": 4, "gru": 3}[cell]
+    G = len(cells.info(cell)["gates"])
     fwd = sum(2.0 * s["T"] * s["B"] * G * s["H"] * ((s["I"] if l == 0 else s["H"]) + s["H"])
               for l in range(s["L"]))
     return fwd if mode == "fwd" else 3 * fwd

@@ -466,10 +466,11 @@ def _step_bwd_fused(p: Pipe) -> None:
 
     which is the recurrent part of dL/dh_t, and with it runs step t's
     pointwise backward at the same unit k and row b. dh_add is step t+1's
-    pointwise term (the GRU's z * dh; zero for the LSTM), or dL/dh_T for
-    the first call. The outputs are one Tuple over (k, b), k < H: dh, dxp
-    per gate, dhg per gate (unless dxp is dhg), the pointwise parts of the
-    other states' gradients (the LSTM's dc_{t-1}) and the next call's
+    pointwise term (the part of dL/dh_t that does not pass through W_hh;
+    zero for a cell that reads h only through it), or dL/dh_T for the
+    first call. The outputs are one Tuple over (k, b), k < H: dh, dxp per
+    gate, dhg per gate (unless dxp is dhg), the pointwise parts of the
+    other states' gradients (e.g. dc_{t-1}) and the next call's
     dh_add. The driver calls it T + 1 times: first with dhg_next = 0, last
     for dh_0 alone (its pointwise results, from step 0's inputs, unused)."""
     cell, G, H, Hp = p.cell, p.G, p.H, p.Hp

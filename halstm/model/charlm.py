@@ -1,7 +1,8 @@
 """The char-level language model: one-hot characters -> a stack of halstm
-LSTM (or GRU) layers -> linear -> softmax cross-entropy.
+recurrent layers (any cell, LSTM by default) -> linear -> softmax
+cross-entropy.
 
-The recurrent layers run in halstm's compiled kernels (halstm.LSTM/GRU). On
+The recurrent layers run in halstm's compiled kernels (halstm.Recurrent). On
 a CPU target the head (a (T*B, H) x (H, V) product, the softmax and their
 gradients) runs in numpy: at the default size it is 2.5% of a step's FLOPs
 and measured 6 ms of a 520 ms step (bench/train_vs_torch.py prints the
