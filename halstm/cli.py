@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -84,13 +83,12 @@ def cells_command(as_json):
         params = {"weight_ih_l{k}": f"({gh}, I or H)", "weight_hh_l{k}": f"({gh}, H)",
                   "bias_ih_l{k}": f"({gh},)", "bias_hh_l{k}": f"({gh},)"}
         kind = "built in" if name in cells.NAMES else "from a file"
-        backward = "derived" if cells.definition(name) is not None else "hand-written"
-        rows.append(d | {"parameters": params, "origin": kind, "backward": backward})
+        rows.append(d | {"parameters": params, "origin": kind})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        click.echo(f"{r['name']}  ({r['origin']}; backward {r['backward']})")
+        click.echo(f"{r['name']}  ({r['origin']})")
         if r["doc"]:
             click.echo(f"  {r['doc'].splitlines()[0]}")
         click.echo(f"  gates {', '.join(r['gates'])}; states {', '.join(r['states'])}; "

@@ -51,10 +51,9 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
                "schedule": m["schedule"], "halide_version": m["halide_version"],
                "loadable_here": m["library"] is not None, "parts": parts}
         d = cells.definition(cell)
-        if d is not None:
-            top["cell_definition"] = d.signature()
-            if cell not in cells.NAMES:
-                top["cell_file"] = d.file
+        top["cell_definition"] = d.signature()
+        if cell not in cells.NAMES:
+            top["cell_file"] = d.file
         (tmp / MANIFEST).write_text(json.dumps(top, indent=2))
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

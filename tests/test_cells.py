@@ -1,7 +1,8 @@
 """The cell language: definitions, their errors, and kernels of language
 cells (forward and every gradient) against numpy steps written apart from
-halstm.cells, with gradients by central differences in float64; the
-derived backward of LSTM and GRU against their hand-written one."""
+halstm.cells, with gradients by central differences in float64. (LSTM
+and GRU, cells of the language too, are checked against the hand-written
+BPTT of halstm.reference in test_modules.py.)"""
 import numpy as np
 import pytest
 
@@ -83,54 +84,14 @@ def test_rnn_matches_torch(nonlinearity):
         assert_close(k, grads[k], p.grad.numpy())
 
 
-def _lstm_step(x, r, s):
-    i, f = sigmoid(x.i + r.i), sigmoid(x.f + r.f)
-    g, o = tanh(x.g + r.g), sigmoid(x.o + r.o)
-    c = f * s.c + i * g
-    return {"h": o * tanh(c), "c": c}
-
-
-def _gru_step(x, r, s):
-    rr, z = sigmoid(x.r + r.r), sigmoid(x.z + r.z)
-    n = tanh(x.n + rr * r.n)
-    return {"h": (1 - z) * n + z * s.h}
-
-
-DERIVED = {"lstm": define("lstm_derived", "ifgo", "hc", _lstm_step),
-           "gru": define("gru_derived", "rzn", "h", _gru_step)}
-
-
-def check_derived(cell, target="host"):
-    """The same math as the hand-written cell saves the same values and
-    gives the same outputs and gradients (float32, to rounding)."""
-    d = DERIVED[cell]
-    hand = cells.info(cell)
-    assert (len(d.saved), d.dxp_is_dhg) == (len(hand["saved"]), hand["dxp_is_dhg"])
-    cls = {"lstm": halstm.LSTM, "gru": halstm.GRU}[cell]
-    a = cls(I, H, num_layers=2, seed=1, target=target)
-    b = halstm.Recurrent(d, I, H, num_layers=2, seed=1, target=target)
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((5, 3, I)).astype(np.float32)
-    dy = rng.standard_normal((5, 3, H)).astype(np.float32)
-    ya, yb = a(x)[0], b(x)[0]
-    assert_close("y", yb, ya, rtol=1e-5)
-    ga, gb = a.backward(dy), b.backward(dy)
-    assert set(ga) == set(gb)
-    for k in ga:
-        assert_close(k, gb[k], ga[k], rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_derived_backward_equals_the_hand_written_one(cell):
-    check_derived(cell)
-
-
 def test_what_the_language_saves():
-    lstm, gru = DERIVED["lstm"], DERIVED["gru"]
-    assert lstm.saved == ("sigmoid_i", "sigmoid_f", "tanh_g", "sigmoid_o") and lstm.dxp_is_dhg
-    assert gru.saved == ("sigmoid_r", "sigmoid_z", "tanh_n_r", "r_n") and not gru.dxp_is_dhg
+    """LSTM: the four gates; GRU: its gates and W_hn h + b_hn (what
+    halstm.reference's hand-written BPTT keeps too)."""
+    lstm, gru = cells.definition("lstm"), cells.definition("gru")
+    assert lstm.saved == ("i", "f", "g", "o") and lstm.dxp_is_dhg
+    assert gru.saved == ("r", "z", "n", "r_n") and not gru.dxp_is_dhg
     rnn = cells.definition("rnn_tanh")
-    assert rnn.saved == ("tanh_h",) and rnn.dxp_is_dhg     # h' itself (one channel at least)
+    assert rnn.saved == ("h",) and rnn.dxp_is_dhg     # h' itself (one channel at least)
 
 
 def _ok(x, r, s):
@@ -146,7 +107,6 @@ def _ok(x, r, s):
     (dict(step=lambda x, r, s: {"h": tanh(x.a) if x.a > 0 else x.a}), "cannot branch"),
     (dict(step=lambda x, r, s: {"h": tanh(x.a + r.a) * np.ones(3)}), "symbols and numbers"),
     (dict(step=lambda x, r, s: {"h": tanh(x.a)}), "not recurrent"),
-    (dict(states="hcd", step=_ok), "at most two"),
     (dict(states="ch", step=_ok), "the first state must be 'h'"),
     (dict(gates="aa"), "appears twice"),
     (dict(step=lambda x, r, s: {"h": s.h}), "a new state must be computed"),
@@ -197,6 +157,33 @@ def test_a_users_cell_file_trains_like_a_builtin_cell(tmp_path):
     check_against_step("minimal_gru", _minimal_gru, seed=5)
 
 
+def _three_states(x, r, s):
+    """An LSTM whose output also reads a running mean m of its outputs."""
+    i, f, o = (sigmoid(x[k] + r[k]) for k in "ifo")
+    c = f * s.c + i * tanh(x.g + r.g)
+    h = o * tanh(c + 0.5 * s.m)
+    return {"h": h, "c": c, "m": 0.5 * s.m + 0.5 * h}
+
+
+THREE = define("three_states", gates="ifgo", states="hcm", step=_three_states)
+
+
+def _three_states_np(xg, hg, s):
+    H = s[0].shape[1]
+    a = xg + hg
+    i, f, _, o = (1 / (1 + np.exp(-a[:, k * H:(k + 1) * H])) for k in range(4))
+    g = np.tanh(a[:, 2 * H:3 * H])
+    c = f * s[1] + i * g
+    h = o * np.tanh(c + 0.5 * s[2])
+    return h, c, 0.5 * s[2] + 0.5 * h
+
+
+@pytest.mark.parametrize("size", ["base", "T1"])
+def test_a_cell_of_three_states(size):
+    m = check_against_step(THREE, _three_states_np, size, seed=6)
+    assert m._state_names == ("h", "c", "m")
+
+
 def test_a_cell_file_without_a_definition_is_refused(tmp_path):
     path = tmp_path / "empty.py"
     path.write_text("x = 1\n")
@@ -209,8 +196,8 @@ def test_cli_lists_and_compiles_a_users_cell(tmp_path):
     path = tmp_path / "mycell.py"
     path.write_text(USER_CELL)
     listing = run_cli("cells", "--cell-file", path).output
-    assert "minimal_gru  (from a file; backward derived)" in listing
-    assert "cifg_lstm  (built in; backward derived)" in listing
+    assert "minimal_gru  (from a file)" in listing
+    assert "cifg_lstm  (built in)" in listing
     out = tmp_path / "built"
     run_cli("compile", "--cell-file", path, "--cell", "minimal_gru", "-i", I, "-H", H,
             "--layers", 2, "--out", out)

@@ -1,10 +1,10 @@
 """Recurrent cells: algorithms only (Funcs in, named Funcs out).
 
-A built-in cell is one module here, plus a line in _BUILTIN: either a
-language definition (`CELL = language.define(...)`, backward derived) or
-a Cell subclass with a hand-written forward and backward. A user's cell
-is a Python file of definitions: load_file registers them by name.
-Cells are imported lazily: halide is only needed to build.
+A built-in cell is one module here defining its step with
+language.define (backward derived), plus a line in _BUILTIN. A user's
+cell is a Python file of definitions: load_file registers them by name.
+Nothing here imports halide: lowering a definition to Funcs does
+(lowering.py), and only a build needs it.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from .language import CellError, Definition, define, relu, sigmoid, tanh  # noqa: F401
 
-# name -> (module, attribute): a Cell subclass, or a language Definition
-_BUILTIN = {"lstm": ("lstm", "LSTMCell"), "gru": ("gru", "GRUCell"),
+# name -> (module, attribute): its language Definition
+_BUILTIN = {"lstm": ("lstm", "CELL"), "gru": ("gru", "CELL"),
             "rnn_tanh": ("rnn", "TANH"), "rnn_relu": ("rnn", "RELU"),
             "cifg_lstm": ("cifg_lstm", "CELL")}
 NAMES = tuple(_BUILTIN)
@@ -41,32 +41,22 @@ def _builtin(name: str):
     return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
 
 
-def definition(name: str) -> Definition | None:
-    """The language definition of cell `name`; None for a hand-written one."""
+def definition(name: str) -> Definition:
+    """The language definition of cell `name`."""
     if name in _user:
         return _user[name]
-    obj = _builtin(check(name))
-    return obj if isinstance(obj, Definition) else None
+    return _builtin(check(name))
 
 
 def info(name: str) -> dict:
-    """name, gates, states (h first), saved and dxp_is_dhg of cell `name`."""
-    d = definition(name)
-    if d is not None:
-        return d.describe()
-    c = get(name)
-    return {"name": c.name, "gates": list(c.gates), "states": list(c.states),
-            "saved": list(c.saved), "dxp_is_dhg": c.dxp_is_dhg,
-            "doc": (importlib.import_module(type(c).__module__).__doc__ or "").strip()}
+    """name, gates, states (h first), saved, dxp_is_dhg and doc of cell `name`."""
+    return definition(name).describe()
 
 
 def get(name: str):
-    """An instance of the cell called `name` (a Cell)."""
-    d = definition(name)
-    if d is not None:
-        from .lowering import DefinedCell
-        return DefinedCell(d)
-    return _builtin(name)()
+    """The cell called `name` as a Cell (Funcs; imports halide)."""
+    from .lowering import DefinedCell
+    return DefinedCell(definition(name))
 
 
 def register(d: Definition) -> str:

@@ -181,9 +181,6 @@ class Definition:
         self.file = getattr(getattr(step, "__code__", None), "co_filename", None)
         self.gates = _names(name, "gates", gates)
         self.states = _names(name, "states", states)
-        if len(self.states) > 2:
-            raise CellError(f"cell {name!r}: states: at most two (h and one more) are "
-                            f"supported, got {list(self.states)}")
         if self.states[0] != "h":
             raise CellError(f"cell {name!r}: states: the first state must be 'h' (the "
                             f"output), got {list(self.states)}")
@@ -279,7 +276,7 @@ class Definition:
         self.saved_nodes += raw
         if not self.saved_nodes:       # the layout holds at least one channel: h' itself
             self.saved_nodes = [self.new["h"]]
-        self.saved = tuple(_saved_name(n, k) for k, n in enumerate(self.saved_nodes))
+        self.saved = _saved_names(self.saved_nodes)
 
     def signature(self) -> str:
         """The definition as text: equal for equal math (a cache key part)."""
@@ -291,12 +288,30 @@ class Definition:
                 "saved": list(self.saved), "dxp_is_dhg": self.dxp_is_dhg, "doc": self.doc}
 
 
-def _saved_name(n: Sym, k: int) -> str:
+def _gates_read(n: Sym) -> set:
+    """The gates whose projections n reads, not counting inside activations."""
     if n.op in ("x", "r"):
-        return f"{n.op}_{n.arg}"
-    inner = n.args[0]
-    leaves = sorted({m.arg for m in _topo([inner]) if m.op in ("x", "r")})
-    return f"{n.op}_{'_'.join(leaves)}" if leaves else f"{n.op}_{k}"
+        return {n.arg}
+    if n.op in ACTIVATIONS:
+        return set()
+    return set().union(*(_gates_read(c) for c in n.args)) if n.args else set()
+
+
+def _saved_names(nodes) -> tuple[str, ...]:
+    """A name for each saved value: its gate where an activation reads one
+    gate (the LSTM's i, f, g, o), r_<gate> for a recurrent product saved as
+    it is, else the activation and its gates; unique."""
+    names = []
+    for k, n in enumerate(nodes):
+        if n.op in ("x", "r"):
+            name = f"{n.op}_{n.arg}"
+        else:
+            gates = sorted(_gates_read(n.args[0]))
+            name = gates[0] if len(gates) == 1 else f"{n.op}_{'_'.join(gates) or k}"
+        while name in names:
+            name += "_"
+        names.append(name)
+    return tuple(names)
 
 
 def define(name: str, gates, states, step, doc: str = "") -> Definition:

@@ -8,15 +8,9 @@ extern "C" {
 #define HB halide_buffer_t *
 // inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh (with HALSTM_SPLIT then
 // int panel0, panels); outputs dxp, [dhg], dprev[NS]
-#if NS == 1 && DXP_IS_DHG
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
-#elif NS == 1
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
-#elif DXP_IS_DHG
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB);
-#else
-int halstm_step_bwd(HB, HB, HB, HB, HB, HB, HB, HB, HB RANGE_ARGS, HB, HB, HB, HB);
-#endif
+// (the step pipelines are called through Halide's argv entry points:
+// buffers as given, pointers to scalars)
+int halstm_step_bwd_argv(void **);
 #if HALSTM_FUSED_BWD
 // inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh;
 // outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], the next call's dh_add
@@ -90,22 +84,19 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             // a gate's plane of (B, G, H)
             auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {B, G * H}}); };
             float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
-            void *args[10 + 2 * G + 3];
+            View prev[NS], next[NS], dnext[NS], dprev[NS];
+            for (int s = 1; s < NS; s++) {   // (h's are above: h0, h1, dh_add, dh)
+                prev[s] = bh(states[s], u, B), next[s] = bh(states[s], u + 1, B);
+                dnext[s] = dstate_row(dstate[s], cur, B, H), dprev[s] = dstate_row(dstate[s], nxt, B, H);
+            }
+            void *args[9 + 4 * NS + 2 * G];
             int n = 0;
             args[n++] = saved_t.hb(), args[n++] = h0.hb();
-#if NS == 2
-            View c0 = bh(states[1], u, B), c1 = bh(states[1], u + 1, B);
-            View dc1 = dstate_row(dstate[1], cur, B, H), dc0 = dstate_row(dstate[1], nxt, B, H);
-            args[n++] = c0.hb();
-#endif
+            for (int s = 1; s < NS; s++) args[n++] = prev[s].hb();
             args[n++] = h1.hb();
-#if NS == 2
-            args[n++] = c1.hb();
-#endif
+            for (int s = 1; s < NS; s++) args[n++] = next[s].hb();
             args[n++] = dy_t.hb();
-#if NS == 2
-            args[n++] = dc1.hb();
-#endif
+            for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
             args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
             args[n++] = dh.hb();
             View dplanes[G];
@@ -115,9 +106,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             View eplanes[G];
             for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = plane(dhg_t, g)).hb();
 #endif
-#if NS == 2
-            args[n++] = dc0.hb();
-#endif
+            for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
             args[n++] = add_out.hb();
             rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;
@@ -133,40 +122,44 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
             View dxp_t = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
             View dy_t = bh(dy, t, B);
-            View h0 = bh(states[0], t, B), h1 = bh(states[0], t + 1, B);
-            View dh1 = dstate_row(dstate[0], cur, B, H);
-            View dh0 = PART(dstate_row(dstate[0], nxt, B, HP), HP, 1);
+            View prev[NS], next[NS], dnext[NS], dprev[NS];
+            for (int s = 0; s < NS; s++) {
+                prev[s] = bh(states[s], t, B), next[s] = bh(states[s], t + 1, B);
+                dnext[s] = dstate_row(dstate[s], cur, B, H);
+                // h's gradient spans HP units (the product's padded rows)
+                dprev[s] = s == 0 ? PART(dstate_row(dstate[0], nxt, B, HP), HP, 1)
+                                  : PART(dstate_row(dstate[s], nxt, B, H), H, 1);
+            }
 #if !DXP_IS_DHG
             View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
 #endif
-#if NS == 1 && DXP_IS_DHG
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
-                                 dxp_t.hb(), dh0.hb());
-#elif NS == 1
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), h1.hb(), dy_t.hb(), dh1.hb(), vwq_hh.hb() RANGE,
-                                 dxp_t.hb(), dhg_t.hb(), dh0.hb());
-#else
-            View c0 = bh(states[1], t, B), c1 = bh(states[1], t + 1, B);
-            View dc1 = dstate_row(dstate[1], cur, B, H);
-            View dc0 = PART(dstate_row(dstate[1], nxt, B, H), H, 1);
-#if DXP_IS_DHG
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
-                                 dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dh0.hb(), dc0.hb());
-#else
-            rc = halstm_step_bwd(saved_t.hb(), h0.hb(), c0.hb(), h1.hb(), c1.hb(), dy_t.hb(), dh1.hb(),
-                                 dc1.hb(), vwq_hh.hb() RANGE, dxp_t.hb(), dhg_t.hb(), dh0.hb(), dc0.hb());
+            void *args[4 + 4 * NS + 4];
+            int n = 0;
+            args[n++] = saved_t.hb();
+            for (int s = 0; s < NS; s++) args[n++] = prev[s].hb();
+            for (int s = 0; s < NS; s++) args[n++] = next[s].hb();
+            args[n++] = dy_t.hb();
+            for (int s = 0; s < NS; s++) args[n++] = dnext[s].hb();
+            args[n++] = vwq_hh.hb();
+#if HALSTM_SPLIT
+            args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
+            args[n++] = dxp_t.hb();
+#if !DXP_IS_DHG
+            args[n++] = dhg_t.hb();
 #endif
+            for (int s = 0; s < NS; s++) args[n++] = dprev[s].hb();
+            rc = halstm_step_bwd_argv(args);
             if (!step_done(barrier, rc)) break;
         }
         return rc;
     };
 #endif  // HALSTM_FUSED_BWD
     auto steps = [&]() { return run_steps(T, B, part_steps); };
-    rc = run_loop({(uint64_t)T, (uint64_t)B, u64(saved), u64(states[0]), u64(states[NS - 1]),
-                   u64(dy), u64(dstate[0]), u64(dstate[NS - 1]), u64(wq_key), u64(dxp), u64(dhg),
-                   u64(fused_ws)},
-                  steps);
+    uint64_t key[8 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
+                                u64(dxp), u64(dhg), u64(fused_ws)};
+    for (int s = 0; s < NS; s++) key[8 + 2 * s] = u64(states[s]), key[9 + 2 * s] = u64(dstate[s]);
+    rc = run_loop(key, 8 + 2 * NS, steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows

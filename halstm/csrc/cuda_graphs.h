@@ -174,11 +174,11 @@ Graphs g_graphs;
 // Run a time loop (`steps` returns the first nonzero code of its calls);
 // key: T, B and every pointer the loop's calls are given.
 template <class F>
-int run_loop(std::initializer_list<uint64_t> key, F steps) {
+int run_loop(const uint64_t *key, int n, F steps) {
 #ifdef HALSTM_CUDA
-    return g_graphs.run(key.begin(), (int)key.size(), steps);
+    return g_graphs.run(key, n, steps);
 #else
-    (void)key;
+    (void)key, (void)n;
     return steps();
 #endif
 }

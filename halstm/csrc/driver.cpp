@@ -7,7 +7,7 @@
 // halstm/model/kernels.py: halstm_model_head, _sumsq, _adam, _sgd, _onehot; entry
 // points at the end; sizes are runtime arguments), or with -DHALSTM_FORWARD
 // or -DHALSTM_BACKWARD and the sizes:
-//   NS states (h first; 1 or 2), G gates, S saved channels, K input size,
+//   NS states (h first), G gates, S saved channels, K input size,
 //   H hidden size, P weight panel width, DXP_IS_DHG (backward: the cell's
 //   dxp and dhg coincide), HALSTM_ONEHOT (x is one-hot input given as int32
 //   class indices, numpy (T, B): a gather replaces the projection, and dW_ih

@@ -11,17 +11,11 @@ int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halid
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
 // inputs xp, wp_hh, b_hh, prev[NS] (with HALSTM_SPLIT then int panel0, panels);
-// outputs new[NS], saved channels[S]: called through Halide's argv entry
-// point, whose arguments are buffers as given and pointers to scalars
+// outputs new[NS], then (halstm_step, not halstm_step_infer: a forward that
+// no backward follows) saved channels[S]. Called through Halide's argv
+// entry points, whose arguments are buffers as given and pointers to scalars.
 int halstm_step_argv(void **);
-#define HB halide_buffer_t *
-// the same without the saved channels (a forward that no backward follows)
-#if NS == 1
-int halstm_step_infer(HB, HB, HB, HB RANGE_ARGS, HB);
-#else
-int halstm_step_infer(HB, HB, HB, HB, HB RANGE_ARGS, HB, HB);
-#endif
-#undef HB
+int halstm_step_infer_argv(void **);
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
@@ -62,47 +56,38 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         int rc = 0;
         for (int t = 0; t < T; t++) {
             View xp_t = xp_rows(t * B, B);
-            View h0 = bh(states[0], t, B), h1 = PART(bh(states[0], t + 1, B), H, 1);
-#if NS == 2
-            View c0 = bh(states[1], t, B), c1 = PART(bh(states[1], t + 1, B), H, 1);
-#endif
-            if (!saved) {
-#if NS == 1
-                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb() RANGE, h1.hb());
-#else
-                rc = halstm_step_infer(xp_t.hb(), vwp_hh.hb(), vb_hh.hb(), h0.hb(), c0.hb() RANGE,
-                                       h1.hb(), c1.hb());
-#endif
-            } else {
-                // saved channel c: the (B, H) rows of saved[t] (B, S, H)
-                const float *saved_t = saved + (int64_t)t * B * S * H;
-                View sv[S];
-                for (int c = 0; c < S; c++)
-                    sv[c] = PART(View(saved_t + c * H, {{H, 1}, {B, S * H}}), H, 1);
-                void *args[3 + 2 * NS + 2 + S];
-                int n = 0;
-                args[n++] = xp_t.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
-                args[n++] = h0.hb();
-#if NS == 2
-                args[n++] = c0.hb();
-#endif
+            View prev[NS], next[NS];
+            for (int s = 0; s < NS; s++) {
+                prev[s] = bh(states[s], t, B);
+                next[s] = PART(bh(states[s], t + 1, B), H, 1);
+            }
+            // saved channel c: the (B, H) rows of saved[t] (B, S, H)
+            View sv[S];
+            const float *saved_t = saved + (int64_t)t * B * S * H;
+            for (int c = 0; saved && c < S; c++)
+                sv[c] = PART(View(saved_t + c * H, {{H, 1}, {B, S * H}}), H, 1);
+            void *args[3 + 2 * NS + 2 + S];
+            int n = 0;
+            args[n++] = xp_t.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
+            for (int s = 0; s < NS; s++) args[n++] = prev[s].hb();
 #if HALSTM_SPLIT
-                args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
+            args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
-                args[n++] = h1.hb();
-#if NS == 2
-                args[n++] = c1.hb();
-#endif
+            for (int s = 0; s < NS; s++) args[n++] = next[s].hb();
+            if (saved) {
                 for (int c = 0; c < S; c++) args[n++] = sv[c].hb();
                 rc = halstm_step_argv(args);
+            } else {
+                rc = halstm_step_infer_argv(args);
             }
             if (!step_done(barrier, rc)) break;
         }
         return rc;
     };
     auto steps = [&]() { return run_steps(T, B, part_steps); };
-    return run_loop({(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
-                     u64(states[0]), u64(states[NS - 1])}, steps);
+    uint64_t key[6 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved)};
+    for (int s = 0; s < NS; s++) key[6 + s] = u64(states[s]);
+    return run_loop(key, 6 + NS, steps);
 }
 #endif  // HALSTM_FORWARD
 
