@@ -7,6 +7,7 @@
 #   bench/gpu_check.sh [tests] [bench]      (both when none is named)
 #   SHAPES=small_128_b16,latency_256_b1 CELL=gru bench/gpu_check.sh bench
 #   TARGET=host bench/gpu_check.sh bench     (the machine's CPU against torch's)
+#   CELL=cifg_lstm PEERS=torch_eager bench/gpu_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/halstm-gpu-check}
@@ -30,7 +31,7 @@ fi
 if [[ " $what " == *" bench "* ]]; then
     shapes=${SHAPES:-charrnn_512x2,deepbench_1024,large_2048,small_128_b16,latency_256_b1}
     python3 -c "from halstm.cli import main; main()" bench --target "${TARGET:-host-cuda}" \
-        --cell "${CELL:-lstm}" --shapes "$shapes" --peers torch --json "$out/bench.json" --csv "$out/bench.csv" \
+        --cell "${CELL:-lstm}" --shapes "$shapes" --peers "${PEERS:-torch}" --json "$out/bench.json" --csv "$out/bench.csv" \
         | tee "$out/bench.txt"
     rc=$((rc | PIPESTATUS[0]))
 fi

@@ -178,12 +178,13 @@ def projection_cost(config: Config, V: int, reps: int = 5) -> dict:
     """Kernel time of one layer over (seq_len, batch) with a one-hot input
     (K = V) against one with a dense input of K = H, forward + backward; a
     linear fit in K estimates what the dense one-hot projection costs."""
-    from halstm.model.charlm import MODULES
+    from halstm import Recurrent
     T, B, H = config.seq_len, config.batch_size, config.hidden_size
     out = {}
     rng = np.random.default_rng(0)
     for K in (V, H):
-        m = MODULES[config.cell](K, H, num_layers=1, target=config.target, schedule=config.schedule)
+        m = Recurrent(config.cell, K, H, num_layers=1, target=config.target,
+                      schedule=config.schedule)
         m.compile()
         x = rng.standard_normal((T, B, K)).astype(np.float32)
         dy = rng.standard_normal((T, B, H)).astype(np.float32)

@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import cells, reference
-from .nn import GRU, LSTM, no_grad
+from .nn import Recurrent, no_grad
 
-MODULES = {"lstm": LSTM, "gru": GRU}
-PEERS = ("numpy", "torch", "torch_tf32")   # torch_tf32: cuDNN with TF32 on (GPU context)
+# torch_tf32: cuDNN with TF32 on (GPU context); torch_eager: the step in
+# PyTorch eager, stepped from Python
+PEERS = ("numpy", "torch", "torch_tf32", "torch_eager")
 
 
 def shapes() -> dict[str, dict]:
@@ -144,13 +145,29 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def numpy_step(cell):
+    """The numpy step of a cell without a hand-written BPTT: halstm.reference's
+    own where it has one (written apart from the definition), else the
+    definition evaluated with numpy."""
+    if cell in reference.STEPS:
+        return reference.STEPS[cell]
+    return cells.definition(cell).step_function(reference.NumpyOps)
+
+
 def reference_errors(m, cell, x, y, dy=None) -> dict:
     """The largest relative error of module m's output y for input x
     (numpy or device arrays, (T, B, I)) against the numpy reference in
     float64, key "y", and given dy, of each gradient of m.backward(dy)
-    (which needs m's last forward to have been a training one)."""
+    (which needs m's last forward to have been a training one). A cell
+    without a hand-written BPTT (reference.BPTT) is checked forward only:
+    tests/test_cells.py checks its gradients by central differences."""
     params = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
-    ref = reference.forward(cell, params, np.asarray(x, np.float64))
+    x64 = np.asarray(x, np.float64)
+    if cell not in reference.BPTT:
+        zeros = [np.zeros((m.num_layers, x64.shape[1], m.hidden_size))] * len(m._state_names)
+        want, _ = reference.step_forward(numpy_step(cell), params, x64, zeros)
+        return {"y": _rel(np.asarray(y), want)}
+    ref = reference.forward(cell, params, x64)
     errs = {"y": _rel(np.asarray(y), ref[0])}
     if dy is not None:
         got = m.backward(dy)
@@ -164,7 +181,8 @@ def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol
     error at most tol, else AssertionError). Mode fwd runs under
     halstm.no_grad(), as PyTorch's forward runs under torch.no_grad():
     nothing is kept for a backward."""
-    m = MODULES[cell](s["I"], s["H"], num_layers=s["L"], target=target, schedule=schedule, seed=0)
+    m = Recurrent(cell, s["I"], s["H"], num_layers=s["L"], target=target, schedule=schedule,
+                  seed=0)
     m.compile(backward=mode == "fwdbwd")
     x, dy = _inputs(cell, s)
     err = None
@@ -187,30 +205,44 @@ def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol
     return _Timed(f"halstm:{schedule or 'default'}", lambda: (step(), sync()), err)
 
 
-def prepare_numpy(cell, name, s, mode) -> _Timed:
-    """The numpy reference itself, in float32, stepping over time in Python."""
+def prepare_numpy(cell, name, s, mode) -> _Timed | None:
+    """The numpy reference itself, in float32, stepping over time in Python
+    (forward only for a cell without a hand-written BPTT: None for fwdbwd)."""
+    if cell not in reference.BPTT and mode == "fwdbwd":
+        return None
     x, dy = _inputs(cell, s)
-    m = MODULES[cell](s["I"], s["H"], num_layers=s["L"], seed=0)
+    m = Recurrent(cell, s["I"], s["H"], num_layers=s["L"], seed=0)
     params = m.state_dict()
+    zeros = [np.zeros((s["L"], s["B"], s["H"]), np.float32)] * len(m._state_names)
 
     def run():
+        if cell not in reference.BPTT:
+            reference.step_forward(numpy_step(cell), params, x, zeros)
+            return
         out = reference.forward(cell, params, x)
         if mode == "fwdbwd":
             reference.backward(cell, out[-1], dy)
     return _Timed("numpy", run)
 
 
-def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | None:
-    """PyTorch's nn.LSTM/GRU (oneDNN on CPU, cuDNN on GPU), or None where
-    torch (with CUDA, for a GPU device) is not installed."""
+def _torch(device):
+    """torch, or None where it (with CUDA, for a GPU device) is not installed."""
     try:
         import torch
     except ImportError:
         return None
-    if device != "cpu" and not torch.cuda.is_available():
+    return None if device != "cpu" and not torch.cuda.is_available() else torch
+
+
+def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | None:
+    """PyTorch's own module for the cell (nn.LSTM, nn.GRU, nn.RNN: oneDNN on
+    CPU, cuDNN on GPU), or None where torch (with CUDA, for a GPU device)
+    is not installed or has no module for the cell."""
+    torch = _torch(device)
+    if torch is None or cell not in reference.TORCH:
         return None
-    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell]
-    m = cls(s["I"], s["H"], num_layers=s["L"]).to(device)
+    cls, kw = reference.TORCH[cell]
+    m = getattr(torch.nn, cls)(s["I"], s["H"], num_layers=s["L"], **kw).to(device)
     x_np, dy_np = _inputs(cell, s)
     x = torch.from_numpy(x_np).to(device)
     dy = torch.from_numpy(dy_np).to(device)
@@ -234,7 +266,50 @@ def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | Non
     return _Timed(impl, run)
 
 
-def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd"),
+def prepare_torch_eager(cell, name, s, mode, device="cpu") -> _Timed | None:
+    """The cell's step in PyTorch eager, stepped over time from Python (what
+    a cell that no vendor library ships runs as): the input projection of
+    all steps one GEMM a layer, then per step the recurrent GEMM and the
+    step's pointwise ops; autograd for the backward. None without torch."""
+    torch = _torch(device)
+    if torch is None:
+        return None
+    d = cells.definition(cell)
+    step, G, H, L = d.step_function(torch), len(d.gates), s["H"], s["L"]
+    gen = torch.Generator().manual_seed(0)
+    bound = 1.0 / H ** 0.5
+
+    def param(*shape):
+        return ((torch.rand(*shape, generator=gen) * 2 - 1) * bound).to(device).requires_grad_()
+    layers = [(param(G * H, s["I"] if k == 0 else H), param(G * H, H), param(G * H), param(G * H))
+              for k in range(L)]
+    x_np, dy_np = _inputs(cell, s)
+    x, dy = torch.from_numpy(x_np).to(device), torch.from_numpy(dy_np).to(device)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+
+    def forward():
+        inp = x
+        for w_ih, w_hh, b_ih, b_hh in layers:
+            xg = inp @ w_ih.T + b_ih                       # (T, B, G*H)
+            states = [torch.zeros(s["B"], H, device=device) for _ in d.states]
+            ys = []
+            for t in range(s["T"]):
+                states = step(xg[t], states[0] @ w_hh.T + b_hh, states)
+                ys.append(states[0])
+            inp = torch.stack(ys)
+        return inp
+
+    def run():
+        if mode == "fwd":
+            with torch.no_grad():
+                forward()
+        else:
+            forward().backward(dy)
+        sync()
+    return _Timed("torch-eager" if device == "cpu" else f"torch-eager-{device}", run)
+
+
+def run(names, cell, scheds, target="host", peers=("numpy", "torch"), modes=("fwd", "fwdbwd"),
         progress=False, timing=None):
     """Measure every (shape, mode): peers and schedules prepared (halstm
     checked), then timed in interleaved rounds (see the module docstring).
@@ -252,13 +327,29 @@ def run(names, cell, scheds, target="host", peers=PEERS, modes=("fwd", "fwdbwd")
         for impl in [*peers, *scheds]:
             bar.set_description(f"{name} {mode}: {impl or 'default'}")
             if impl == "numpy":
-                timed.append(prepare_numpy(cell, name, s, mode))
+                t = prepare_numpy(cell, name, s, mode)
+                if t is None:
+                    why = f"numpy: no hand-written backward of {cell}; fwdbwd skipped"
+                    if why not in notes:
+                        notes.append(why)
+                else:
+                    timed.append(t)
+            elif impl == "torch_eager":
+                t = prepare_torch_eager(cell, name, s, mode, device)
+                if t is None:
+                    why = "torch_eager: torch is not installed; skipped"
+                    if why not in notes:
+                        notes.append(why)
+                else:
+                    timed.append(t)
             elif impl in ("torch", "torch_tf32"):
                 if impl == "torch_tf32" and device == "cpu":
                     continue                 # TF32 is a GPU mode
                 t = prepare_torch(cell, name, s, mode, device, tf32=impl == "torch_tf32")
                 if t is None:
-                    why = (f"torch{' with CUDA' if device == 'cuda' else ''} is not installed; "
+                    why = (f"torch: no torch.nn module for {cell}; skipped"
+                           if cell not in reference.TORCH else
+                           f"torch{' with CUDA' if device == 'cuda' else ''} is not installed; "
                            f"skipped")
                     if why not in notes:
                         notes.append(why)

@@ -182,14 +182,15 @@ def inspect(folder, as_json):
 @main.command()
 @click.option("--shapes", default="small_128_b16", show_default=True,
               help="Comma-separated shape names from the shared set, or 'all'.")
-@click.option("--cell", type=click.Choice(["lstm", "gru"]), default="lstm", show_default=True,
-              help="The cells with peers (torch.nn.LSTM, torch.nn.GRU).")
+@cell_options
 @click.option("--schedules", "schedule_list", default=None,
               help="Comma-separated schedules (default: the target's default).")
 @_target_option
 @click.option("--peers", default="numpy,torch", show_default=True,
-              help="Comma-separated peers to time beside halstm: numpy, torch, torch_tf32 "
-                   "(cuDNN with TF32, GPU targets only); '' for none.")
+              help="Comma-separated peers to time beside halstm: numpy, torch (the "
+                   "cell's torch.nn module, where torch has one), torch_tf32 (cuDNN with TF32, "
+                   "GPU targets only), torch_eager (the cell's step in PyTorch eager, stepped "
+                   "from Python); '' for none.")
 @click.option("--fwd/--fwdbwd", "fwd_only", default=None,
               help="Forward only, or forward+backward (default: both).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))

@@ -145,6 +145,13 @@ def _layer_params(params, k):
             params.get(f"bias_hh_l{k}", zeros))
 
 
+class NumpyOps:
+    """The activations of halstm.cells.language for numpy arrays."""
+    sigmoid = staticmethod(_sigmoid)
+    tanh = staticmethod(np.tanh)
+    relu = staticmethod(lambda a: np.maximum(a, 0.0))
+
+
 def forward(cell, params, x, hx=None):
     """Multi-layer forward; x (T, B, I), hx None (zeros), (h0, c0) for lstm or h0 for gru, each (L, B, H).
 
@@ -235,6 +242,11 @@ def _cifg_lstm(xg, hg, s):
 # cell -> step(xg (B, G*H) = x W_ih^T + b_ih, hg (B, G*H) = h W_hh^T + b_hh,
 # states (h, ...) each (B, H)) -> new states; written apart from halstm.cells
 STEPS = {"rnn_tanh": _rnn_tanh, "rnn_relu": _rnn_relu, "cifg_lstm": _cifg_lstm}
+# the cells with a hand-written BPTT above (forward / backward)
+BPTT = ("lstm", "gru")
+# cell -> (torch.nn class name, keyword arguments): PyTorch's own module
+TORCH = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {"nonlinearity": "tanh"}),
+         "rnn_relu": ("RNN", {"nonlinearity": "relu"})}
 
 
 def step_forward(step, params, x, states0):

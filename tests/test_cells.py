@@ -226,3 +226,23 @@ def test_char_lm_trains_with_a_language_cell(tmp_path):
     losses = trainer.history["train_loss"]
     assert len(losses) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
+
+
+@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "cifg_lstm"])
+def test_a_definition_evaluated_on_arrays_is_the_numpy_step(cell):
+    """step_function: the step the benchmark's numpy check and its torch
+    eager peer run."""
+    d = cells.definition(cell)
+    rng = np.random.default_rng(8)
+    G, Bn = len(d.gates), 3
+    xg, hg = rng.standard_normal((Bn, G * H)), rng.standard_normal((Bn, G * H))
+    states = [rng.standard_normal((Bn, H)) for _ in d.states]
+    want = reference.STEPS[cell](xg, hg, states)
+    for got_states in [d.step_function(reference.NumpyOps)(xg, hg, states)]:
+        for s, got, w in zip(d.states, got_states, want):
+            assert_close(s, got, w, rtol=1e-12)
+    torch = pytest.importorskip("torch")
+    got_states = d.step_function(torch)(*(torch.from_numpy(a) for a in (xg, hg)),
+                                        [torch.from_numpy(a) for a in states])
+    for s, got, w in zip(d.states, got_states, want):
+        assert_close(s, got.numpy(), w, rtol=1e-12)

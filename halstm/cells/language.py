@@ -278,6 +278,39 @@ class Definition:
             self.saved_nodes = [self.new["h"]]
         self.saved = _saved_names(self.saved_nodes)
 
+    def step_function(self, ops):
+        """The step as a function of arrays: step(xg, hg, states) -> new
+        states, xg and hg (B, G*H) with the gates' blocks in order, states
+        (B, H) each. ops gives sigmoid, tanh and relu for the array kind
+        (numpy, torch); + - * / are the arrays' own."""
+        H_of = lambda a: a.shape[1] // len(self.gates)   # noqa: E731
+        gate = {g: k for k, g in enumerate(self.gates)}
+        roots = [self.new[k] for k in self.states]
+        order = _topo(roots)
+
+        def step(xg, hg, states):
+            H = H_of(xg)
+            env = {}
+            for n in order:
+                if n.op in ("x", "r"):
+                    k = gate[n.arg]
+                    v = (xg if n.op == "x" else hg)[:, k * H:(k + 1) * H]
+                elif n.op == "s":
+                    v = states[self.states.index(n.arg)]
+                elif n.op == "const":
+                    v = n.arg
+                elif n.op == "neg":
+                    v = -env[id(n.args[0])]
+                elif n.op in ACTIVATIONS:
+                    v = getattr(ops, n.op)(env[id(n.args[0])])
+                else:
+                    a, b = (env[id(c)] for c in n.args)
+                    v = a + b if n.op == "+" else a - b if n.op == "-" else a * b \
+                        if n.op == "*" else a / b
+                env[id(n)] = v
+            return tuple(env[id(r)] for r in roots)
+        return step
+
     def signature(self) -> str:
         """The definition as text: equal for equal math (a cache key part)."""
         return (f"{self.name} gates={','.join(self.gates)} states={','.join(self.states)} "
