@@ -125,13 +125,8 @@ def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail, chunk=None):
         stage.unroll(i)
     if par is not None and chunk is not None and par == vo.name():
         # one parallel loop over (chunk, panel) pairs, chunk-major: the
-        # threads share a chunk's rows, and there is no join per chunk.
-        # The projection (host-profile, time per call, threads used), was a
-        # parallel panel loop inside the serial chunk loop: charrnn_512x2's
-        # second layer 214 -> 166 ms, 1.56 -> 1.97 threads; small_128_b16
-        # 4.6 -> 4.0 ms, 0.99 -> 1.37 threads; the LM layer's forward
-        # (K=84, H=256, B=32, T=64) 47.6-53.9 -> 38.3-41.9 ms in three
-        # alternating runs.
+        # threads share a chunk's rows, and there is no join per chunk
+        # (bench/RESULTS.md "Schedule decisions": cpu.proj parallel loop).
         stage.fuse(vo, chunks[0], vo).parallel(vo)
     elif par is not None:
         stage.parallel({v.name(): v for v in outer}[par])
@@ -293,12 +288,9 @@ def step_bwd(p, target):
     # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
     # panels of W_hh^T (G*H*P floats each) would not fit in half an L2
     # (DH_PANEL_BYTES; they are read once per row tile); below that many
-    # rows, 8 panels x 1 row. Tiles span panels that divide Hp / P and
-    # leave the driver at least two ranges of whole tiles. Was 2 panels x
-    # 4 rows (8 accumulators), and 2 x 1 below 4 rows (FMA latency-bound at
-    # B = 1: latency_256_b1's backward step 6.3 -> 4.2 us with 8 panels,
-    # host-profile). 4 x 4 at H = 1024 (1 MB of panels) took deepbench_1024's
-    # backward step 1.62 -> 2.00 ms.
+    # rows, 8 panels x 1 row (one row is FMA latency-bound). Tiles span
+    # panels that divide Hp / P and leave the driver at least two ranges of
+    # whole tiles (bench/RESULTS.md "Schedule decisions": cpu.step_bwd tiles).
     batch = p.param("saved").dim(2).extent()
     half = max(1, p.Hp // p.P // 2)
     fit = max(1, DH_PANEL_BYTES // (p.G * p.H * p.P * 4))

@@ -29,29 +29,17 @@ SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
 
 
-notes: list[str] = []   # the shape-dependent choices of the build in progress (manifest)
-
-
 def layout(target: hl.Target) -> Layout:
-    """(Called first in every build: it starts a new list of notes.)
-    Packed operand shapes: weight panels a warp's worth of units wide;
-    registers a thread may use (the JIT's limit, set by the driver): the
-    tiles below hold up to 64 accumulators, and 256-thread blocks of 128
-    registers still fit an SM's 65536. cuda_graphs: the step pipelines
-    allocate no device memory of their own (every stage lives in registers
-    or shared memory), so the driver may capture a time loop into a CUDA
-    graph, which bakes in every pointer its kernels use (tested in
-    tests/test_cuda_nogpu.py). fused_bwd_below: below this hidden size
-    the backward time loop runs step_bwd_fused, one kernel a step (see
-    there for what it measured). raw_bwd_weights: the backward products
-    read W_ih and W_hh as given, along their input units (coalesced, as
-    from the panels), with no pack_bwd. At large_2048 (H100) pack_bwd's two
-    copies took 2 x 82 us a call, 2 x 45 as copies of 8 elements a thread
-    (results/ncu_s10_pack.txt); against the latter, the layer backward
-    without pack_bwd took 0.986x the time at H=2048 B=32 T=50, 0.990x at
-    H=1024 B=64 T=25, within 1% either way at H=512 (K=65), H=128 and the
-    GRU at H=1024 (bench/gpu_ab.py, results/gpu_ab_s10_raw_bwd.txt)."""
-    notes.clear()
+    """The layout's decisions: weight panels a warp's worth of units wide
+    (cuda.LANES); 128 registers a thread (tiles of up to 64 accumulators,
+    256-thread blocks fit an SM twice; cuda.max_registers); CUDA graphs
+    for the time loops, since the step pipelines allocate no device memory
+    (cuda.cuda_graphs; tests/test_cuda_nogpu.py); the pointwise backward
+    stored and read back by the product (cuda.step_bwd pointwise); one
+    kernel a backward step below H = 512 (cuda.fused_bwd_below); no
+    backward packing, the products read the weights as given
+    (cuda.raw_bwd_weights). Evidence: bench/RESULTS.md "Schedule
+    decisions", the rows named here."""
     return Layout(panel=LANES, dw_cols=LANES, dw_rows=1, max_registers=128, cuda_graphs=True,
                   read_outputs=True, fused_bwd_below=512, raw_bwd_weights=True)
 
@@ -213,76 +201,41 @@ ROWS = 16
 
 def _gemm_unroll(H: int) -> tuple[int, int]:
     """How far the projection's, resp. dx's and dW's, reduction loops are
-    unrolled (loads of that many steps in flight). From H = 512, 16 and 8
-    (with 8 rows a thread in dx) rather than 4 and 2 (H100,
-    bench/gpu_probe.py, two runs, results/gpu_gemm_unroll.txt): forward
-    1.81/1.72 -> 1.69/1.71 ms at H=1024 B=64 T=25, 6.47/6.42 -> 6.10/6.08 at
-    H=2048 B=32 T=50, 2.57/2.62 -> 2.50/2.51 at H=512 B=64 T=100; backward
-    4.04/3.91 -> 3.80/3.77, 13.65/13.70 -> 13.21/13.11, 4.60/4.60 ->
-    4.41/4.49. Unrolling by 2 and 1 was 3-20% slower; 4 rows a thread in
-    the projection 5-20% slower."""
+    unrolled: loads of that many steps in flight against global-memory
+    latency; 16 and 8 from H = 512, else 4 and 2 (bench/RESULTS.md "Schedule decisions": cuda._gemm_unroll)."""
     return (16, 8) if H >= 512 else (4, 2)
-# The per-step products unroll their reductions by 8. Tried from H = 512
-# (H100, bench/gpu_probe.py, two runs, results/gpu_step_unroll.txt): 16 or
-# 32 made the forward step 40-75% slower (register pressure), 4 was within
-# 5% either way; the backward product within 5% at 4, 16 and 32.
-# Warps that share one tile's reduction in the per-step products. Tried
-# below H = 512 (H100, bench/gpu_probe.py, two runs,
-# results/gpu_step_slices_unroll.txt): 16 or 4 warps, and the reduction
-# unrolled by 16 rather than 8; at small_128_b16 every variant fell within
-# the runs' spread (forward 4.2-6.1 us a step, backward 8.8-11.5), at
-# latency_256_b1 16 warps gained 5-10% (3.3 against 3.5-3.9 us forward).
+# The per-step products unroll their reductions by 8: loads in flight,
+# without the register pressure of 16 or 32 (bench/RESULTS.md "Schedule decisions": cuda.step unroll).
+# Warps that share one register-tile step's reduction: a step has few
+# tiles, so 8 warps spread them over more SMs (bench/RESULTS.md "Schedule decisions": cuda.SLICES).
 SLICES = 8
 
 
 def _tile_from(H: int) -> int:
-    """The smallest batch whose steps take several rows a thread. Below
-    H = 512 a batch of up to 16 takes one row a thread, 4x the blocks: a
-    forward step of small_128_b16 took 4.5 us instead of 7.5 with 4 rows
-    (H100, bench/gpu_probe.py, results/gpu_small_variants.txt; 2 rows 6.9)."""
+    """The smallest batch whose steps take several rows a thread: below
+    H = 512 a batch of up to 16 takes one row a thread, 4x the blocks where
+    few unit panels would leave SMs idle (bench/RESULTS.md "Schedule decisions": cuda._tile_from)."""
     return 17 if H < 512 else _batch_rows(H)
 
 
 def _batch_rows(H: int) -> int:
-    """Batch rows per thread of a step: fewer at small H, so that the few
-    unit panels still spread over enough blocks.
-
-    Tried at H >= 512 (H100, bench/gpu_probe.py forward / backward ms, one
-    run each; 8 rows and 8 warps measured 2.68/7.40 at H=512 B=64 T=100,
-    1.89/4.50 at H=1024 B=64 T=25, 7.27/14.78 at H=2048 B=32 T=50): 16 rows
-    with 8 warps does not launch (its 64 KB of partial sums pass the 48 KB
-    of shared memory); 16 rows, 4 warps: 6.73/9.35, 3.92/5.09,
-    16.8/18.5; 4 rows: 2.47/7.07, 2.23/4.56, 7.87/16.6; 4 rows, 16 warps:
-    2.86/6.82, 2.65/4.86, 9.94/16.2; 8 rows, 4 warps: 3.21/8.23, 2.30/4.86,
-    9.67/17.5; 2 rows: 3.05/7.50, 2.86/4.98, 13.2/20.3. Loading the
-    broadcast operand (h, dhg, x) 16 bytes at a time into registers first
-    (ld.global.v4; 84 -> 36 loads per 256 FMAs in the projection) measured
-    no faster either: 2.66/7.16, 2.02/4.90, 6.67/14.8."""
+    """Batch rows per thread of a step: 8 from H = 512, 4 below, so that
+    the few unit panels of a small H still spread over enough blocks; 16
+    rows on 8 warps would need 64 KB of shared memory for the partial sums
+    (bench/RESULTS.md "Schedule decisions": cuda._batch_rows)."""
     return 8 if H >= 512 else 4
 
 
-# Tried (H100, bench/gpu_probe.py forward/backward ms, two runs each,
-# results/gpu_share_warps.txt): blocks of 2, 4 or 8 warps whose tiles are
-# neighbours along the rows (projection, dx) or the hidden units (dW), so
-# that the weight panel they share comes from L1 rather than L2 (ncu showed
-# an L1 hit rate of 35% and 25% occupancy in the projection at
-# deepbench_1024). Slower or the same everywhere: H=1024 B=64 T=25
-# 1.69-1.75/3.92-4.27 with one warp, 1.78-1.94/5.13-5.53 with 2-8; H=2048
-# B=32 T=50 6.45-6.66/13.9 against 6.61-7.29/18.3-18.9; H=128 B=16 T=100
-# 0.50/1.06 against 0.44-0.64/0.94-1.17. L2 traffic does not limit them.
+# The GEMMs (projection, dx, dW) run one warp a block: L2 traffic does not
+# limit them, and a register tile spanning a multi-warp block becomes local
+# memory in Halide 21 (bench/RESULTS.md "Schedule decisions": cuda.GEMM blocks).
 def proj(p, target):
     v = p.vars
-    # Where H and K are multiples of a warp (the chunks of x staged in lanes
-    # are a warp wide, and x is clamped along its rows only), at every H:
-    # below H = 512 too, the lanes projection measured faster than the
-    # register tiles of 16 rows a thread, whose few tiles (400 warps at
-    # small_128_b16) left most of the GPU idle (H100, bench/gpu_ab.py,
-    # interleaved, results/gpu_ab_s8_small.txt: with dx as a lanes product
-    # too, the layer's forward 0.961-0.987x and backward 0.939-0.943x the
-    # register tiles' at H=128 B=16 T=100 in two runs; at H=256 B=1 T=1000
-    # forward 1.004-1.008x, backward 0.981-0.985x).
+    # A lanes product where H and K are multiples of a warp (x's staged
+    # chunks are a warp wide), at every H: register tiles of 16 rows leave
+    # most of the GPU idle at small shapes (bench/RESULTS.md "Schedule decisions": cuda.proj lanes).
     if _lanes_proj(p):
-        notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
+        p.notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
                      "(T*B) where T*B >= 8, one row otherwise; one warp, x staged in chunks "
                      "in shared memory")
         out = p.stage("xp")
@@ -291,7 +244,7 @@ def proj(p, target):
                        out_tile=[v["gate"]])
         return
     rows = ROWS if p.H < 512 else ROWS // 2      # more tiles (see DW_WARPS)
-    notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
+    p.notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
                  f"where T*B >= {rows}, one row otherwise")
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
           [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x],
@@ -308,7 +261,7 @@ def _step_tile(p, target):
     v = p.vars
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     first = _tile_from(p.H)
-    notes.append(f"step: one kernel; a thread holds every gate of one unit for {rows} batch "
+    p.notes.append(f"step: one kernel; a thread holds every gate of one unit for {rows} batch "
                  f"rows where B >= {first} (large batch), one row otherwise (small batch); "
                  f"the {p.H}-long reduction split over {slices} warp(s)")
     _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
@@ -430,7 +383,7 @@ def _step_lanes(p, target):
     v = p.vars
     rows = 8 if p.H >= 1024 else 4
     slices = _lanes_slices(p.H, 8)
-    notes.append(f"step: one kernel; a lane holds every gate of one unit for {rows} batch rows "
+    p.notes.append(f"step: one kernel; a lane holds every gate of one unit for {rows} batch rows "
                  f"where B >= {rows}, one row otherwise; the {p.H}-long reduction split over "
                  f"{slices} warps, h staged in chunks of {LANES} and shuffled")
     extent = p.stage("out").output_buffers()[0].dim(1).extent()
@@ -439,60 +392,19 @@ def _step_lanes(p, target):
 
 
 def _lanes_fit(H: int) -> bool:
-    """Where the products use _lanes_product: from H = 512 (below it the
-    register tiles were faster: small_128_b16's forward step 4.2 -> 11.6 us
-    a step, H100), and H a multiple of a warp (at other H Halide refused to
-    stripe the GRU step's accumulator across the lanes: its index was not
-    affine in the lane)."""
+    """Where the products use _lanes_product: from H = 512, where they beat
+    the register tiles, and H a multiple of a warp (at other H Halide cannot
+    stripe the GRU step's accumulator across the lanes: its index is not
+    affine in the lane) (bench/RESULTS.md "Schedule decisions": cuda._lanes_fit)."""
     return H >= 512 and H % LANES == 0
 
 
-# What the lanes products measured (H100, bench/gpu_variants.sh, forward /
-# backward ms of one layer, bench/gpu_probe.py; each run also timed the
-# register tiles; results/gpu_lanes_variants_{step,dh,proj_dx}.txt):
-# - forward step, 8 warps: at H=2048 B=32 T=50 6.03-6.25 -> 5.12 with 8 rows
-#   a lane (4 rows 6.46, 16 rows on 4 warps 14.3); at H=512 B=64 T=100
-#   2.38-2.58 -> 2.08 with 4 rows (8 rows 2.41); at H=1024 B=64 T=25
-#   1.58-1.68 -> 1.61 with 8 rows (no gain; 4 rows 1.94); at H=128 B=16
-#   0.42 -> 0.69-1.56 (so not below H=512).
-# - dh, 8 rows a lane: backward at H=1024 3.88 -> 3.50 with 2 units a lane
-#   (4 units 3.80, 1 unit 3.75; 4 units x 4 rows 3.48, the same), at H=2048
-#   13.12 -> 12.03 (2 units; 4: 14.71, 4 x 4 rows: 12.46), at H=512 4.50 ->
-#   4.05 (1 unit; 2: 4.44). With 2 units a lane, 8 warps made 128 blocks at
-#   H=1024 and 2048 (under one per SM; Nsight: 95.8 us a step at H=2048);
-#   16 warps took the backward 3.36 -> 3.20 at H=1024 and 11.65 -> 10.59 at
-#   H=2048 (results/gpu_lanes_variants_dh_slices.txt).
-# - projection, one warp a block: 8 rows a lane took the forward 1.75 ->
-#   1.54 at H=1024, 5.29 -> 5.09 at H=2048, 2.17 -> 2.11 at H=512 (16 rows:
-#   1.86, 6.36, 2.31; 2 units x 8 rows: 1.61, 5.41, 2.15).
-# - Tried in the eighth session (bench/gpu_ab.py, variants interleaved in one
-#   process, results/gpu_ab_s8_step.txt), all slower at H=512, 1024 and
-#   2048: the forward step with 4 rows a lane (1.19-1.22x the time) or 2
-#   units x 4 rows a lane on 8 or 4 warps (1.15-1.28x); the projection with
-#   4 rows a lane or 2 units a lane (0.99-1.00x, no gain). 2 units x 8 rows
-#   on 8 warps, or 8 rows on 16 warps, do not launch (64 KB of shared
-#   memory for the warps' sums).
-# - dx: 4 units x 8 rows a lane on 2 warps took the backward 3.31 -> 3.05
-#   at H=1024, 11.69 -> 11.23 at H=2048, 3.85 -> 3.84 at H=512 (one warp:
-#   3.23, 11.49, 3.73; 2 units x 16 rows: 3.36, 12.07, 3.99).
-# - Tried in the tenth session (bench/gpu_ab.py, interleaved, layer ratios
-#   at H=2048 B=32 T=50 / H=1024 B=64 T=25 / H=512 B=64 T=100): bigger
-#   one-warp tiles with up to 255 registers a thread (the driver set the
-#   JIT's limit for the projection and grads pipelines alone; the limit
-#   took, 231-255 registers under ncu). The same tiles at 255: backward
-#   1.06x / 1.19x / 1.08x (ptxas takes the registers, occupancy halves);
-#   dW 8 input x 4 hidden units a lane 1.00x / 1.03x / 1.07x, 4 x 8 1.11x /
-#   1.14x / 1.06x; dx 4 units x 16 rows 1.04x / 1.14x / 1.08x, 8 x 8 1.04x /
-#   1.15x / 1.07x; projection 1 unit x 16 rows or 2 x 8 forward 1.10x /
-#   1.10x / 1.03-1.04x (results/gpu_ab_s10_regs_run{1,2}.txt). At 128
-#   registers, against the same code otherwise (the third shape there
-#   K=65): dx 2 units x 16 rows (unrolled by 2: by 4 it spilled) 1.04x /
-#   1.04x / 1.01x, 1 x 32 1.14x / 1.14x / 1.02x, dx unrolled by 8 1.00x /
-#   1.00x / 1.00x (results/gpu_ab_s10_pack.txt). Under ncu at large_2048 the
-#   projection, dx and dW issue 2.1-2.7 instructions a cycle, 82-87% of them
-#   FMAs in dx and dW, at 21-24% occupancy; the stalls are spread (dispatch, long
-#   scoreboard, not selected), no one unit is saturated
-#   (results/ncu_s10_gemm_large.txt, ncu_s10_dw_dx_large.txt).
+# The lanes products' shapes (rows and units a lane, warps a block) are
+# the fastest measured on an H100; the alternatives and their times are in
+# bench/RESULTS.md "Schedule decisions" (cuda.step lanes, cuda.dh lanes,
+# cuda.proj lanes, cuda.dx lanes, cuda.dW lanes, cuda.max_registers). At
+# large_2048 the GEMMs issue 2.1-2.7 instructions a cycle, mostly FMAs, with
+# no one unit saturated (results/ncu_s10_gemm_large.txt).
 
 
 def step(p, target):
@@ -507,33 +419,19 @@ step_infer = step
 
 def step_bwd(p, target):
     v = p.vars
-    # the pointwise backward inlined into the kernels that store dxp (and
-    # dhg); the product reads them back (layout read_outputs): 3 kernels a
-    # step, was 4 (each about 4-5 us at latency_256_b1). The other
-    # pointwise outputs (the GRU's dhg, the LSTM's dc_prev) are computed in
-    # the same kernel (compute_with): 2 kernels a step for both cells. A
-    # backward step (H100, bench/gpu_probe.py, results/gpu_probe_fused_pointwise.txt)
-    # 9.4-11.5 -> 8.3 us at small_128_b16, 6.2-6.8 -> 5.5 us at latency_256_b1.
-    # (Tenth session: 2 or 4 elements a thread in that kernel, a block's
-    # 128-element runs in turn: layer backward 1.00-1.05x and 1.02-1.14x at
-    # H=2048, 1024 and 512 (K=65); Halide put a barrier between the runs.
-    # dh's reduction unrolled by 8 or 2 rather than 4: 0.996-1.024x and
-    # 1.009-1.031x. bench/gpu_ab.py, results/gpu_ab_s10_pointwise_dh.txt.)
+    # The pointwise backward is inlined into the kernel that stores dxp
+    # (and dhg), which the product reads back (layout read_outputs); the
+    # other pointwise outputs (dhg, the states' dprev) are computed in the
+    # same kernel (compute_with): 2 kernels a step
+    # (bench/RESULTS.md "Schedule decisions": cuda.step_bwd pointwise).
     pointwise = _grid(p.stage("dxp_out"))
     others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
         [p.stage("dprev_" + s) for s in p.cell.states[1:]]
     for f in others:
         _grid(f, along=pointwise)
     r = p.rdoms["jg"]
-    # (Register tiles, below.) Tried: 2-4 units a thread (where 8 unit blocks remain, 4 batch
-    # rows), so that a broadcast load of dhg feeds more FMAs: no gain on an
-    # H100 (deepbench_1024 forward+backward 6.27 ms against 6.19, large_2048
-    # 22.45 against 21.64), so one unit a thread stays.
-    # (16 warps rather than 8 from H = 512: 4.77 -> 4.69, 4.19 -> 3.99,
-    # 13.79 -> 14.58 ms backward at H = 512, 1024, 2048; results/gpu_dx_variants.txt.
-    # 16 batch rows a thread rather than 8, each weight panel read by half
-    # the blocks: 4.54 -> 5.45, 3.88 -> 3.81, 13.81 -> 13.81; 32 rows: 7.79,
-    # 5.18, 20.5; results/gpu_dh_rows_variants.txt)
+    # (Register tiles, other H: one unit a thread, _batch_rows rows, SLICES
+    # warps, as the forward step's (bench/RESULTS.md "Schedule decisions": cuda.dh tiles).)
     _dh_product(p, p.stage("dprev_h"), p.stage("dh_prev_acc"),
                 p.stage("dxp_out" if p.cell.dxp_is_dhg else "dhg_out"), "step_bwd")
 
@@ -542,13 +440,10 @@ def step_bwd_fused(p, target):
     """One kernel a backward step (pipeline.py _step_bwd_fused): the product
     dh = W_hh^T dhg as in step_bwd, and the thread that finishes dh(k, b)
     runs the previous step's pointwise backward at (k, b) and stores it (the
-    output Tuple). step_bwd takes two kernels a step: the pointwise part
-    (every unit's dhg) before the product. Used below H = 512 (layout
-    fused_bwd_below): the layer backward (H100, bench/gpu_ab.py, interleaved,
-    results/gpu_ab_s8_fused.txt) took 0.884-0.887x step_bwd's time at H=128
-    B=16 T=100 and 0.869-0.881x at H=256 B=1 T=1000, but 1.07-1.09x at H=512
-    B=64 T=100 and 1.04-1.06x at H=1024 B=64 T=25, where the lanes product's
-    finishing warp (one of 8 or 16) also runs the pointwise part's loads."""
+    output Tuple). step_bwd takes two kernels a step. Used below H = 512,
+    where a step is short and one launch fewer pays; from 512 the lanes
+    product's finishing warp would also run the pointwise part's loads
+    (bench/RESULTS.md "Schedule decisions": cuda.fused_bwd_below)."""
     _dh_product(p, p.stage("out"), p.stage("dh_acc"), p.stage("dhg_in"), "step_bwd_fused")
 
 
@@ -558,7 +453,7 @@ def _dh_product(p, out, acc, staged, kind):
     if _lanes_fit(p.H):
         units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
         slices = _lanes_slices(p.H, 16 if p.H >= 1024 else 8)
-        notes.append(f"{kind}: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
+        p.notes.append(f"{kind}: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
                      f"batch rows a lane where B >= 8, one row otherwise; {slices} warps, "
                      f"dhg staged in chunks of {LANES} and shuffled")
         _lanes_product(out, acc, v["k"], v["b"], 8, [], r.x, p.H,
@@ -567,7 +462,7 @@ def _dh_product(p, out, acc, staged, kind):
         return
     rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     first_rows = _tile_from(p.H)
-    notes.append(f"{kind}: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
+    p.notes.append(f"{kind}: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
     _tile(out, acc, v["k"], [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices,
           reduce_extent=p.H, tile_from=first_rows)
@@ -633,35 +528,25 @@ def grads(p, target):
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
     unroll = _gemm_unroll(p.H)[1]
     if p.H % LANES:
-        notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread")
-    # From H = 512, dx sums each gate's part on the grid of its own (4x the
-    # tiles), then the four parts: backward (bench/gpu_probe.py, H100,
-    # results/gpu_dx_variants.txt) 5.48 -> 4.19 ms at H=1024 B=64 T=25
-    # (4.45-4.48 in other runs), 14.87 -> 13.79 at H=2048 B=32 T=50, 4.90 ->
-    # 4.77 at H=512 B=64 T=100.
-    # dx as a lanes product wherever H is a multiple of a warp (the chunks of
-    # dxp staged in lanes), on one warp: from H = 512 4 input units a lane,
-    # below it 1 unit, for more blocks (see proj for the figures). From 512
-    # the staged chunk is stored gates innermost (chunk_outer), so that a
-    # reduction step's values come in vector shared loads: with scalar ones
-    # the 4 x 8 accumulators spilled (100 bytes at 128 registers), which is
-    # why this was 2 warps a block, shuffling, until the ninth session. On
-    # one warp the layer backward took 0.978x / 0.958x / 0.975x the 2-warp
-    # form's time at H=1024 B=64 T=25, H=2048 B=32 T=50, H=512 B=64 T=100
-    # (H100, bench/gpu_ab.py, interleaved, both with dW as below;
-    # results/gpu_ab_s9_grads.txt: dx48 against dw; 2 units a lane, dx28:
-    # 0.995x, 0.993x, 0.997x). With dW's change: 0.929x, 0.935x, 0.976x.
+        p.notes.append(f"grads: dx with {per_lane} input unit(s) x {dx_rows} rows a thread")
+    # dx: a lanes product on one warp wherever H is a multiple of a warp
+    # (dxp staged in lanes); from H = 512 4 input units a lane, the chunk
+    # stored gates innermost (chunk_outer) so that a reduction step's values
+    # come in vector shared loads (scalar ones made the 4 x 8 accumulators
+    # spill), 1 unit below for more blocks (bench/RESULTS.md "Schedule decisions": cuda.dx lanes).
+    # Other H from 512: each gate's part summed on a grid of its own (4x the
+    # tiles), then the four (bench/RESULTS.md "Schedule decisions": cuda.dx per gate).
     if p.H % LANES == 0:
         big = p.H >= 512
         units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
-        notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
+        p.notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
                      f"a lane, one warp, dxp staged in chunks in shared memory")
         out = p.stage("dx")
         _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
                        out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
                        1, units=units, gates=rg.y, unroll=4, chunk_outer=big)
     elif p.H >= 512:
-        notes.append("grads: dx summed per gate on the grid, then over the gates")
+        p.notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")
         part = p.stage("dx_acc").update().rfactor(rg.y, g)
         _summed_parts(p.stage("dx"), p.stage("dx_acc"), part, g, i, [(n, dx_rows, True)],
@@ -670,35 +555,27 @@ def grads(p, target):
     else:
         _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
               per_lane=per_lane, unroll=unroll)
-    # Weight gradients: where they have 2048 tiles or more (below, the
-    # register tiles' sums in parts), a lanes product on one warp: a lane
-    # holds 4 input units x 4 hidden units x every gate, dxp (dhg) staged in
-    # chunks of 32 rows in shared memory and read back in vector loads (4
-    # loads of 4 values and 4 of x per 64 FMAs, where the register tiles made
-    # 16 broadcast loads from global memory). Layer backward (H100,
-    # bench/gpu_ab.py, interleaved; results/gpu_ab_s9_dw.txt and
-    # gpu_ab_s9_grads.txt, dw4 or dw against base, three runs): 0.942-0.950x at H=1024 B=64 T=25, 0.949-0.976x at
-    # H=2048 B=32 T=50; at H=512 B=64 T=100 (512 tiles) 1.21-1.22x, at
-    # H=128 B=16 T=100 1.28-1.38x, so not there; 2 input units a lane
-    # 1.14-1.16x. Splitting its rows into parts as the register tiles do
-    # made Halide put barriers (and guards) inside the chunk loop: not used.
-    # Otherwise: lanes over input units, per thread 4 input units x
-    # 4 hidden units x every gate (1.56 ms with 1 input unit, deepbench_1024);
-    # the panels stages are inlined (plain reads on a GPU, clamped at the edges).
+    # Weight gradients: a lanes product on one warp where they have 2048
+    # tiles or more (a lane holds 4 input x 4 hidden units x every gate;
+    # dxp/dhg staged in 32-row chunks, read back in vector loads)
+    # (bench/RESULTS.md "Schedule decisions": cuda.dW lanes); fewer tiles: register tiles of
+    # 4 input x 4 hidden units x every gate a thread, rows summed in parts
+    # (bench/RESULTS.md "Schedule decisions": cuda.dW tiles). The panels stages are inlined
+    # (plain reads on a GPU, clamped at the edges).
     rows = p.param("x").dim(1).extent()
     for name, vec, width, d in (("dw_ih", i, p.K, "dxp"), ("dw_hh", v["k"], p.H, "dhg")):
         out, acc = p.stage(name), p.stage(name + "_acc")
         if _lanes_dw(p, width):
-            notes.append(f"grads: {name} as a lanes product; 4 input units x 4 hidden units x "
+            p.notes.append(f"grads: {name} as a lanes product; 4 input units x 4 hidden units x "
                          f"every gate a lane, one warp, {d} staged in chunks in shared memory")
             staged = p.stage(d + "_panels")       # (ji, gate, n, jo)
             _lanes_product(out, acc, vec, j, 4, [gate], rn.x, None, p.H, staged, 1,
                            units=_slices(-(-width // LANES), 4), out_tile=[gate], chunk_arg=2)
             continue
-        notes.append(f"grads: {name} with 4 input x 4 hidden units x every gate a thread")
+        p.notes.append(f"grads: {name} with 4 input x 4 hidden units x every gate a thread")
         tile = [(j, 4, False), (gate, None, False)]
         parts = _row_parts(width, p.H)
-        notes.append(f"grads: {name}'s sum over the N rows in {parts} part(s) summed afterwards")
+        p.notes.append(f"grads: {name}'s sum over the N rows in {parts} part(s) summed afterwards")
         if parts > 1:
             # part[vec, j, gate, u] = the sum over the u-th of `parts` runs of rows
             ro, ri = hl.RVar(name + "_ro"), hl.RVar(name + "_ri")

@@ -168,7 +168,7 @@ def _cuda_pipe(cell, kind, K, H):
     mod = schedules.for_target(target, "cuda")
     p = pipeline.build(cells.get(cell), kind, K, H, mod.layout(target))
     getattr(mod, kind)(p, target)
-    return p, list(mod.notes), target
+    return p, list(p.notes), target
 
 
 # Below H=512 the cuda schedule's backward time loop is one kernel a step
