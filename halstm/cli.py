@@ -14,7 +14,8 @@ from .errors import CacheError, KernelError
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="halstm")
 def main():
-    """Fast LSTM and GRU kernels generated with Halide: compile, inspect,
+    """Fast recurrent kernels (LSTM, GRU, RNN, cells of your own) generated
+    with Halide: list cells, compile, inspect,
     benchmark, and train a char-level language model."""
 
 

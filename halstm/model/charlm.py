@@ -12,8 +12,9 @@ Halide pipeline of model/kernels.py (model/library.py compiles it), the
 one-hot rows are built there by its onehot pipeline, and the optimizer runs
 as its adam / sgd pipelines (optim.KernelAdam, KernelSGD).
 
-Parameter names follow a PyTorch module with attributes `rnn` (nn.LSTM or
-nn.GRU) and `head` (nn.Linear): rnn.weight_ih_l0, ..., head.weight, head.bias.
+Parameter names follow a PyTorch module with attributes `rnn` (a torch.nn
+recurrent module) and `head` (nn.Linear): rnn.weight_ih_l0, ...,
+head.weight, head.bias.
 """
 from __future__ import annotations
 
