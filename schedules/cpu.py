@@ -21,21 +21,26 @@ ROUND = hl.TailStrategy.RoundUp
 
 # Batch (or merged time x batch) rows per register tile of the products
 # whose tiles hold every gate of one panel: 4 gates x 4 rows = 16
-# accumulators. 6 rows (24 accumulators) measured no better in a noisy hour
-# (deepbench_1024 forward 211 against 226 ms, small_128_b16 worse: B=16
-# computes 18 rows), so 4 stays.
+# accumulators, half of AVX-512's 32 vector registers
+# (bench/RESULTS.md, "Schedule decisions": cpu.ROWS).
 ROWS = 4
 
 
 def panel(target: hl.Target) -> int:
-    """One native float vector: the width of a weight panel."""
+    """One native float vector: the width of a weight panel, so that one
+    reduction step of a tile reads one vector of a panel."""
     return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
 
 
 def layout(target: hl.Target) -> Layout:
     """Packed operand shapes: weight panels one vector wide; weight-gradient
     tiles of 4 vectors x 6 units with AVX-512 (24 of 32 registers hold
-    accumulators), 2 vectors x 6 units otherwise (12 of 16)."""
+    accumulators), 2 vectors x 6 units otherwise (12 of 16)
+    (bench/RESULTS.md, "Schedule decisions": cpu.layout); xp stored in
+    panels, so that a step's rows of one panel are one contiguous run
+    (bench/RESULTS.md, "Schedule decisions": cpu.layout (xp)); the steps
+    split over the driver's threads (SPLIT_MACS, SPLIT_CALL_MACS,
+    SPLIT_ROWS)."""
     P = panel(target)
     wide = target.has_feature(hl.TargetFeature.AVX512)
     return Layout(panel=P, dw_cols=(4 if wide else 2) * P, dw_rows=6, xp_panels=True,
@@ -126,7 +131,7 @@ def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail, chunk=None):
     if par is not None and chunk is not None and par == vo.name():
         # one parallel loop over (chunk, panel) pairs, chunk-major: the
         # threads share a chunk's rows, and there is no join per chunk
-        # (bench/RESULTS.md "Schedule decisions": cpu.proj parallel loop).
+        # (bench/RESULTS.md, "Schedule decisions": cpu.proj parallel loop).
         stage.fuse(vo, chunks[0], vo).parallel(vo)
     elif par is not None:
         stage.parallel({v.name(): v for v in outer}[par])
@@ -140,37 +145,26 @@ def _panels(extent: int, P: int, want: int) -> int:
     return n
 
 
-# The time steps run on the driver's threads, not Halide's pool (layout
-# split_steps; see driver.cpp run_split): one thread per SPLIT_MACS
-# multiply-adds of a step, up to the threads available, each on its own
-# range of unit panels, meeting at a spin barrier between steps.
-# History: in Halide's pool, a step forked and joined every time (from 2^17
-# MACs, a threshold that took latency_256_b1 forward from 1.31-1.48x to
-# 0.74-0.85x PyTorch on a quiet host), and the profiler counted 13% of a
-# K=H=512 B=64 step waiting for the other thread. With the driver's
-# threads (2026-11-23, quiet host, host-profile): that step 0.395-0.419 ->
-# 0.344 ms; the layer's forward (no_grad, bench-style medians, two
-# alternations) 68.6/69.0 -> 60.0-63.3 ms. One thread against two at B=1,
-# T=1000 (forward ms): H=128 2.98 vs 1.58, H=256 10.7 vs 6.2, so steps of
-# 2^16 MACs gain from a second thread; H=64 (2^14) stays on one.
+# The time steps run on the driver's threads, not Halide's pool, which
+# would fork and join a parallel loop every step (layout split_steps; see
+# driver.cpp run_split): one thread per SPLIT_MACS multiply-adds of a
+# step, up to the threads available, each on its own range of unit panels,
+# meeting at a spin barrier between steps. From 2^15 MACs a step pays for
+# a second core's barrier; 2^14 (H=64) stays on one
+# (bench/RESULTS.md, "Schedule decisions": cpu.SPLIT_MACS).
 SPLIT_MACS = 1 << 15
 # ... and only where the whole time loop has SPLIT_CALL_MACS multiply-adds
-# or more: starting a thread costs about 25 us a call (a T=1 forward at
-# K=H=128 B=16: 88.7 us on one thread, 113.3 on two), the time 3 M MACs
-# take on one core.
+# or more: starting a thread costs about 25 us a call, the time 3 M MACs
+# take on one core (bench/RESULTS.md, "Schedule decisions": cpu.SPLIT_CALL_MACS).
 SPLIT_CALL_MACS = 1 << 23
 # Batch rows are independent through a whole time loop: where each thread
 # gets SPLIT_ROWS rows or more (a multiple of every step tile's rows) and
 # W_hh (G*H*H floats, read whole by every thread each step) is small enough
 # (the step pipelines set the pipe's split_batch_bytes), the driver's
 # threads take ranges of rows and never meet, rather than ranges of units
-# that meet after every step. Measured (layer ms, forward / backward,
-# three alternations, units against rows): K=H=128 B=16 T=100 forward
-# the same (medians 1.117 / 1.121), backward 2.669 -> 2.564 (the backward's
-# ranges of units each compute the pointwise part for all units); K=H=256
-# B=32 T=64 (W_hh 1 MB) forward 5.58-5.92 -> 5.79-8.16, backward
-# 13.7-15.0 -> 12.2-14.0. So rows up to 512 KB of W_hh forward, 1 MB
-# backward.
+# that meet after every step (and, backward, each compute the pointwise
+# part for all units): rows up to 512 KB of W_hh forward, 1 MB backward
+# (bench/RESULTS.md, "Schedule decisions": cpu.SPLIT_ROWS).
 SPLIT_ROWS = 8
 
 
@@ -193,10 +187,10 @@ def _pack(f, target):
 
 def pack(p, target):
     """wp(ji, gate, k, jo) = w(k, jo*P + ji, gate): a transpose of P x P
-    blocks, P reduction steps unrolled per vector of units (the P rows of
-    a block are read once, line by line). Vectorizing ji alone gathered
-    each vector from P rows: deepbench_1024's pack took 6.5 ms, now 2.0
-    (Halide JIT, 30 runs, 2026-11-22 23:45, quiet host)."""
+    blocks, P reduction steps unrolled per vector of units, so that each of
+    a block's P rows is read once along a cache line rather than each
+    vector gathered from P rows
+    (bench/RESULTS.md, "Schedule decisions": cpu.pack)."""
     for name in ("wp_ih", "wp_hh"):
         f = p.stage(name)
         ji, gate, k, jo = f.args()
@@ -210,14 +204,13 @@ def pack_bwd(p, target):
         _pack(p.stage(name), target)
 
 
-# The input projection: 6 rows x 4 gates = 24 accumulators a tile, and
-# rows in chunks of 32 tiles (192 rows) outside the panel loop, so that a
-# chunk of x stays in L2 while every weight panel passes. Measured at
-# charrnn_512x2's second layer (K=H=512, N=6400, host-profile, proj per
-# call): 4 rows unchunked 143/121 ms, 6 rows 127/107, 6 rows + chunks of 32
-# 89/93 (16: 93/109, 64: 98/103); the LM layer (K=H=256, N=2048): 10.9/10.3
-# -> 9.1 ms.
+# The input projection: 6 rows x 4 gates = 24 accumulators a tile, 24 of
+# AVX-512's 32 vector registers
+# (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_ROWS).
 PROJ_ROWS = 6
+# Rows in chunks of 32 tiles (192 rows) outside the panel loop, so that a
+# chunk of x stays in L2 while every weight panel passes
+# (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_CHUNK).
 PROJ_CHUNK = 32
 
 
@@ -252,7 +245,8 @@ def step(p, target):
     j_tail = ROUND if H % P == 0 else GUARD
     rows = ROWS
     # Batches under ROWS: one row per tile, and two panels (8 accumulators,
-    # enough to hide the FMA latency) where H allows whole aligned tiles.
+    # enough to hide the FMA latency) where H allows whole aligned tiles
+    # (bench/RESULTS.md, "Schedule decisions": cpu.step small batch).
     aligned = H % P == 0
     small_panels = _panels(p.Hp, P, 2) if aligned else 1
     # one thread: the driver runs ranges of units on its threads (split_steps)
@@ -290,7 +284,7 @@ def step_bwd(p, target):
     # (DH_PANEL_BYTES; they are read once per row tile); below that many
     # rows, 8 panels x 1 row (one row is FMA latency-bound). Tiles span
     # panels that divide Hp / P and leave the driver at least two ranges of
-    # whole tiles (bench/RESULTS.md "Schedule decisions": cpu.step_bwd tiles).
+    # whole tiles (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd tiles).
     batch = p.param("saved").dim(2).extent()
     half = max(1, p.Hp // p.P // 2)
     fit = max(1, DH_PANEL_BYTES // (p.G * p.H * p.P * 4))
@@ -334,11 +328,9 @@ def grads_ids(p, target):
 
 
 # Input panels (dw_cols units each) that one pass over the weight
-# gradient's unit tiles covers. Measured (bench/cpu_layer.py backward ms,
-# two alternations, quiet host, 2026-11-23 01:00): 1 (one panel a pass)
-# 138.8/145.7 at deepbench_1024's layer, 2: 133.9/135.9, 4: 131.9/127.0,
-# 8: 128.1/127.6; K=H=512, B=64, T=100: 143.0/144.0 -> 138.0/138.5 with 4;
-# K=H=128 and K=H=256 the same within 1-3%.
+# gradient's unit tiles covers: each unit tile's dxp panel stays in L2 and
+# is read from memory once per 4 input panels
+# (bench/RESULTS.md, "Schedule decisions": cpu.DW_PANELS).
 DW_PANELS = 4
 
 
@@ -347,6 +339,9 @@ def grads(p, target, ids=False):
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
     if not ids:
+        # dx: tiles of 6 rows x 2 panels, 12 accumulators (AVX2's 16
+        # registers hold them too)
+        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dx tile)
         _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y],
               par="io", panels=_panels(p.Kp, p.P, 2))
     for name in ("hs_panels",) if ids else ("x_panels", "hs_panels"):
@@ -360,26 +355,22 @@ def grads(p, target, ids=False):
         # Chunks of 64 rows in parallel, every panel of a chunk in turn: each
         # row of dxp is read from L2 once, and each (panel, gate) block is
         # stored as contiguous 6-unit rows (storage ji, row, gate, jo), so a
-        # weight-gradient tile of one gate broadcasts from a dense stream.
-        # Measured (LM, H=256, N=2048, host-profile, grads per call): K=65
-        # 21.8 -> 17.9 ms, K=256 33.2 -> 28.9 ms (was: one task per panel,
-        # all rows, gates interleaved). Not packing dxp at all (broadcasts
-        # straight from its rows) ran the dW GEMMs 2x slower: 38 / 46 ms.
+        # weight-gradient tile of one gate broadcasts from a dense stream
+        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dxp panels).
         f.compute_root().reorder_storage(ji, row, g, jo)
         f.split(row, ro, ri, 64, GUARD).reorder(ji, g, ri, jo, ro).unroll(ji).unroll(g)
         f.parallel(ro)
     # Weight gradients: a dw_cols x dw_rows register tile per (panel, unit
     # tile, gate); the input-panel loop outermost so that its panel stays in
-    # L2 while every unit tile streams past it. Measured 57.6 GF/s for
-    # dW_hh at deepbench_1024 (H=1024, N=1600) on the 2-core AVX-512 VM,
-    # where numpy's sgemm of the same size ran at 105 GF/s, both under load;
-    # unpacked operands ran at 15 GF/s.
+    # L2 while every unit tile streams past it
+    # (bench/RESULTS.md, "Schedule decisions": cpu.layout).
     for name, vec in (("dw_hh", v["k"]),) if ids else (("dw_ih", i), ("dw_hh", v["k"])):
         width, jo = (p.K if vec is i else H), hl.Var("jo")
         if width >= p.dw_cols and H >= p.dw_rows:
             # tiles straight into the output, the edge tiles shifted inwards
             # (they recompute a few units): no buffer of whole tiles to copy
             # out afterwards (16 MB each for dW_ih and dW_hh at deepbench_1024)
+            # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
             out, acc = p.stage(name), p.stage(name + "_acc")
             _tile(out, acc, vec, p.dw_cols, [(j, p.dw_rows, SHIFT)], [rn.x], vec_tail=SHIFT)
             # DW_PANELS input panels per pass over the unit tiles: each tile's
@@ -393,8 +384,8 @@ def grads(p, target, ids=False):
         tiles = p.stage(name + "_tiles").compute_root()
         _tile(tiles, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, ROUND)], [rn.x])
         tiles.fuse(jo, gate, jo).parallel(jo)
-        # the copy out of whole tiles, one gate a task: it ran on one thread,
-        # 7 ms each for dW_ih and dW_hh at deepbench_1024 (host-profile)
+        # the copy out of whole tiles, one gate a task, in parallel
+        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
         p.stage(name).vectorize(vec, _vw(target, width)).parallel(gate)
     for bias in ("db_ih", "db_hh"):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
@@ -406,10 +397,8 @@ def grads(p, target, ids=False):
 def _bias(out, acc, j, gate, rn, vw, H):
     """db(j, gate) = sum over rows of d(j, gate, n): rows outer, units
     vectorized inner, so that each row is read once, contiguously, and the
-    accumulator row (G*H floats) stays in L1; one gate a task. Measured
-    (LM layer H=256, N=2048, host-profile): db_ih + db_hh 6.1-6.4 ms -> 0.3-0.5
-    ms; the row loop inside a 16-unit tile read one line per 4 KB stride,
-    on one thread."""
+    accumulator row (G*H floats) stays in L1; one gate a task
+    (bench/RESULTS.md, "Schedule decisions": cpu.grads bias sums)."""
     acc.compute_at(out, gate)
     tail = ROUND if H % vw == 0 else GUARD
     for stage in (acc, acc.update()):
@@ -419,8 +408,8 @@ def _bias(out, acc, j, gate, rn, vw, H):
 
 
 # ---- the char LM's head and optimizer (halstm/model/kernels.py) -----------
-# Correctness first: CPU training keeps its numpy head and optimizer (BLAS,
-# measured 6 ms of a 520 ms step); these serve tests and `CharLM(..., head=)`
+# Correctness first: CPU training runs its head and optimizer in numpy
+# (BLAS, a small part of a step); these serve tests and `CharLM(..., head=)`
 # comparisons. Every product: rows parallel, the contiguous axis vectorized.
 
 def head(p, target):

@@ -54,8 +54,8 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     accumulators have constant size) and by 1 elsewhere; a fixed axis is
     guarded at its edge. acc is computed per thread, reduction outermost,
     its innermost reduction axis unrolled by `unroll` so that the loads of
-    several steps are in flight at once (without it, each step waited for
-    its loads: 49 us a step at latency_256_b1 on an H100). acc_only: axes
+    several steps are in flight at once
+    (bench/RESULTS.md, "Schedule decisions": cuda.unroll). acc_only: axes
     of acc that out lacks (the step's gates), also in-thread and unrolled.
     slices > 1 (it must divide reduce_extent, the extent of reduce[0]): the reduction is
     split across that many warps of the block (rfactor), whose partial
@@ -164,13 +164,9 @@ def _grid(f, stage=None, along=None):
     return f
 
 
-# The forward's weight packing, on every call (the weights may have
-# changed): at large_2048 (H100, ncu) one fused-grid thread per element took
-# 135 us per weight, 26% of DRAM's bandwidth; the transpose below 43 us
-# (78%). Layer forward (bench/gpu_ab.py, interleaved,
-# results/gpu_ab_s10_pack.txt): 0.963x at H=2048 B=32 T=50, 0.951x at
-# H=1024 B=64 T=25; within 2% either way at H=512 (K=65) and H=128. (Eight
-# elements a thread along k, without shared memory: 89 us, 0.979x / 0.963x.)
+# The forward packs the weights on every call (they may have changed), as
+# a transpose through shared memory: reads and writes both coalesced
+# (bench/RESULTS.md, "Schedule decisions": cuda.pack).
 def _transpose(f, w):
     """wp(ji, gate, k, jo) = w(k, jo*P + ji, gate) through shared memory:
     a block of 32 x 8 threads moves a 32 (k) x 32 (ji) tile; w's rows are
@@ -195,26 +191,34 @@ def pack(p, target):
         _transpose(p.stage(name), w)
 
 
-# Rows per thread of the projection and gradient GEMMs (N = T*B rows).
+# Rows per thread of the projection and gradient GEMMs (N = T*B rows): 16
+# rows x 4 gates (or units) = 64 accumulators, the largest tile that
+# max_registers is sized for (bench/RESULTS.md, "Schedule decisions": cuda.ROWS).
 ROWS = 16
 
 
 def _gemm_unroll(H: int) -> tuple[int, int]:
     """How far the projection's, resp. dx's and dW's, reduction loops are
     unrolled: loads of that many steps in flight against global-memory
-    latency; 16 and 8 from H = 512, else 4 and 2 (bench/RESULTS.md "Schedule decisions": cuda._gemm_unroll)."""
+    latency; 16 and 8 from H = 512, else 4 and 2
+    (bench/RESULTS.md, "Schedule decisions": cuda._gemm_unroll)."""
     return (16, 8) if H >= 512 else (4, 2)
+
+
 # The per-step products unroll their reductions by 8: loads in flight,
-# without the register pressure of 16 or 32 (bench/RESULTS.md "Schedule decisions": cuda.step unroll).
+# without the register pressure of 16 or 32
+# (bench/RESULTS.md, "Schedule decisions": cuda.step unroll).
 # Warps that share one register-tile step's reduction: a step has few
-# tiles, so 8 warps spread them over more SMs (bench/RESULTS.md "Schedule decisions": cuda.SLICES).
+# tiles, so 8 warps spread them over more SMs
+# (bench/RESULTS.md, "Schedule decisions": cuda.SLICES).
 SLICES = 8
 
 
 def _tile_from(H: int) -> int:
     """The smallest batch whose steps take several rows a thread: below
     H = 512 a batch of up to 16 takes one row a thread, 4x the blocks where
-    few unit panels would leave SMs idle (bench/RESULTS.md "Schedule decisions": cuda._tile_from)."""
+    few unit panels would leave SMs idle
+    (bench/RESULTS.md, "Schedule decisions": cuda._tile_from)."""
     return 17 if H < 512 else _batch_rows(H)
 
 
@@ -222,18 +226,19 @@ def _batch_rows(H: int) -> int:
     """Batch rows per thread of a step: 8 from H = 512, 4 below, so that
     the few unit panels of a small H still spread over enough blocks; 16
     rows on 8 warps would need 64 KB of shared memory for the partial sums
-    (bench/RESULTS.md "Schedule decisions": cuda._batch_rows)."""
+    (bench/RESULTS.md, "Schedule decisions": cuda._batch_rows)."""
     return 8 if H >= 512 else 4
 
 
 # The GEMMs (projection, dx, dW) run one warp a block: L2 traffic does not
 # limit them, and a register tile spanning a multi-warp block becomes local
-# memory in Halide 21 (bench/RESULTS.md "Schedule decisions": cuda.GEMM blocks).
+# memory in Halide 21 (bench/RESULTS.md, "Schedule decisions": cuda.GEMM blocks).
 def proj(p, target):
     v = p.vars
     # A lanes product where H and K are multiples of a warp (x's staged
     # chunks are a warp wide), at every H: register tiles of 16 rows leave
-    # most of the GPU idle at small shapes (bench/RESULTS.md "Schedule decisions": cuda.proj lanes).
+    # most of the GPU idle at small shapes
+    # (bench/RESULTS.md, "Schedule decisions": cuda.proj lanes).
     if _lanes_proj(p):
         p.notes.append("proj: a lanes product; a lane holds every gate of one unit for 8 rows "
                      "(T*B) where T*B >= 8, one row otherwise; one warp, x staged in chunks "
@@ -243,7 +248,9 @@ def proj(p, target):
                        p.K, out.output_buffers()[0].dim(2).extent(), p.stage("x_in"), 1,
                        out_tile=[v["gate"]])
         return
-    rows = ROWS if p.H < 512 else ROWS // 2      # more tiles (see DW_WARPS)
+    # Register tiles: 8 rows a thread from H = 512, for more tiles
+    # (bench/RESULTS.md, "Schedule decisions": cuda.proj rows).
+    rows = ROWS if p.H < 512 else ROWS // 2
     p.notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
                  f"where T*B >= {rows}, one row otherwise")
     _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
@@ -284,11 +291,8 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
     shared memory and warp 0 finishes (bias, cell, stores). With one warp
     (slices 1) each chunk goes through shared memory instead: every lane
     stores its column and reads each value back (a broadcast load), 8 shared
-    loads and no shuffles per reduction step. The layer forward measured
-    0.91-0.95x with it at H = 512, 1024 and 2048 (the projection; H100,
-    bench/gpu_ab.py, two copies, results/gpu_ab_s8_smem.txt); at H = 128
-    and 256, with dx too, forward 0.97-0.99x, backward 1.02x at H=128 B=16
-    and 0.98-0.99x at H=256 B=1.
+    loads and no shuffles per reduction step
+    (bench/RESULTS.md, "Schedule decisions": cuda.lanes one warp).
     out(lane, rows_var) or acc's copy; acc(lane, *tile, rows_var): the
     accumulator, its update over `reduce` (extent reduce_extent, split into
     slices and chunks) and `gates` (a second, small RVar, unrolled); extent:
@@ -353,9 +357,9 @@ def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, 
         # column, every lane reads each value back, a broadcast), not shuffles.
         # A block of lane loops only has no thread loops, and Halide 21 then
         # inserts no barrier between the stores and the loads (it takes one
-        # warp's lanes as synchronous: FuseGPUThreadLoops). Loading the
-        # values 4 at a time (ld.shared.v4, rows innermost) measured no
-        # faster (results/gpu_ab_s8_smem.txt).
+        # warp's lanes as synchronous: FuseGPUThreadLoops). Scalar loads:
+        # 4 values at a time (ld.shared.v4, rows innermost) are no faster
+        # (bench/results/gpu_ab_s8_smem.txt).
         by_chunks(acc, reduce, hl.MemoryType.GPUShared)
         return out
     part = acc.update().split(reduce, ro, ri, -(-reduce_extent // slices), GUARD).rfactor(ro, u)
@@ -378,8 +382,9 @@ def _lanes_slices(H: int, want: int) -> int:
 
 
 def _step_lanes(p, target):
-    """The forward step as a lanes product (see _lanes_product); used where
-    it measured faster than the register tiles (_step_tile; see _lanes_fit)."""
+    """The forward step as a lanes product (see _lanes_product), where
+    _lanes_fit: 8 rows a lane from H = 1024, 4 below, for more blocks where
+    unit panels are fewer (bench/RESULTS.md, "Schedule decisions": cuda.step lanes)."""
     v = p.vars
     rows = 8 if p.H >= 1024 else 4
     slices = _lanes_slices(p.H, 8)
@@ -395,16 +400,14 @@ def _lanes_fit(H: int) -> bool:
     """Where the products use _lanes_product: from H = 512, where they beat
     the register tiles, and H a multiple of a warp (at other H Halide cannot
     stripe the GRU step's accumulator across the lanes: its index is not
-    affine in the lane) (bench/RESULTS.md "Schedule decisions": cuda._lanes_fit)."""
+    affine in the lane) (bench/RESULTS.md, "Schedule decisions": cuda._lanes_fit)."""
     return H >= 512 and H % LANES == 0
 
 
 # The lanes products' shapes (rows and units a lane, warps a block) are
-# the fastest measured on an H100; the alternatives and their times are in
-# bench/RESULTS.md "Schedule decisions" (cuda.step lanes, cuda.dh lanes,
-# cuda.proj lanes, cuda.dx lanes, cuda.dW lanes, cuda.max_registers). At
-# large_2048 the GEMMs issue 2.1-2.7 instructions a cycle, mostly FMAs, with
-# no one unit saturated (results/ncu_s10_gemm_large.txt).
+# the fastest of the alternatives timed on an H100 (bench/RESULTS.md,
+# "Schedule decisions": cuda.step lanes; cuda.dh lanes; cuda.proj lanes;
+# cuda.dx lanes; cuda.dW lanes).
 
 
 def step(p, target):
@@ -423,7 +426,7 @@ def step_bwd(p, target):
     # (and dhg), which the product reads back (layout read_outputs); the
     # other pointwise outputs (dhg, the states' dprev) are computed in the
     # same kernel (compute_with): 2 kernels a step
-    # (bench/RESULTS.md "Schedule decisions": cuda.step_bwd pointwise).
+    # (bench/RESULTS.md, "Schedule decisions": cuda.step_bwd pointwise).
     pointwise = _grid(p.stage("dxp_out"))
     others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
         [p.stage("dprev_" + s) for s in p.cell.states[1:]]
@@ -431,7 +434,8 @@ def step_bwd(p, target):
         _grid(f, along=pointwise)
     r = p.rdoms["jg"]
     # (Register tiles, other H: one unit a thread, _batch_rows rows, SLICES
-    # warps, as the forward step's (bench/RESULTS.md "Schedule decisions": cuda.dh tiles).)
+    # warps, as the forward step's
+    # (bench/RESULTS.md, "Schedule decisions": cuda.dh tiles).)
     _dh_product(p, p.stage("dprev_h"), p.stage("dh_prev_acc"),
                 p.stage("dxp_out" if p.cell.dxp_is_dhg else "dhg_out"), "step_bwd")
 
@@ -443,7 +447,7 @@ def step_bwd_fused(p, target):
     output Tuple). step_bwd takes two kernels a step. Used below H = 512,
     where a step is short and one launch fewer pays; from 512 the lanes
     product's finishing warp would also run the pointwise part's loads
-    (bench/RESULTS.md "Schedule decisions": cuda.fused_bwd_below)."""
+    (bench/RESULTS.md, "Schedule decisions": cuda.fused_bwd_below)."""
     _dh_product(p, p.stage("out"), p.stage("dh_acc"), p.stage("dhg_in"), "step_bwd_fused")
 
 
@@ -451,6 +455,9 @@ def _dh_product(p, out, acc, staged, kind):
     """dh = W_hh^T dhg into out(k, b) (acc: its sum; staged: dhg's stage)."""
     v, r = p.vars, p.rdoms["jg"]
     if _lanes_fit(p.H):
+        # 8 rows a lane; from H = 1024 2 units a lane (one staged value feeds
+        # 2 units' FMAs) and 16 warps, as blocks are fewer than SMs there
+        # (bench/RESULTS.md, "Schedule decisions": cuda.dh lanes).
         units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
         slices = _lanes_slices(p.H, 16 if p.H >= 1024 else 8)
         p.notes.append(f"{kind}: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
@@ -468,19 +475,10 @@ def _dh_product(p, out, acc, staged, kind):
           reduce_extent=p.H, tile_from=first_rows)
 
 
-# Warps wanted on the grid of a weight-gradient GEMM: its tiles are few where
-# the layer is small (32 at H = K = 128), and each one-warp tile summing all
-# N rows in turn waited on its loads. Splitting the rows into parts (with
-# dx's 4 rows a thread at small K) took a backward step (bench/gpu_probe.py,
-# H100) from 15.3-16.9 to 11.6 us at small_128_b16 and from 71-74 to 50 us
-# at H=512 B=64 T=100; `halstm bench` forward+backward against cuDNN:
-# small_128_b16 2.21x -> 1.53x, charrnn_512x2 2.02x -> 1.22x. Then (forward /
-# backward ms, bench/gpu_probe.py at H = 128, 512, 1024, 2048 as in
-# bench/results/gpu_grads_variants.txt): 8192 warps rather than 2048 (four
-# parts at deepbench_1024) 4.76 -> 4.47 and 16.2 -> 14.9 backward at H =
-# 1024 and 2048, the same elsewhere; dx with 8 rows rather than 4 at small K
-# 1.13 -> 1.02 backward at H = 128; the projection with 8 rows rather than
-# 16 from H = 512: 2.77 -> 2.67, 1.86 -> 1.67, 7.10 -> 6.73 forward.
+# Warps wanted on the grid of a register-tile weight-gradient GEMM: its
+# tiles are few where the layer is small (32 at H = K = 128), so its N rows
+# are summed in parts until tiles x parts reach about the warps an H100
+# holds at once (bench/RESULTS.md, "Schedule decisions": cuda.DW_WARPS).
 DW_WARPS = 8192
 
 
@@ -520,11 +518,11 @@ def grads(p, target):
     v = p.vars
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
-    # dx reads whole panels only (Kp): 4 units a thread where they divide it
-    # (1.8 ms with 1 unit a thread at deepbench_1024 on an H100)
+    # dx reads whole panels only (Kp): 4 units a thread where they divide it,
+    # one broadcast load for 4 FMAs; 8 rows a thread where fewer than 4 warps
+    # span K, and from H = 512, for more tiles
+    # (bench/RESULTS.md, "Schedule decisions": cuda.dx tiles)
     per_lane = _slices(p.Kp // LANES, 4)
-    # and fewer rows a thread where fewer than 4 warps span K, for more tiles
-    # (and from H = 512 too: see _gemm_unroll)
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
     unroll = _gemm_unroll(p.H)[1]
     if p.H % LANES:
@@ -533,9 +531,10 @@ def grads(p, target):
     # (dxp staged in lanes); from H = 512 4 input units a lane, the chunk
     # stored gates innermost (chunk_outer) so that a reduction step's values
     # come in vector shared loads (scalar ones made the 4 x 8 accumulators
-    # spill), 1 unit below for more blocks (bench/RESULTS.md "Schedule decisions": cuda.dx lanes).
+    # spill), 1 unit below for more blocks
+    # (bench/RESULTS.md, "Schedule decisions": cuda.dx lanes).
     # Other H from 512: each gate's part summed on a grid of its own (4x the
-    # tiles), then the four (bench/RESULTS.md "Schedule decisions": cuda.dx per gate).
+    # tiles), then the four (bench/RESULTS.md, "Schedule decisions": cuda.dx per gate).
     if p.H % LANES == 0:
         big = p.H >= 512
         units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
@@ -558,10 +557,11 @@ def grads(p, target):
     # Weight gradients: a lanes product on one warp where they have 2048
     # tiles or more (a lane holds 4 input x 4 hidden units x every gate;
     # dxp/dhg staged in 32-row chunks, read back in vector loads)
-    # (bench/RESULTS.md "Schedule decisions": cuda.dW lanes); fewer tiles: register tiles of
-    # 4 input x 4 hidden units x every gate a thread, rows summed in parts
-    # (bench/RESULTS.md "Schedule decisions": cuda.dW tiles). The panels stages are inlined
-    # (plain reads on a GPU, clamped at the edges).
+    # (bench/RESULTS.md, "Schedule decisions": cuda.dW lanes); fewer tiles:
+    # register tiles of 4 input x 4 hidden units x every gate a thread, rows
+    # summed in parts (bench/RESULTS.md, "Schedule decisions": cuda.dW tiles).
+    # The panels stages are inlined (plain reads on a GPU, clamped at the
+    # edges).
     rows = p.param("x").dim(1).extent()
     for name, vec, width, d in (("dw_ih", i, p.K, "dxp"), ("dw_hh", v["k"], p.H, "dhg")):
         out, acc = p.stage(name), p.stage(name + "_acc")
@@ -585,9 +585,9 @@ def grads(p, target):
             _summed_parts(out, acc, part, u, vec, tile, [ri], [ro], per_lane=4, unroll=unroll)
         else:
             _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=unroll)
-    # Bias gradients: sums over N rows. One thread a unit summed all N rows
-    # in 225 us (deepbench_1024, H100: 32 blocks); chunks of 64 rows are
-    # summed in parallel first (rfactor), then the chunk sums.
+    # Bias gradients: sums over N rows, in chunks of 64 rows summed in
+    # parallel (rfactor), then the chunk sums: a thread a unit would fill
+    # only a few blocks (bench/RESULTS.md, "Schedule decisions": cuda.bias sums).
     for bias in ("db_ih", "db_hh"):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
             _grid(p.stage(bias))
