@@ -337,7 +337,7 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
             if plan.cuda else {}),
         "pipelines": [f"halstm_{k}" for k in plan.kinds],
         "emitted": sorted(emit),
-        "schedule_notes": [n for p in pipes for n in p.notes] + list(getattr(plan.module, "notes", [])),
+        "schedule_notes": [n for p in pipes for n in p.notes],
     }
     if plan.link:
         manifest |= {"library": LIBRARY, "sha256": cache.file_sha256(out / LIBRARY)}

@@ -16,7 +16,8 @@ On CUDA targets the weight-packing pipeline (pack: a layout copy, run
 once per call) uses the hand-written cuda schedule: an autoscheduler may
 leave it on the host, which device-resident buffers cannot serve. (The
 cuda layout has no pack_bwd: the backward reads the weights as given.)
-Departures are listed in `notes` and in each library's manifest.
+Departures are appended to the notes of the pipeline scheduled (p.notes),
+which reach each library's manifest.
 """
 from __future__ import annotations
 
@@ -61,7 +62,6 @@ class Auto:
 
     def __init__(self, name: str, family: str):
         self.name, self.family = name, family
-        self.notes: list[str] = []      # departures from the named autoscheduler
 
     def layout(self, target):
         """The family's packed layout; the pipelines as the CPU has them (no
@@ -82,14 +82,14 @@ class Auto:
     def _apply(self, p, target):
         if self.family == "gpu" and p.kind == "pack":
             from . import cuda
-            self.notes.append(f"{p.kind} pipeline: the hand-written cuda schedule")
+            p.notes.append(f"{p.kind} pipeline: the hand-written cuda schedule")
             return getattr(cuda, p.kind)(p, target)
         _estimate(p)
         name = self.name
         if name == "Anderson2021" and p.kind in ANDERSON_FALLBACK:
             name = "Li2018"
-            self.notes.append(f"{p.kind} pipeline scheduled by Li2018: Anderson2021 gives "
-                              f"{ANDERSON_FALLBACK[p.kind]}")
+            p.notes.append(f"{p.kind} pipeline scheduled by Li2018: Anderson2021 gives "
+                           f"{ANDERSON_FALLBACK[p.kind]}")
         _load(name)
         params = {"parallelism": str(parallelism("cpu"))} if self.family == "cpu" else {}
         if name == "Adams2019":

@@ -133,6 +133,9 @@ def test_gpu_schedule_compiles_for_cuda(schedule, cell, direction, cuda_build):
     if schedule == "cuda":      # its shape-dependent choices are in the manifest
         want = "step:" if direction == "fwd" else "step_bwd_fused:"    # (H < 512)
         assert any(n.startswith(want) for n in m["schedule_notes"]), m["schedule_notes"]
+    if schedule == "auto:Anderson2021":     # and an autoscheduler's departures
+        want = "pack pipeline:" if direction == "fwd" else "grads pipeline scheduled by Li2018"
+        assert any(n.startswith(want) for n in m["schedule_notes"]), m["schedule_notes"]
 
 
 @pytest.mark.parametrize("schedule,cell", [(s, c) for s in GPU for c in cells_for(s)])
