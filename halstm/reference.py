@@ -265,6 +265,20 @@ def step_forward(step, params, x, states0):
     return inp, [np.stack([f[i] for f in finals]) for i in range(len(states0))]
 
 
+def numeric_grad(f, a, eps=1e-6):
+    """Central differences of scalar f() wrt array a, perturbed in place."""
+    g = np.zeros_like(a)
+    for i in np.ndindex(a.shape):
+        keep = a[i]
+        a[i] = keep + eps
+        up = f()
+        a[i] = keep - eps
+        down = f()
+        a[i] = keep
+        g[i] = (up - down) / (2 * eps)
+    return g
+
+
 def step_gradients(step, params, x, states0, dy, dfinal, names, eps=1e-6):
     """Gradients of sum(dy * y) + sum(dfinal * finals) by central
     differences (float64 in, float64 out): every key of params, 'input'
@@ -273,20 +287,10 @@ def step_gradients(step, params, x, states0, dy, dfinal, names, eps=1e-6):
         y, fin = step_forward(step, p, xx, ss)
         return float((dy * y).sum() + sum((d * f).sum() for d, f in zip(dfinal, fin)))
 
-    def numeric(a, f):
-        g = np.zeros_like(a)
-        for i in np.ndindex(a.shape):
-            keep = a[i]
-            a[i] = keep + eps
-            up = f()
-            a[i] = keep - eps
-            down = f()
-            a[i] = keep
-            g[i] = (up - down) / (2 * eps)
-        return g
-
-    grads = {k: numeric(v, lambda: loss(params, x, states0)) for k, v in params.items()}
-    grads["input"] = numeric(x, lambda: loss(params, x, states0))
+    def f():
+        return loss(params, x, states0)
+    grads = {k: numeric_grad(f, v, eps) for k, v in params.items()}
+    grads["input"] = numeric_grad(f, x, eps)
     for name, s in zip(names, states0):
-        grads[f"{name}0"] = numeric(s, lambda: loss(params, x, states0))
+        grads[f"{name}0"] = numeric_grad(f, s, eps)
     return grads

@@ -48,20 +48,6 @@ def analytic_grads(cell, params, x, hx, R):
     return ref.backward(cell, cache, R["y"], R["h"], dc_n)
 
 
-def numeric_grad(f, a, eps=1e-6):
-    """Central differences of scalar f() wrt array a, perturbed in place."""
-    g = np.zeros_like(a)
-    for idx in np.ndindex(a.shape):
-        old = a[idx]
-        a[idx] = old + eps
-        fp = f()
-        a[idx] = old - eps
-        fm = f()
-        a[idx] = old
-        g[idx] = (fp - fm) / (2 * eps)
-    return g
-
-
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("case", [
     dict(T=4, B=2, I=3, H=5, L=2, bias=True, states=True),
@@ -88,7 +74,7 @@ def test_gradients_match_finite_differences(cell, case):
     f = lambda: loss(cell, params, x, hx, R)
     for name, arr in targets.items():
         assert grads[name].shape == arr.shape, name
-        num = numeric_grad(f, arr)
+        num = ref.numeric_grad(f, arr)
         assert_close(name, grads[name], num, rtol=1e-6, atol=0)
 
 
