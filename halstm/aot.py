@@ -36,20 +36,22 @@ _HERE = Path(__file__).resolve().parent
 ENTRY_POINTS = {
     "fwd": {"halstm_forward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
-        "b_hh (G*H,)", "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
+        "b_hh (G*H,)", "vec (V, H): the vector parameters (unused, NULL, with V = 0)",
+        "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
         "ws xp (T, B, G, HP)",
         "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)", "inout states[NS] (T+1, B, H)"]},
     "bwd": {"halstm_backward": [
         "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
-        "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
+        "vec (V, H) (unused, NULL, with V = 0)", "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
         "inout dstate[NS] (2, B, HP): in [0], out [T & 1]",
         "ws wq_ih (KP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
         "ws wq_hh (HP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
         "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
-        "ws fused_bwd: 3*B*HP + 3*B*G*H floats, the first B*G*H zero, where the manifest's "
+        "ws fused_bwd: 3*B*HP + 3*B*G*H + B*V*H floats, the first B*G*H zero, where the manifest's "
         "pipelines include halstm_step_bwd_fused (else unused)",
+        "ws dvec_rows (T, B, V, H) (unused, NULL, with V = 0)",
         "out dx (T, B, KP), or NULL on a CPU target where dx is not wanted", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
-        "out dw_hh (G*H, H)", "out db_hh (G*H,)"]},
+        "out dw_hh (G*H, H)", "out db_hh (G*H,)", "out dvec (V, H) (unused, NULL, with V = 0)"]},
 }
 
 
@@ -263,6 +265,11 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
     try:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
+        if cells.definition(spec.cell).reduces:
+            # a step that reduces over units needs every unit of its products
+            # first: no ranges of units on the driver's threads, no backward
+            # step that finishes the product and the pointwise part in one
+            layout = layout.without("split", "fused_bwd_below")
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
         if missing or (spec.onehot and cuda):
@@ -313,7 +320,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
     cell = cells.get(spec.cell)
     return driver.Layer(
         direction=spec.direction, states=len(cell.states), gates=cell.n_gates,
-        saved=len(cell.saved), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
+        saved=len(cell.saved), vectors=len(cell.channels), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
@@ -326,7 +333,8 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
         "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
-        "dxp_is_dhg": cell.dxp_is_dhg, "onehot": spec.onehot, "panel": plan.layout.panel,
+        "dxp_is_dhg": cell.dxp_is_dhg, "vectors": len(cell.channels),
+        "onehot": spec.onehot, "panel": plan.layout.panel,
         "layout": plan.layout.to_dict(), "device": "cuda" if plan.cuda else "cpu",
         **({"cuda_graphs": plan.layout.cuda_graphs} if plan.cuda else {}),
         "target": str(plan.target), "target_requested": spec.target, "schedule": spec.schedule,

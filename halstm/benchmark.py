@@ -31,7 +31,10 @@ from .nn import Recurrent, no_grad
 
 # torch_tf32: cuDNN with TF32 on (GPU context); torch_eager: the step in
 # PyTorch eager, stepped from Python
-PEERS = ("numpy", "torch", "torch_tf32", "torch_eager")
+PEERS = ("numpy", "torch", "torch_tf32", "torch_eager", "torch_lstm", "lstm")
+# torch_lstm: torch.nn.LSTM at the same shape whatever the cell (cuDNN's or
+# oneDNN's vanilla LSTM: the bar for a variant no vendor ships); lstm:
+# halstm's own LSTM at the same shape (what a variant costs over it)
 
 
 def shapes() -> dict[str, dict]:
@@ -154,19 +157,29 @@ def numpy_step(cell):
     return cells.definition(cell).step_function(reference.NumpyOps)
 
 
+# Steps of y a cell without a hand-written BPTT is checked over: a
+# recurrence may amplify float32 rounding step after step (the layer-norm
+# LSTM at charrnn_512x2 with random weights: numpy's own float32 step
+# differs from float64 by 3e-5 after 25 steps, 1.4e-3 after 100), which
+# would hide a wrong kernel behind a loose tolerance, or fail a right one.
+CHECK_STEPS = 10
+
+
 def reference_errors(m, cell, x, y, dy=None) -> dict:
     """The largest relative error of module m's output y for input x
     (numpy or device arrays, (T, B, I)) against the numpy reference in
     float64, key "y", and given dy, of each gradient of m.backward(dy)
     (which needs m's last forward to have been a training one). A cell
-    without a hand-written BPTT (reference.BPTT) is checked forward only:
-    tests/test_cells.py checks its gradients by central differences."""
+    without a hand-written BPTT (reference.BPTT) is checked forward only,
+    over its first CHECK_STEPS steps: tests/test_cells.py checks its
+    gradients by central differences."""
     params = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
     x64 = np.asarray(x, np.float64)
     if cell not in reference.BPTT:
+        x64 = x64[:CHECK_STEPS]
         zeros = [np.zeros((m.num_layers, x64.shape[1], m.hidden_size))] * len(m._state_names)
         want, _ = reference.step_forward(numpy_step(cell), params, x64, zeros)
-        return {"y": _rel(np.asarray(y), want)}
+        return {"y": _rel(np.asarray(y)[:CHECK_STEPS], want)}
     ref = reference.forward(cell, params, x64)
     errs = {"y": _rel(np.asarray(y), ref[0])}
     if dy is not None:
@@ -235,7 +248,7 @@ def _torch(device):
 
 
 def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | None:
-    """PyTorch's own module for the cell (nn.LSTM, nn.GRU, nn.RNN: oneDNN on
+    """PyTorch's own module for the cell (reference.TORCH: oneDNN on
     CPU, cuDNN on GPU), or None where torch (with CUDA, for a GPU device)
     is not installed or has no module for the cell."""
     torch = _torch(device)
@@ -275,13 +288,20 @@ def prepare_torch_eager(cell, name, s, mode, device="cpu") -> _Timed | None:
     if torch is None:
         return None
     d = cells.definition(cell)
-    step, G, H, L = d.step_function(torch), len(d.gates), s["H"], s["L"]
+    step = d.step_function(reference.torch_ops(torch))
+    G, H, L = len(d.gates), s["H"], s["L"]
     gen = torch.Generator().manual_seed(0)
     bound = 1.0 / H ** 0.5
 
-    def param(*shape):
-        return ((torch.rand(*shape, generator=gen) * 2 - 1) * bound).to(device).requires_grad_()
-    layers = [(param(G * H, s["I"] if k == 0 else H), param(G * H, H), param(G * H), param(G * H))
+    def param(*shape, init="uniform"):
+        a = ((torch.rand(*shape, generator=gen) * 2 - 1) * bound if init == "uniform"
+             else torch.full(shape, float(init)))
+        return a.to(device).requires_grad_()
+
+    def bias():
+        return param(G * H) if d.matrix_bias else torch.zeros(G * H, device=device)
+    layers = [(param(G * H, s["I"] if k == 0 else H), param(G * H, H), bias(), bias(),
+               {v.name: param((G if v.per_gate else 1) * H, init=v.init) for v in d.vectors})
               for k in range(L)]
     x_np, dy_np = _inputs(cell, s)
     x, dy = torch.from_numpy(x_np).to(device), torch.from_numpy(dy_np).to(device)
@@ -289,12 +309,12 @@ def prepare_torch_eager(cell, name, s, mode, device="cpu") -> _Timed | None:
 
     def forward():
         inp = x
-        for w_ih, w_hh, b_ih, b_hh in layers:
+        for w_ih, w_hh, b_ih, b_hh, vectors in layers:
             xg = inp @ w_ih.T + b_ih                       # (T, B, G*H)
             states = [torch.zeros(s["B"], H, device=device) for _ in d.states]
             ys = []
             for t in range(s["T"]):
-                states = step(xg[t], states[0] @ w_hh.T + b_hh, states)
+                states = step(xg[t], states[0] @ w_hh.T + b_hh, states, vectors)
                 ys.append(states[0])
             inp = torch.stack(ys)
         return inp
@@ -333,6 +353,17 @@ def run(names, cell, scheds, target="host", peers=("numpy", "torch"), modes=("fw
                     if why not in notes:
                         notes.append(why)
                 else:
+                    timed.append(t)
+            elif impl in ("torch_lstm", "lstm"):
+                t = (prepare_torch("lstm", name, s, mode, device) if impl == "torch_lstm" else
+                     prepare_halstm("lstm", name, s, None, mode, target))
+                if t is None:
+                    why = f"{impl}: torch is not installed; skipped"
+                    if why not in notes:
+                        notes.append(why)
+                else:
+                    t.impl = t.impl.replace("torch", "torch-lstm", 1) if impl == "torch_lstm" \
+                        else "lstm-" + t.impl.replace(":default", "")
                     timed.append(t)
             elif impl == "torch_eager":
                 t = prepare_torch_eager(cell, name, s, mode, device)

@@ -81,8 +81,13 @@ def cells_command(as_json):
         d = cells.info(name)
         G = len(d["gates"])
         gh = "H" if G == 1 else f"{G}H"
-        params = {"weight_ih_l{k}": f"({gh}, I or H)", "weight_hh_l{k}": f"({gh}, H)",
-                  "bias_ih_l{k}": f"({gh},)", "bias_hh_l{k}": f"({gh},)"}
+        params = {"weight_ih_l{k}": f"({gh}, I or H)", "weight_hh_l{k}": f"({gh}, H)"}
+        if d["matrix_bias"]:
+            params |= {"bias_ih_l{k}": f"({gh},)", "bias_hh_l{k}": f"({gh},)"}
+        for v in d["vectors"]:
+            init = "uniform +-1/sqrt(H)" if v["init"] == "uniform" else f"{v['init']:g}"
+            params[v["name"] + "_l{k}"] = (f"({gh if v['per_gate'] else 'H'},) starts at {init}"
+                                           + (", a bias" if v["bias"] else ""))
         kind = "built in" if name in cells.NAMES else "from a file"
         rows.append(d | {"parameters": params, "origin": kind})
     if as_json:
@@ -93,7 +98,8 @@ def cells_command(as_json):
         if r["doc"]:
             click.echo(f"  {r['doc'].splitlines()[0]}")
         click.echo(f"  gates {', '.join(r['gates'])}; states {', '.join(r['states'])}; "
-                   f"saved for backward {', '.join(r['saved'])}")
+                   f"saved for backward {', '.join(r['saved'])}"
+                   + ("; reduces over the hidden units" if r["reduces"] else ""))
         click.echo("  parameters per layer k: " + ", ".join(f"{k} {v}" for k, v in
                                                            r["parameters"].items()))
 
@@ -191,7 +197,8 @@ def inspect(folder, as_json):
               help="Comma-separated peers to time beside halstm: numpy, torch (the "
                    "cell's torch.nn module, where torch has one), torch_tf32 (cuDNN with TF32, "
                    "GPU targets only), torch_eager (the cell's step in PyTorch eager, stepped "
-                   "from Python); '' for none.")
+                   "from Python), torch_lstm (torch.nn.LSTM at the same shape, whatever the "
+                   "cell), lstm (halstm's LSTM at the same shape); '' for none.")
 @click.option("--fwd/--fwdbwd", "fwd_only", default=None,
               help="Forward only, or forward+backward (default: both).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))

@@ -135,8 +135,9 @@ def _check_top(top, where: str) -> None:
 
 
 def load(path, seed=None):
-    """A halstm.LSTM or halstm.GRU running the kernels compiled into `path`."""
-    from .nn import GRU, LSTM, Recurrent
+    """The cell's module (halstm.nn.module) running the kernels compiled
+    into `path`."""
+    from .nn import module
     from .runtime import Library
     path = Path(path)
     top = read(path)
@@ -149,9 +150,7 @@ def load(path, seed=None):
                            f"{top.get('cell_file', 'FILE')!r})")
     kw = dict(num_layers=top["num_layers"], target=top["target_requested"],
               schedule=top["schedule"], seed=seed)
-    m = (LSTM(top["input_size"], top["hidden_size"], **kw) if cell == "lstm" else
-         GRU(top["input_size"], top["hidden_size"], **kw) if cell == "gru" else
-         Recurrent(cell, top["input_size"], top["hidden_size"], **kw))
+    m = module(cell, top["input_size"], top["hidden_size"], **kw)
     for part in top["parts"]:
         lib = Library(path / part["dir"])
         if lib.manifest["cell"] != cell:

@@ -35,6 +35,7 @@ class Layer:
     states: int           # NS: the cell's states (h first)
     gates: int            # G
     saved: int            # S: channels the forward saves for backward
+    vectors: int          # NV: the vector parameters' channels
     dxp_is_dhg: bool      # backward: the cell's dxp and dhg coincide
     input_size: int       # K
     hidden_size: int      # H
@@ -48,7 +49,7 @@ class Layer:
 
     def defines(self) -> dict:
         lay = self.layout
-        d = {"NS": self.states, "G": self.gates, "S": self.saved,
+        d = {"NS": self.states, "G": self.gates, "S": self.saved, "NV": self.vectors,
              "K": self.input_size, "H": self.hidden_size, "P": lay.panel,
              "DXP_IS_DHG": int(self.dxp_is_dhg), "HALSTM_ONEHOT": int(self.onehot),
              "HALSTM_FORWARD" if self.direction == "fwd" else "HALSTM_BACKWARD": 1}

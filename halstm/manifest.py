@@ -10,14 +10,15 @@ from pathlib import Path
 
 from .errors import LibraryError
 
-FORMAT = 2
+FORMAT = 3     # 3: vector parameters ("vectors"; the entry points take vec)
 DIRECTIONS = ("fwd", "bwd")
 
 _STR, _INT, _BOOL, _LIST = "a string", "a positive int", "true or false", "a list of strings"
+_COUNT = "an int >= 0"
 # key -> what it must be
 FIELDS = {"format": "the format number", "cell": _STR, "input_size": _INT,
           "hidden_size": _INT, "direction": "'fwd' or 'bwd'", "gates": _LIST,
-          "states": _LIST, "saved": _LIST, "dxp_is_dhg": _BOOL, "onehot": _BOOL,
+          "states": _LIST, "saved": _LIST, "dxp_is_dhg": _BOOL, "vectors": _COUNT, "onehot": _BOOL,
           "panel": _INT, "device": "'cpu' or 'cuda'", "target": _STR, "schedule": _STR,
           "pipelines": _LIST, "library": "a file name in the folder, or null",
           "sha256": "64 hex digits"}
@@ -31,6 +32,8 @@ def _ok(key: str, v, manifest: dict) -> bool:
         return isinstance(v, str) and bool(v)
     if what == _INT:
         return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 24
+    if what == _COUNT:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 24
     if what == _BOOL:
         return isinstance(v, bool)
     if what == _LIST:

@@ -104,13 +104,23 @@ class _RNN:
                 raise cuda.CudaError(f"target {target!r} needs a usable CUDA GPU: {e}") from None
         self._mem = memory.for_device("cuda" if self.on_gpu else "cpu")
         G, H = self.n_gates, self.hidden_size
+        from . import cells
+        d = cells.definition(self.cell)
+        self._matrix_bias = d.matrix_bias
+        # the vector parameters by base name: (channels, init); the kernels
+        # take them as one (V, H) array, in declaration order
+        self._vectors = {v.name: (G if v.per_gate else 1, v.init) for v in d.vectors
+                         if self.bias or not v.bias}
+        self._vector_specs = d.vectors
         rng = np.random.default_rng(seed)
         bound = 1.0 / np.sqrt(H)       # PyTorch: uniform(-1/sqrt(H), 1/sqrt(H))
         self._params: dict = {}
         for layer in range(self.num_layers):
             for name, shape in self._param_shapes(layer).items():
+                init = self._vectors.get(name.rsplit("_l", 1)[0], (0, "uniform"))[1]
                 self._params[name] = self._array(
-                    rng.uniform(-bound, bound, shape).astype(np.float32))
+                    rng.uniform(-bound, bound, shape).astype(np.float32) if init == "uniform"
+                    else np.full(shape, init, np.float32))
         self._zero_bias = self._array(np.zeros(G * H, np.float32))
         self._libs: dict = {}
         self._libs_lock = threading.Lock()
@@ -134,8 +144,10 @@ class _RNN:
         G, H = self.n_gates, self.hidden_size
         K = self.input_size if layer == 0 else H
         shapes = {f"weight_ih_l{layer}": (G * H, K), f"weight_hh_l{layer}": (G * H, H)}
-        if self.bias:
+        if self.bias and self._matrix_bias:
             shapes |= {f"bias_ih_l{layer}": (G * H,), f"bias_hh_l{layer}": (G * H,)}
+        for name, (channels, _) in self._vectors.items():
+            shapes[f"{name}_l{layer}"] = (channels * H,)
         return shapes
 
     def _array(self, a):
@@ -210,6 +222,35 @@ class _RNN:
         b_ih = p.get(f"bias_ih_l{layer}", self._zero_bias)
         b_hh = p.get(f"bias_hh_l{layer}", self._zero_bias)
         return p[f"weight_ih_l{layer}"], b_ih, p[f"weight_hh_l{layer}"], b_hh
+
+    def _layer_vec(self, layer):
+        """The layer's vector parameters as the kernels take them: one (V, H)
+        array, channels in declaration order (a bias left out: zeros); None
+        for a cell without."""
+        if not self._vector_specs:
+            return None
+        G, H, rows = self.n_gates, self.hidden_size, []
+        for v in self._vector_specs:
+            n = G if v.per_gate else 1
+            rows.append((n, self._params.get(f"{v.name}_l{layer}")))
+        vec, r = self._mem.empty((sum(n for n, _ in rows), H)), 0
+        for n, a in rows:
+            if a is None:
+                self._mem.zero(vec[r:r + n])
+            else:
+                vec[r:r + n] = a.reshape(n, H)
+            r += n
+        return vec
+
+    def _vector_grads(self, layer, dvec) -> dict:
+        """dvec (V, H) split into the layer's vector parameters' gradients."""
+        out, r = {}, 0
+        for v in self._vector_specs:
+            n = self.n_gates if v.per_gate else 1
+            if v.name in self._vectors:
+                out[f"{v.name}_l{layer}"] = dvec[r:r + n].reshape(n * self.hidden_size)
+            r += n
+        return out
 
     # ---- forward / backward ----------------------------------------------
     def _ids(self, x):
@@ -299,7 +340,8 @@ class _RNN:
         for layer in range(self.num_layers):
             w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
             states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
-                inp, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer) for s in init], save=save)
+                inp, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer) for s in init], save=save,
+                vec=self._layer_vec(layer))
             tape.append((inp, states, saved))
             inp = states[0][1:]                      # this layer's h over time (T, B, H)
         self._tape = (tape, unbatched, ids)
@@ -339,10 +381,13 @@ class _RNN:
             g = self._lib(layer, "bwd", ids and layer == 0).backward(
                 inp, w_ih, w_hh, saved, states, dy,
                                                  [_layer(d, layer) for d in dfinal],
-                                                 need_dx=input_grad or layer > 0)
+                                                 need_dx=input_grad or layer > 0,
+                                                 vec=self._layer_vec(layer))
             grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
-            if self.bias:
+            if self.bias and self._matrix_bias:
                 grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
+            if "dvec" in g:
+                grads |= self._vector_grads(layer, g["dvec"])
             for i, s in enumerate(self._state_names[:len(dinit)]):
                 if L == 1:
                     dinit[i] = g[f"d{s}0"].reshape(1, B, H)
@@ -419,7 +464,9 @@ class Recurrent(_RNN):
     """A multi-layer recurrent network of any cell by name (halstm.cells:
     built in, or registered from a user's file) or of a cell definition.
     Parameters weight_ih_l{k} (G*H, I), weight_hh_l{k} (G*H, H), bias_ih_l{k}
-    and bias_hh_l{k} (G*H), G the cell's gate blocks. A call returns
+    and bias_hh_l{k} (G*H), G the cell's gate blocks (the biases not for a
+    cell defined with matrix_bias=False), and the cell's vector parameters
+    <name>_l{k}, (H,) or (G*H,) per gate. A call returns
     y, h_n for a cell of one state, else y, (h_n, s2_n, ...), states in the
     cell's order; backward takes one d<state>_n per state."""
 
@@ -463,3 +510,15 @@ class Recurrent(_RNN):
         dfinal = list(dfinal) + [None] * (len(names) - len(dfinal))
         return self._backward(dy, [("d" + s + "_n", d) for s, d in zip(names, dfinal)],
                               input_grad)
+
+
+def module(cell: str, input_size, hidden_size, **kw) -> _RNN:
+    """The public module of a cell: halstm.LSTM, halstm.GRU or halstm.RNN
+    for the cells torch ships, else halstm.Recurrent(cell, ...)."""
+    if cell == "lstm":
+        return LSTM(input_size, hidden_size, **kw)
+    if cell == "gru":
+        return GRU(input_size, hidden_size, **kw)
+    if cell in ("rnn_tanh", "rnn_relu"):
+        return RNN(input_size, hidden_size, nonlinearity=cell[4:], **kw)
+    return Recurrent(cell, input_size, hidden_size, **kw)

@@ -14,7 +14,10 @@ A layer runs as a few pipelines that the compiled library's driver
 
 Axes are Halide's, innermost first; the numpy shape of the same buffer is
 the reverse (runtime.py owns that convention). K = the layer's input size,
-H = hidden size, G = the cell's gate count, S = its saved channel count.
+H = hidden size, G = the cell's gate count, S = its saved channel count,
+V = its vector parameters' channel count (each H values; the steps take
+them as one input, numpy (V, H), and step_bwd writes their per-row
+gradients, which grads sums).
 T and B are runtime values: one library serves every sequence length and
 batch. Stages are named so that schedules can find them (Pipe.stage).
 Weights are packed in panels of P units (P chosen by the schedule, a
@@ -89,10 +92,15 @@ class Pipe(Stages):
     rdoms: dict = field(default_factory=dict)    # name -> RDom
     shapes: dict = field(default_factory=dict)   # input/output name -> extents (None: runtime)
     notes: list = field(default_factory=list)    # the schedule's shape-dependent choices (manifest)
+    reductions: list = field(default_factory=list)  # the cell's Funcs over b (sums over units)
 
     @property
     def G(self) -> int:
         return self.cell.n_gates
+
+    @property
+    def V(self) -> int:
+        return len(self.cell.channels)
 
     @property
     def Hp(self) -> int:
@@ -301,6 +309,17 @@ def _gather(p: Pipe) -> None:
     p.stages = {"wt": wt, "xp": _xp_out(p, xp)}
 
 
+def _vec(p: Pipe) -> tuple:
+    """The vector parameters: ([the input] or [] without any, Func(j,
+    channel) with units clamped)."""
+    if not p.V:
+        none = hl.Func("no_vec")
+        none[hl.Var("j"), hl.Var("c")] = hl.f32(0)
+        return [], none
+    vec = _param(p, "vec", [p.H, p.V])                   # numpy (V, H)
+    return [vec], _clamp(vec, (0,))
+
+
 def _step(p: Pipe, save: bool = True) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and (save) the saved channels, so that a schedule can
@@ -326,11 +345,13 @@ def _step(p: Pipe, save: bool = True) -> None:
     w = _packed(wp_hh, j, P)
     hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
                          lambda: w(gate, r.x) * prev_in["h"][r.x, b])
-    saved, new = cell.forward(xp_in, hg, prev_in, j, b)
+    vec, vec_in = _vec(p)
+    saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
+    p.reductions = list(cell.reductions)
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)])
-    p.inputs = [xp, wp_hh, b_hh] + [prev[s] for s in cell.states]
+    p.inputs = [xp, wp_hh, b_hh] + [prev[s] for s in cell.states] + vec
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
     # of saved[t] (B, S, H), so a row stride of S*H
@@ -423,13 +444,17 @@ def _step_bwd(p: Pipe) -> None:
         dn = _clamp(dnext[s], (1,))
         f[j, b] = dn[j, b] + (_clamp(dy, (1,))[j, b] if s == "h" else 0.0)
         dnew[s] = f
-    dxp, dhg, dprev = cell.backward(_clamp(saved, (2,)),
-                                    {s: _clamp(q, (1,)) for s, q in prev.items()},
-                                    {s: _clamp(q, (1,)) for s, q in new.items()},
-                                    dnew, j, b)
+    vec, vec_in = _vec(p)
+    dxp, dhg, dprev, dvec = cell.backward(_clamp(saved, (2,)),
+                                          {s: _clamp(q, (1,)) for s, q in prev.items()},
+                                          {s: _clamp(q, (1,)) for s, q in new.items()},
+                                          dnew, vec_in, H, j, b)
+    p.reductions = list(cell.reductions)
     outs = {"dxp_out": _output(dxp)}
     if not cell.dxp_is_dhg:
         outs["dhg_out"] = _output(dhg)
+    if dvec is not None:
+        outs["dvec_out"] = _output(dvec)
     # With read_outputs (a GPU layout), the product reads dhg back from the
     # output just written: the pointwise backward runs once, in the kernel
     # that stores it, instead of a kernel of its own plus a copy. CPU
@@ -441,14 +466,19 @@ def _step_bwd(p: Pipe) -> None:
                               lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states] + [w_hh])
+                + [dy] + [dnext[s] for s in cell.states] + [w_hh] + vec)
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, **outs,
                 **{"dprev_" + s: dprev[s] for s in cell.states}}
+    if dvec is not None:
+        p.stages["dvec"] = dvec
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])
-                 + [dprev[s] for s in cell.states])
-    for f in p.outputs[:-len(cell.states)]:
+                 + [dprev[s] for s in cell.states]
+                 + ([p.stages["dvec_out"]] if dvec is not None else []))
+    for f in p.outputs[:1 + (not cell.dxp_is_dhg)]:
         _fix_output(p, f, [H, G, None])                 # numpy (B, G, H)
+    if dvec is not None:
+        _fix_output(p, p.stages["dvec_out"], [H, p.V, None])   # numpy (B, V, H)
     _fix_output(p, dh_prev, [Hp, None])                 # numpy (B, Hp)
     for s in cell.states[1:]:
         _fix_output(p, dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
@@ -470,8 +500,8 @@ def _step_bwd_fused(p: Pipe) -> None:
     zero for a cell that reads h only through it), or dL/dh_T for the
     first call. The outputs are one Tuple over (k, b), k < H: dh, dxp per
     gate, dhg per gate (unless dxp is dhg), the pointwise parts of the
-    other states' gradients (e.g. dc_{t-1}) and the next call's
-    dh_add. The driver calls it T + 1 times: first with dhg_next = 0, last
+    other states' gradients (e.g. dc_{t-1}), the vector parameters'
+    gradients of the row per channel and the next call's dh_add. The driver calls it T + 1 times: first with dhg_next = 0, last
     for dh_0 alone (its pointwise results, from step 0's inputs, unused)."""
     cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
     k, b = p.vars["k"], p.vars["b"]
@@ -487,25 +517,30 @@ def _step_bwd_fused(p: Pipe) -> None:
     dnew["h"][k, b] = dh[k, b] + _clamp(dy, (0, 1))[k, b]
     for s in cell.states[1:]:
         dnew[s] = _clamp(dnext[s], (0, 1))
-    dxp, dhg, dprev = cell.backward(_clamp(saved, (0, 2)),
-                                    {s: _clamp(q, (0, 1)) for s, q in prev.items()},
-                                    {s: _clamp(q, (0, 1)) for s, q in new.items()},
-                                    dnew, k, b)
+    vec, vec_in = _vec(p)
+    dxp, dhg, dprev, dvec = cell.backward(_clamp(saved, (0, 2)),
+                                          {s: _clamp(q, (0, 1)) for s, q in prev.items()},
+                                          {s: _clamp(q, (0, 1)) for s, q in new.items()},
+                                          dnew, vec_in, H, k, b)
+    assert not cell.reductions, "a step that reduces over units has no fused backward"
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     values = [dh[k, b]] + [dxp[k, g, b] for g in range(G)]
     if not cell.dxp_is_dhg:
         values += [dhg[k, g, b] for g in range(G)]
+    planes = len(values) - 1
     values += [dprev[s][k, b] for s in cell.states[1:]]
+    values += [dvec[k, c, b] for c in range(p.V)]
     values.append(dprev["h"][k, b] if dprev["h"] is not None else hl.f32(0))
     out = hl.Func("dstep")
     out[k, b] = hl.Tuple(values)
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, w_hh])
+                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, w_hh] + vec)
     p.stages = {"out": out, "dh_acc": dh_acc, "dhg_in": dhg_in}
     p.outputs = [out]
-    # dh and the state rows: (B, Hp) rows; dxp and dhg: a gate's plane of (B, G, H)
-    strides = [Hp] + [G * H] * (len(values) - len(cell.states) - 1) + \
-        [Hp] * len(cell.states)
+    # dh and the state rows: (B, Hp) rows; dxp and dhg: a gate's plane of
+    # (B, G, H); dvec: a channel's plane of (B, V, H)
+    strides = ([Hp] + [G * H] * planes + [Hp] * (len(cell.states) - 1)
+               + [p.V * H] * p.V + [Hp])
     for n, (q, stride) in enumerate(zip(out.output_buffers(), strides)):
         _constrain(q, [H, None], [1, stride], bounds=n == 0)
     p.shapes["dstep"] = [H, None]
@@ -588,7 +623,13 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     names = ("dw_ih", "db_ih", "dw_hh", "db_hh")
     names = names if ids else ("dx",) + names
     extents = {"dx": [p.Kp, None], "dw_ih": [K, H, G], "db_ih": [H, G], "dw_hh": [H, H, G],
-               "db_hh": [H, G]}
+               "db_hh": [H, G], "dvec": [H, p.V]}
+    if p.V:   # the vector parameters' gradients: sums over rows, as the biases'
+        dvec = _param(p, "dvec_rows", [H, p.V, None])     # numpy (N, V, H)
+        p.inputs.append(dvec)
+        stages["dvec_acc"], stages["dvec"] = _matmul("dvec", [j, gate], hl.f32(0),
+                                                     lambda: dvec[j, gate, rn.x])
+        names += ("dvec",)
     p.outputs = [stages[v] for v in names]
     for v in names:
         _fix_output(p, stages[v], extents[v])

@@ -146,10 +146,20 @@ def _layer_params(params, k):
 
 
 class NumpyOps:
-    """The activations of halstm.cells.language for numpy arrays."""
+    """The operations of halstm.cells.language for numpy arrays."""
     sigmoid = staticmethod(_sigmoid)
     tanh = staticmethod(np.tanh)
     relu = staticmethod(lambda a: np.maximum(a, 0.0))
+    sqrt = staticmethod(np.sqrt)
+    mean_units = staticmethod(lambda a: a.mean(axis=1, keepdims=True))
+
+
+def torch_ops(torch):
+    """The operations of halstm.cells.language for torch tensors."""
+    class TorchOps:
+        sigmoid, tanh, relu, sqrt = torch.sigmoid, torch.tanh, torch.relu, torch.sqrt
+        mean_units = staticmethod(lambda a: a.mean(dim=1, keepdim=True))
+    return TorchOps
 
 
 def forward(cell, params, x, hx=None):
@@ -239,9 +249,37 @@ def _cifg_lstm(xg, hg, s):
     return o * np.tanh(c), c
 
 
+def _peephole_lstm(xg, hg, s, v):
+    H, c = s[0].shape[1], s[1]
+    a = xg + hg                                   # (B, 4H): i, f, g, o
+    i = _sigmoid(a[:, :H] + v["weight_ci"] * c)
+    f = _sigmoid(a[:, H:2 * H] + v["weight_cf"] * c)
+    c_new = f * c + i * np.tanh(a[:, 2 * H:3 * H])
+    o = _sigmoid(a[:, 3 * H:] + v["weight_co"] * c_new)
+    return o * np.tanh(c_new), c_new
+
+
+def _layer_norm(a, eps=1e-5):
+    """(a - mean) / sqrt(var + eps) over axis 1, the biased variance."""
+    m = a.mean(axis=1, keepdims=True)
+    return (a - m) / np.sqrt(((a - m) ** 2).mean(axis=1, keepdims=True) + eps)
+
+
+def _layernorm_lstm(xg, hg, s, v):
+    H = s[0].shape[1]                             # xg, hg (B, 4H) without biases
+    a = (_layer_norm(xg) * v["ln_ih_weight"] + _layer_norm(hg) * v["ln_hh_weight"]
+         + v.get("bias", 0.0))                    # (B, 4H): i, f, g, o
+    i, f, g, o = (a[:, k * H:(k + 1) * H] for k in range(4))
+    c = _sigmoid(f) * s[1] + _sigmoid(i) * np.tanh(g)
+    h = _sigmoid(o) * np.tanh(_layer_norm(c) * v["ln_c_weight"] + v["ln_c_bias"])
+    return h, c
+
+
 # cell -> step(xg (B, G*H) = x W_ih^T + b_ih, hg (B, G*H) = h W_hh^T + b_hh,
-# states (h, ...) each (B, H)) -> new states; written apart from halstm.cells
-STEPS = {"rnn_tanh": _rnn_tanh, "rnn_relu": _rnn_relu, "cifg_lstm": _cifg_lstm}
+# states (h, ...) each (B, H)[, v: the layer's vector parameters by name,
+# for a cell that has them]) -> new states; written apart from halstm.cells
+STEPS = {"rnn_tanh": _rnn_tanh, "rnn_relu": _rnn_relu, "cifg_lstm": _cifg_lstm,
+         "peephole_lstm": _peephole_lstm, "layernorm_lstm": _layernorm_lstm}
 # the cells with a hand-written BPTT above (forward / backward)
 BPTT = ("lstm", "gru")
 # cell -> (torch.nn class name, keyword arguments): PyTorch's own module
@@ -256,9 +294,13 @@ def step_forward(step, params, x, states0):
     inp = x
     for k in range(_num_layers(params)):
         w_ih, w_hh, b_ih, b_hh = _layer_params(params, k)
+        vectors = {m.group(1): a for key, a in params.items()
+                   if (m := re.fullmatch(rf"(\w+)_l{k}", key)) and m.group(1) not in
+                   ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+        more = (vectors,) if vectors else ()
         s, ys = tuple(a[k] for a in states0), []
         for t in range(inp.shape[0]):
-            s = step(inp[t] @ w_ih.T + b_ih, s[0] @ w_hh.T + b_hh, s)
+            s = step(inp[t] @ w_ih.T + b_ih, s[0] @ w_hh.T + b_hh, s, *more)
             ys.append(s[0])
         finals.append(s)
         inp = np.stack(ys)

@@ -67,6 +67,7 @@ class Library:
         self.path, self.manifest = path, manifest
         self.K, self.H = manifest["input_size"], manifest["hidden_size"]
         self.G, self.S = len(manifest["gates"]), len(manifest["saved"])
+        self.V = manifest["vectors"]
         self.states = tuple(manifest["states"])
         self.onehot = bool(manifest.get("onehot", False))
         P = self.P = manifest["panel"]
@@ -76,10 +77,10 @@ class Library:
         self._lib, self.mem = self._shared.lib, self._shared.mem
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
-            self._entry.argtypes = [_I, _I] + [_P] * 10
+            self._entry.argtypes = [_I, _I] + [_P] * 11
         else:
             self._entry = self._lib.halstm_backward
-            self._entry.argtypes = [_I, _I] + [_P] * 17
+            self._entry.argtypes = [_I, _I] + [_P] * 20
         self._entry.restype = _I
         self._ws = {}
         # One call at a time: the workspaces are shared between calls, and
@@ -145,9 +146,19 @@ class Library:
     def _x_ptr(self, x) -> int:
         return x.ctypes.data if self.onehot else self.mem.ptr(x)
 
-    def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True):
+    def _vec(self, vec):
+        """The vector parameters (V, H) checked, or None for a cell without."""
+        if not self.V:
+            return None
+        if vec is None or tuple(vec.shape) != (self.V, self.H):
+            raise ValueError(f"vec: expected the vector parameters as one ({self.V}, {self.H}) "
+                             f"array, got {None if vec is None else tuple(vec.shape)}")
+        return self.mem.ptr(vec)
+
+    def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
-        init: one (B, H) array (or None: zeros) per state. Returns (states, saved): states
+        init: one (B, H) array (or None: zeros) per state; vec: the cell's
+        vector parameters (V, H), one row per channel (None without). Returns (states, saved): states
         each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H)
         for backward, or None with save=False (the steps store nothing else).
         Arrays are numpy for a CPU library, DeviceArrays for a CUDA one.
@@ -169,14 +180,16 @@ class Library:
             ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
                   self._workspace("wp_hh", (Hp // P, H, G, P)),
                   self._workspace("xp", (T, B, G, Hp))]
-            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh, *ws)),
+            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)),
+                       self._vec(vec), *map(mem.ptr, ws),
                        None if saved is None else mem.ptr(saved), self._ptrs(states))
             return states, saved
 
-    def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True):
+    def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None):
         """BPTT of one layer. dfinal: one (B, H) gradient (or None: zeros) per
-        final state.
-        Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh and d<state>0 (B, H).
+        final state; vec as forward's.
+        Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh, dvec (V, H) for a cell
+        with vector parameters, and d<state>0 (B, H).
         need_dx False: no dx in the result, and a CPU library skips its GEMM.
         A one-hot library takes x as (T, B) int32 indices and gives no dx."""
         with self._lock:
@@ -199,15 +212,20 @@ class Library:
             dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
             fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
             if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
-                fused = self._workspace("fused_bwd", (3 * B * Hp + 3 * B * G * H,), zeros=True)
+                fused = self._workspace("fused_bwd", (3 * B * Hp + 3 * B * G * H
+                                                      + B * self.V * H,), zeros=True)
+            vec_ptr = self._vec(vec)
+            dvec_rows = self._workspace("dvec_rows", (T, B, self.V, H)) if self.V else None
             skip_dx = not need_dx and self.device == "cpu"
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
-                   "db_hh": mem.empty(G * H)}
-            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh, saved)), self._ptrs(states),
-                       mem.ptr(dy), self._ptrs(dstate),
+                   "db_hh": mem.empty(G * H), "dvec": mem.empty((self.V, H)) if self.V else None}
+            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh)), vec_ptr,
+                       mem.ptr(saved), self._ptrs(states), mem.ptr(dy), self._ptrs(dstate),
                        *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
-                                                                     *out.values())])
+                                                                     dvec_rows, *out.values())])
+            if not self.V:
+                del out["dvec"]
             if not need_dx:
                 del out["dx"]
             elif Kp != K:

@@ -52,7 +52,7 @@ def _vw(target, extent: int) -> int:
 
 
 def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None, panels=1,
-          chunk=None):
+          chunk=None, extent=None):
     """Register-tile out(vec, ...): vec split by vec_w * panels, each
     vec_w-wide panel vectorized and the panels unrolled; each (var, factor,
     tail) in cols split (factor None: the whole small axis) and unrolled;
@@ -64,7 +64,8 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
     full and its accumulators have a constant size), and smaller extents
     get a tile of 1 along it. `small`: (condition, panels, par) for a tile
     of that many panels and no batch tiling where condition holds (tiny
-    batches, where a batch tile would waste FMAs)."""
+    batches, where a batch tile would waste FMAs). extent: the GUARD col's
+    extent where out is not an output (else its buffer's)."""
     runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
     tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
     untiled = [(v, 1, ROUND) if tail in (GUARD, ROUND) and f else (v, f, tail)
@@ -74,10 +75,10 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
         _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, small_par, vec_tail)
     if runtime:
         dims = {a.name(): d for d, a in enumerate(out.args())}
-        buf = out.output_buffers()[0]
+        buf = out.output_buffers()[0] if extent is None else None
         cond = None
         for v, f in runtime:
-            c = buf.dim(dims[v.name()]).extent() >= f
+            c = (buf.dim(dims[v.name()]).extent() if extent is None else extent) >= f
             cond = c if cond is None else (cond & c)
         _loops(out.specialize(cond), out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk)
         _loops(out, out, vec, vec_w, panels, untiled, par, vec_tail, chunk)
@@ -233,10 +234,53 @@ def proj(p, target):
     acc.update().reorder(j, gate, n, r)
 
 
+def _row_sums(p, at, at_var, vw):
+    """The cell's reductions over units (Funcs over b): each computed per
+    batch row at loop at_var of `at` (None: its own root loop over rows,
+    in parallel), its sum split into vw partial sums, vectorized
+    (rfactor), then added up."""
+    for f in p.reductions:
+        r = f.rvars(0)[0]
+        ro, ri, u = hl.RVar(r.name() + "o"), hl.RVar(r.name() + "i"), hl.Var("u")
+        f.update().split(r, ro, ri, vw, GUARD)
+        if at is None:
+            f.compute_root().parallel(f.args()[0])
+        else:
+            f.compute_at(at, at_var)
+        try:
+            partial = f.update().rfactor(ri, u)
+        except Exception:   # a sum Halide cannot prove associative: one lane
+            p.notes.append(f"{f.name()}: summed in one lane (no rfactor)")
+            continue
+        partial.compute_at(f, f.args()[0]).vectorize(u)
+        partial.update().vectorize(u)
+
+
+def _step_rows(p, target):
+    """A step that reduces over the units: the recurrent product for every
+    unit first (register tiles, in parallel over unit panels), then per
+    batch row (in parallel) the reductions and the cell, units vectorized."""
+    v, P = p.vars, p.P
+    j, b = v["j"], v["b"]
+    out, hg, acc, act = p.stage("out"), p.stage("hg"), p.stage("hg_acc"), p.stage("saved")
+    hg.compute_root()
+    batch = p.param("h_prev").dim(1).extent()
+    _tile(hg, acc, j, P, [(b, ROWS, GUARD)], [p.rdoms["k"].x], par="jo", extent=batch,
+          small=(batch < ROWS, _panels(p.Hp, P, 2) if p.H % P == 0 else 1, "jo"))
+    acc.unroll(v["gate"])
+    acc.update().unroll(v["gate"])
+    jo, ji = hl.Var("jo"), hl.Var("ji")
+    out.split(j, jo, ji, P, GUARD).vectorize(ji).parallel(b)
+    _row_sums(p, out, b, P)
+    act.compute_at(out, jo).vectorize(j, P, GUARD).unroll(act.args()[1])
+
+
 def step(p, target):
     """The whole step in one loop nest over tiles of the output: per tile
     (P units x 4 batch rows, all gates), the recurrent product in registers,
     then the cell on it, then the stores of new states and saved gates."""
+    if p.reductions:
+        return _step_rows(p, target)
     v, H, P = p.vars, p.H, p.P
     j, b, gate = v["j"], v["b"], v["gate"]
     out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
@@ -270,14 +314,21 @@ step_infer = step
 def step_bwd(p, target):
     """One thread (the driver runs ranges of units on its threads,
     split_steps): the pointwise backward for every unit (the product reads
-    them all), then dh_prev = W_hh^T dhg for this thread's units."""
+    them all), then dh_prev = W_hh^T dhg for this thread's units. Without
+    split_steps (a cell that reduces over units), Halide's threads: rows
+    of the pointwise part, unit panels of the product, in parallel."""
     v, H = p.vars, p.H
     k, b = v["k"], v["b"]
     vw = _vw(target, H)
     names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
+    names += ("dvec",) if p.V else ()
+    own = not p.split_steps
     for name in names:
-        _pointwise(p.stage(name).compute_root(), vw)
+        f = _pointwise(p.stage(name).compute_root(), vw)
         _pointwise(p.stage(name + "_out"), vw)
+        if own:
+            f.parallel(f.args()[-1])
+    _row_sums(p, None, None, vw)
     r = p.rdoms["jg"]
     # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
     # panels of W_hh^T (G*H*P floats each) would not fit in half an L2
@@ -291,8 +342,9 @@ def step_bwd(p, target):
     wide = _panels(p.Hp, p.P, min(4, half, fit))
     rows = 4 if wide >= 4 else 8
     narrow = _panels(p.Hp, p.P, min(8, half))
-    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P,
-          [(b, rows, GUARD)], [r.x, r.y], panels=wide, small=(batch < rows, narrow, None))
+    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
+          panels=wide, small=(batch < rows, narrow, "ko" if own else None),
+          par="ko" if own else None)
     p.split_quantum = math.lcm(wide, narrow)
     p.split_batch_bytes = 1 << 20      # ranges of rows below (see SPLIT_ROWS)
     for s in p.cell.states[1:]:
@@ -387,7 +439,7 @@ def grads(p, target, ids=False):
         # the copy out of whole tiles, one gate a task, in parallel
         # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
         p.stage(name).vectorize(vec, _vw(target, width)).parallel(gate)
-    for bias in ("db_ih", "db_hh"):
+    for bias in ("db_ih", "db_hh") + (("dvec",) if p.V else ()):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
             p.stage(bias).vectorize(j, _vw(target, H), GUARD)
             continue

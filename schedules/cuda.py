@@ -399,7 +399,7 @@ def _step_lanes(p, target):
 def _lanes_fit(H: int) -> bool:
     """Where the products use _lanes_product: from H = 512, where they beat
     the register tiles, and H a multiple of a warp (at other H Halide cannot
-    stripe the GRU step's accumulator across the lanes: its index is not
+    stripe a 3-gate step's accumulator across the lanes: its index is not
     affine in the lane) (bench/RESULTS.md, "Schedule decisions": cuda._lanes_fit)."""
     return H >= 512 and H % LANES == 0
 
@@ -410,7 +410,66 @@ def _lanes_fit(H: int) -> bool:
 # cuda.dx lanes; cuda.dW lanes).
 
 
+def _row_block(p, out, j, b, along=()):
+    """out(j, [gate,] b) and the cell's reductions as one kernel, a block a
+    batch row: the block's threads take the units (a loop over them past
+    ROW_THREADS), each sum runs on all of them (strided units, coalesced
+    reads; rfactor), then on a warp's lanes, then one thread, every stage
+    of the row in turn (shared memory between them). along: more pointwise
+    outputs computed in the same loops (compute_with)."""
+    threads = min(ROW_THREADS, -(-p.H // LANES) * LANES)
+    jo, ji = hl.Var(out.name() + "_jo"), hl.Var(out.name() + "_ji")
+    for f in (out, *along):
+        f.split(j, jo, ji, threads, GUARD).reorder(ji, *f.args()[1:-1], jo, b)
+        f.gpu_blocks(b).gpu_threads(ji)
+        if f is not out:
+            f.compute_with(out, jo)
+    for f in p.reductions:
+        # every thread sums strided units (4 loads in flight), a warp's lanes
+        # sum the threads' sums in groups, one thread the lanes' sums
+        r = f.rvars(0)[0]
+        ro, ri, u = hl.RVar(r.name() + "o"), hl.RVar(r.name() + "i"), hl.Var(f.name() + "_u")
+        part = f.update().split(r, ro, ri, threads, GUARD).rfactor(ri, u)
+        r2 = f.rvars(0)[0]
+        r2o, r2i, w = hl.RVar(r2.name() + "o"), hl.RVar(r2.name() + "i"), hl.Var(f.name() + "_w")
+        lanes = f.update().split(r2, r2o, r2i, LANES, GUARD).rfactor(r2i, w)
+        f.compute_at(out, b)
+        for stage, t in ((part, u), (lanes, w)):
+            stage.compute_at(out, b).gpu_threads(t)
+            stage.update().gpu_threads(t)
+        roo, roi = hl.RVar(r.name() + "oo"), hl.RVar(r.name() + "oi")
+        part.update().split(ro, roo, roi, 4, GUARD).unroll(roi)
+
+
+# Threads of a block that runs a batch row of a step that reduces over units
+ROW_THREADS = 256
+
+
+def _step_rows(p, target):
+    """A step that reduces over the units: the recurrent product for every
+    unit (register tiles, as _step_tile's), then the sums and the cell in
+    one kernel a block a batch row (_row_block): 2 kernels."""
+    v = p.vars
+    hg = p.stage("hg").compute_root()
+    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    p.notes.append(f"step: the product for every unit, then {len(p.reductions)} sums over units "
+                   f"and the cell in one kernel, a block a batch row")
+    batch = p.param("h_prev").dim(1).extent()
+    if _lanes_fit(p.H):    # as _step_lanes's product, into hg
+        rows, slices = (8 if p.H >= 1024 else 4), _lanes_slices(p.H, 8)
+        _lanes_product(hg, p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
+                       p.rdoms["k"].x, p.H, batch, p.stage("prev_in_h"), slices,
+                       out_tile=[v["gate"]])
+    else:
+        _tile(hg, p.stage("hg_acc"), v["j"], [(v["gate"], None, False), (v["b"], rows, True)],
+              [p.rdoms["k"].x], unroll=8, slices=slices, reduce_extent=p.H,
+              tile_from=_tile_from(p.H), extent=batch)
+    _row_block(p, p.stage("out"), v["j"], v["b"])
+
+
 def step(p, target):
+    if p.reductions:
+        return _step_rows(p, target)
     if _lanes_fit(p.H):
         return _step_lanes(p, target)
     return _step_tile(p, target)
@@ -427,12 +486,15 @@ def step_bwd(p, target):
     # other pointwise outputs (dhg, the states' dprev) are computed in the
     # same kernel (compute_with): 2 kernels a step
     # (bench/RESULTS.md, "Schedule decisions": cuda.step_bwd pointwise).
-    pointwise = _grid(p.stage("dxp_out"))
     others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
-        [p.stage("dprev_" + s) for s in p.cell.states[1:]]
-    for f in others:
-        _grid(f, along=pointwise)
-    r = p.rdoms["jg"]
+        [p.stage("dprev_" + s) for s in p.cell.states[1:]] + \
+        ([p.stage("dvec_out")] if p.V else [])
+    if p.reductions:      # a block a batch row, its sums first (_row_block)
+        _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
+    else:
+        pointwise = _grid(p.stage("dxp_out"))
+        for f in others:
+            _grid(f, along=pointwise)
     # (Register tiles, other H: one unit a thread, _batch_rows rows, SLICES
     # warps, as the forward step's
     # (bench/RESULTS.md, "Schedule decisions": cuda.dh tiles).)
@@ -588,7 +650,7 @@ def grads(p, target):
     # Bias gradients: sums over N rows, in chunks of 64 rows summed in
     # parallel (rfactor), then the chunk sums: a thread a unit would fill
     # only a few blocks (bench/RESULTS.md, "Schedule decisions": cuda.bias sums).
-    for bias in ("db_ih", "db_hh"):
+    for bias in ("db_ih", "db_hh") + (("dvec",) if p.V else ()):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
             _grid(p.stage(bias))
             continue

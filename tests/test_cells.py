@@ -8,7 +8,7 @@ import pytest
 
 import halstm
 from halstm import cells, reference
-from halstm.cells import CellError, define, relu, sigmoid, tanh
+from halstm.cells import CellError, define, mean, relu, sigmoid, sqrt, tanh, vector
 from helpers import assert_close
 
 I, H = 5, 7            # odd sizes; every kernel here is built once per run
@@ -24,11 +24,14 @@ def _problem(m, names, T, B, L, rng):
     return x, hx, dy, dfinal
 
 
-def check_against_step(cell, step, size="base", seed=0, **kw):
-    """Module of `cell` against the numpy `step` at SIZES[size]."""
+def check_against_step(cell, step, size="base", seed=0, random_vectors=False, **kw):
+    """Module of `cell` against the numpy `step` at SIZES[size]
+    (random_vectors: its vector parameters random, see _randomized)."""
     T, B, L = (SIZES[size][k] for k in "TBL")
     rng = np.random.default_rng(seed)
     m = halstm.Recurrent(cell, I, H, num_layers=L, seed=seed, **kw)
+    if random_vectors:
+        _randomized(m, seed + 1)
     names = m._state_names
     x, hx, dy, dfinal = _problem(m, names, T, B, L, rng)
     y, finals = m(x, hx[0] if len(names) == 1 else tuple(hx))
@@ -48,8 +51,11 @@ def check_against_step(cell, step, size="base", seed=0, **kw):
     return m
 
 
+STEP_CELLS = ["rnn_tanh", "rnn_relu", "cifg_lstm", "peephole_lstm", "layernorm_lstm"]
+
+
 @pytest.mark.parametrize("size", list(SIZES))
-@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "cifg_lstm"])
+@pytest.mark.parametrize("cell", STEP_CELLS)
 def test_builtin_language_cell_matches_its_numpy_step(cell, size):
     check_against_step(cell, reference.STEPS[cell], size)
 
@@ -57,6 +63,79 @@ def test_builtin_language_cell_matches_its_numpy_step(cell, size):
 def test_cell_without_bias():
     m = check_against_step("cifg_lstm", reference.STEPS["cifg_lstm"], bias=False)
     assert not any(k.startswith("bias") for k in m.state_dict())
+
+
+def _randomized(m, seed):
+    """m with every vector parameter random (their initial values are
+    ones and zeros, which would hide a mixed-up channel)."""
+    rng = np.random.default_rng(seed)
+    matrices = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    m.load_state_dict({k: (v if k.rsplit("_l", 1)[0] in matrices
+                           else 0.5 + rng.standard_normal(v.shape).astype(np.float32))
+                       for k, v in m.state_dict().items()})
+    return m
+
+
+@pytest.mark.parametrize("cell", ["peephole_lstm", "layernorm_lstm"])
+def test_vector_parameters_of_any_value(cell):
+    """Vector parameters away from their initial values, every channel its
+    own: forward and every gradient against the numpy step."""
+    check_against_step(cell, reference.STEPS[cell], "base", seed=2, random_vectors=True)
+
+
+def test_vector_parameters_names_shapes_and_initial_values():
+    G4, L = 4 * H, 2
+    peep = halstm.Recurrent("peephole_lstm", I, H, num_layers=L, seed=0).state_dict()
+    for k in range(L):
+        for w in ("weight_ci", "weight_cf", "weight_co"):
+            assert peep[f"{w}_l{k}"].shape == (H,) and not peep[f"{w}_l{k}"].any()
+        assert peep[f"bias_ih_l{k}"].shape == (G4,)
+    ln = halstm.Recurrent("layernorm_lstm", I, H, num_layers=L, seed=0).state_dict()
+    assert sorted(ln) == sorted(f"{n}_l{k}" for k in range(L) for n in (
+        "weight_ih", "weight_hh", "bias", "ln_ih_weight", "ln_hh_weight", "ln_c_weight",
+        "ln_c_bias"))
+    for k in range(L):
+        assert (ln[f"ln_ih_weight_l{k}"] == 1).all() and ln[f"ln_ih_weight_l{k}"].shape == (G4,)
+        assert (ln[f"ln_c_weight_l{k}"] == 1).all() and ln[f"ln_c_weight_l{k}"].shape == (H,)
+        assert not ln[f"ln_c_bias_l{k}"].any() and not ln[f"bias_l{k}"].any()
+        assert np.abs(ln[f"weight_hh_l{k}"]).max() <= 1 / np.sqrt(H)
+
+
+def test_layernorm_lstm_without_bias_drops_bias_only():
+    m = check_against_step("layernorm_lstm", reference.STEPS["layernorm_lstm"], bias=False)
+    names = {k.rsplit("_l", 1)[0] for k in m.state_dict()}
+    assert names == {"weight_ih", "weight_hh", "ln_ih_weight", "ln_hh_weight", "ln_c_weight",
+                     "ln_c_bias"}
+
+
+def _rms_cell(x, r, s, p):
+    """A user's cell with a reduction: h scaled by its root mean square."""
+    a = tanh(x.a + r.a)
+    return {"h": a / sqrt(mean(a * a) + 1.0) * p.gain}
+
+
+RMS = define("rms_rnn", gates="a", states="h", step=_rms_cell,
+             vectors=[vector("gain", init=1.0)])
+
+
+def _rms_np(xg, hg, s, v):
+    a = np.tanh(xg + hg)
+    return (a / np.sqrt((a * a).mean(axis=1, keepdims=True) + 1.0) * v["gain"],)
+
+
+@pytest.mark.parametrize("size", ["base", "B1"])
+def test_a_users_cell_with_a_reduction_and_a_vector(size):
+    check_against_step(RMS, _rms_np, size, seed=9)
+
+
+def test_what_a_reducing_cell_saves():
+    """Rows (means and scales) are saved once per row value, projections
+    as they are: backward recomputes no sum of the forward."""
+    d = cells.definition("layernorm_lstm")
+    assert d.reduces and not cells.definition("lstm").reduces
+    assert sum(n.startswith("row_") for n in d.saved) == 6
+    assert [n for n in d.saved if n[:2] in ("x_", "r_")] == \
+        ["x_i", "x_f", "x_g", "x_o", "r_i", "r_f", "r_g", "r_o"]
 
 
 @pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
@@ -116,6 +195,27 @@ def test_bad_definitions_are_refused_naming_the_cell(kwargs, needle):
     args = dict(name="mine", gates="a", states="h", step=_ok) | kwargs
     with pytest.raises(CellError, match="cell 'mine'") as e:
         define(**args)
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("gates,vectors,step,needle", [
+    ("a", [vector("w")], lambda x, r, s, p: {"h": tanh(x.a + r.a)},
+     "p.w is used in no expression"),
+    ("ab", [vector("w", per_gate=True)],
+     lambda x, r, s, p: {"h": tanh(x.a + r.a * p.w.a + x.b + r.b)},
+     "p.w.b is used in no expression"),
+    ("a", [vector("w")], lambda x, r, s, p: {"h": tanh(x.a + r.a * p.q)}, "p.q: no vector"),
+    ("a", [vector("w", init="ones")], lambda x, r, s, p: {"h": tanh(x.a + r.a * p.w)},
+     "init: expected a number or 'uniform'"),
+    ("a", [vector("bias_ih")], lambda x, r, s, p: {"h": tanh(x.a + r.a * p.bias_ih)},
+     "the matrices and their biases"),
+    ("a", [vector("w"), vector("w")], lambda x, r, s, p: {"h": tanh(x.a + r.a * p.w)},
+     "appears twice"),
+    ("a", ["w"], lambda x, r, s, p: {"h": tanh(x.a + r.a)}, "expected halstm.cells.vector"),
+])
+def test_bad_vector_parameters_are_refused_naming_them(gates, vectors, step, needle):
+    with pytest.raises(CellError, match="cell 'mine'") as e:
+        define("mine", gates, "h", step, vectors=vectors)
     assert needle in str(e.value), str(e.value)
 
 
@@ -228,7 +328,7 @@ def test_char_lm_trains_with_a_language_cell(tmp_path):
     assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
 
 
-@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "cifg_lstm"])
+@pytest.mark.parametrize("cell", STEP_CELLS)
 def test_a_definition_evaluated_on_arrays_is_the_numpy_step(cell):
     """step_function: the step the benchmark's numpy check and its torch
     eager peer run."""
@@ -237,12 +337,15 @@ def test_a_definition_evaluated_on_arrays_is_the_numpy_step(cell):
     G, Bn = len(d.gates), 3
     xg, hg = rng.standard_normal((Bn, G * H)), rng.standard_normal((Bn, G * H))
     states = [rng.standard_normal((Bn, H)) for _ in d.states]
-    want = reference.STEPS[cell](xg, hg, states)
-    for got_states in [d.step_function(reference.NumpyOps)(xg, hg, states)]:
+    vectors = {v.name: rng.standard_normal((G if v.per_gate else 1) * H) for v in d.vectors}
+    more = (vectors,) if vectors else ()
+    want = reference.STEPS[cell](xg, hg, states, *more)
+    for got_states in [d.step_function(reference.NumpyOps)(xg, hg, states, *more)]:
         for s, got, w in zip(d.states, got_states, want):
             assert_close(s, got, w, rtol=1e-12)
     torch = pytest.importorskip("torch")
-    got_states = d.step_function(torch)(*(torch.from_numpy(a) for a in (xg, hg)),
-                                        [torch.from_numpy(a) for a in states])
+    got_states = d.step_function(reference.torch_ops(torch))(
+        *(torch.from_numpy(a) for a in (xg, hg)), [torch.from_numpy(a) for a in states],
+        {k: torch.from_numpy(a) for k, a in vectors.items()})
     for s, got, w in zip(d.states, got_states, want):
         assert_close(s, got.numpy(), w, rtol=1e-12)

@@ -13,12 +13,14 @@ import importlib.util
 import threading
 from pathlib import Path
 
-from .language import CellError, Definition, define, relu, sigmoid, tanh  # noqa: F401
+from .language import (CellError, Definition, define, layer_norm, mean,  # noqa: F401
+                       relu, sigmoid, sqrt, tanh, vector)
 
 # name -> (module, attribute): its language Definition
 _BUILTIN = {"lstm": ("lstm", "CELL"), "gru": ("gru", "CELL"),
             "rnn_tanh": ("rnn", "TANH"), "rnn_relu": ("rnn", "RELU"),
-            "cifg_lstm": ("cifg_lstm", "CELL")}
+            "cifg_lstm": ("cifg_lstm", "CELL"), "peephole_lstm": ("peephole_lstm", "CELL"),
+            "layernorm_lstm": ("layernorm_lstm", "CELL")}
 NAMES = tuple(_BUILTIN)
 _user: dict[str, Definition] = {}
 _lock = threading.Lock()

@@ -55,21 +55,28 @@ class Cell:
     def n_gates(self) -> int:
         return len(self.gates)
 
-    def forward(self, xp, hg, prev, j, b):
-        """xp, hg: Func(j, gate, b); prev: {state: Func(j, b)}.
+    channels: tuple = ()          # vector parameter channels (name, gate or None); V = len
+    reduces: bool = False         # the step reduces over the units (see reductions)
+    reductions: list = []         # Funcs over b of the last forward/backward built
+
+    def forward(self, xp, hg, prev, vec, H, j, b):
+        """xp, hg: Func(j, gate, b); prev: {state: Func(j, b)}; vec:
+        Func(j, channel) of the vector parameters; H: units.
 
         Returns (saved Func(j, s, b), {state: Func(j, b)} new states)."""
         raise NotImplementedError
 
-    def backward(self, saved, prev, new, dnew, j, b):
+    def backward(self, saved, prev, new, dnew, vec, H, j, b):
         """Pointwise backward of one step.
 
         saved: Func(j, s, b); prev/new: {state: Func(j, b)} before/after the
         step; dnew: {state: Func(j, b)} total gradient w.r.t. the new states.
-        Returns (dxp, dhg, dprev): gradients w.r.t. xp and hg as Func(j, gate,
-        b) (the same Func when they are equal, as for LSTM) and {state:
-        Func(j, b) or None}, the pointwise part of each previous state's
-        gradient (the pipeline adds W_hh^T dhg to "h")."""
+        Returns (dxp, dhg, dprev, dvec): gradients w.r.t. xp and hg as
+        Func(j, gate, b) (the same Func when they are equal, as for LSTM),
+        {state: Func(j, b) or None}, the pointwise part of each previous
+        state's gradient (the pipeline adds W_hh^T dhg to "h"), and the
+        vector parameters' per-row gradients Func(j, channel, b) (None
+        without vectors)."""
         raise NotImplementedError
 
 

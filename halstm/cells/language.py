@@ -6,7 +6,7 @@
         z = sigmoid(x.z + r.z)                           # s: the previous states
         return {"h": (1 - z) * tanh(x.n + r.n) + z * s.h}
 
-    CELL = define("minimal_gru", gates="zn", states="h", step=step)
+    CELL = define("mgu", gates="zn", states="h", step=step)      # minimal gated unit
 
 `define` runs `step` once on symbols and keeps the expression graph. The
 backward is reverse-mode differentiation of that graph, done here rather
@@ -15,16 +15,30 @@ which inline into the pipeline's fused stages as a hand-written backward
 does, where propagate_adjoints makes Funcs with update definitions and
 generated names that every schedule would have to place.
 
+A cell may declare vector parameters (`vector`: one value per unit, or
+per unit of each gate block), read in the step as p.<name> (p.<name>.<gate>),
+and may reduce over the hidden units (`mean`, and `layer_norm` built on
+it): a value that is the same for every unit of a batch row ("a row
+value") is computed once per row. Reverse mode sums a unit value's
+adjoint over the units where it flows into a row value.
+
 What a step saves for backward is chosen from the graph: the value of
 every activation (sigmoid, tanh, relu) that does not apply to a state
-(backward reads the states) and every projection that a derivative needs
-as it is. No halide import here: lowering (`halide_cell`) imports it.
+(backward reads the states), every projection that a derivative needs as
+it is, and every row value a derivative needs (stored in a channel, the
+same at every unit). No halide import here: lowering (lowering.py)
+imports it.
 """
 from __future__ import annotations
 
 import numbers
 
+from dataclasses import dataclass
+
 ACTIVATIONS = ("sigmoid", "tanh", "relu")
+UNARY = ACTIVATIONS + ("sqrt",)
+LEAVES = ("x", "r", "s", "v")
+REDUCTIONS = ("mean", "usum")     # usum: backward's sum over the units
 
 
 class CellError(ValueError):
@@ -34,7 +48,9 @@ class CellError(ValueError):
 class Sym:
     """A node of a step's expression graph. op: "x" / "r" (a gate's input
     projection / recurrent product, arg = gate), "s" (a previous state),
-    "const" (arg = the value), "+", "-", "*", "/", "neg", or an activation."""
+    "v" (a vector parameter, arg = "name" or "name.gate"), "const" (arg =
+    the value), "units" (H), "+", "-", "*", "/", "neg", "sqrt", an
+    activation, "mean" (over the units of all args) or "usum"."""
 
     __slots__ = ("op", "args", "arg", "serial")
     __array_priority__ = 1000      # numpy scalars defer to Sym's operators
@@ -63,8 +79,8 @@ class Sym:
     __lt__ = __le__ = __gt__ = __ge__ = lambda self, o: self.__bool__()
 
     def __repr__(self):
-        if self.op in ("x", "r", "s"):
-            return f"{self.op}.{self.arg}"
+        if self.op in LEAVES:
+            return f"{'p' if self.op == 'v' else self.op}.{self.arg}"
         if self.op == "const":
             return repr(self.arg)
         return f"{self.op}({', '.join(map(repr, self.args))})"
@@ -89,6 +105,74 @@ def tanh(v) -> Sym:
 
 def relu(v) -> Sym:
     return Sym("relu", (_sym(v),))
+
+
+def sqrt(v) -> Sym:
+    return Sym("sqrt", (_sym(v),))
+
+
+def mean(*values) -> Sym:
+    """The mean over the hidden units of the values taken together (each
+    one value per unit: mean(a, b) averages 2H numbers); the same for
+    every unit of a batch row."""
+    if not values:
+        raise CellError("mean: expected at least one value")
+    return Sym("mean", tuple(_sym(v) for v in values))
+
+
+def layer_norm(*values, eps: float = 1e-5):
+    """(v - mean) / sqrt(var + eps) of each value, mean and the biased
+    variance taken over the units of all values together (one value: the
+    normalized value; several: a tuple)."""
+    m = mean(*values)
+    centred = [_sym(v) - m for v in values]
+    scale = sqrt(mean(*[c * c for c in centred]) + eps)
+    out = tuple(c / scale for c in centred)
+    return out[0] if len(out) == 1 else out
+
+
+@dataclass(frozen=True)
+class Vector:
+    """A vector parameter: state-dict name `<name>_l<k>`, H values (or G*H
+    with per_gate, a block per gate in the gates' order), initialised to
+    `init` (a number, or "uniform": torch's uniform(+-1/sqrt(H))); a bias
+    (bias=True) is left out, as zeros, with bias=False."""
+    name: str
+    per_gate: bool = False
+    init: object = 0.0
+    bias: bool = False
+
+
+def vector(name: str, per_gate: bool = False, init=0.0, bias: bool = False) -> Vector:
+    """Declare a vector parameter for define(vectors=...)."""
+    return Vector(name, per_gate, init, bias)
+
+
+class _Vectors:
+    """p of a step: p.<name> is a unit vector's leaf, p.<name>.<gate> a
+    per-gate vector's block."""
+
+    def __init__(self, cell, specs, gates):
+        self._cell, self._leaves = cell, {}
+        for v in specs:
+            self._leaves[v.name] = (_Names(cell, "v", [f"{v.name}.{g}" for g in gates], "gate")
+                                    if v.per_gate else Sym("v", arg=v.name))
+            if v.per_gate:
+                blocks = self._leaves[v.name]
+                blocks._leaves = {g: blocks._leaves[f"{v.name}.{g}"] for g in gates}
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._leaves[name]
+        except KeyError:
+            raise CellError(f"cell {self._cell!r}: p.{name}: no vector parameter {name!r}; "
+                            f"it has {list(self._leaves)}") from None
+
+    def leaves(self):
+        for v in self._leaves.values():
+            yield from (v._leaves.values() if isinstance(v, _Names) else (v,))
 
 
 class _Names:
@@ -142,6 +226,38 @@ def _topo(roots) -> list[Sym]:
     return order
 
 
+def _rows(nodes) -> set:
+    """ids of the row values among nodes (children first): means, and
+    what is computed from row values and numbers only."""
+    rows = set()
+    for n in nodes:
+        if n.op in REDUCTIONS or (n.op not in LEAVES and n.args and n.op != "const" and all(
+                id(c) in rows or c.op in ("const", "units") for c in n.args)):
+            rows.add(id(n))
+    return rows
+
+
+def _vector_specs(cell, vectors) -> tuple:
+    specs = tuple(vectors.values()) if isinstance(vectors, dict) else tuple(vectors)
+    for v in specs:
+        if not isinstance(v, Vector):
+            raise CellError(f"cell {cell!r}: vectors: expected halstm.cells.vector(...) "
+                            f"declarations, got {type(v).__name__} {v!r}")
+        if not v.name.isidentifier() or v.name.startswith("_"):
+            raise CellError(f"cell {cell!r}: vectors: {v.name!r} is not a name")
+        if not (v.init == "uniform" or (isinstance(v.init, numbers.Real)
+                                        and not isinstance(v.init, bool))):
+            raise CellError(f"cell {cell!r}: vector parameter {v.name!r}: init: expected a "
+                            f"number or 'uniform', got {v.init!r}")
+        if v.name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            raise CellError(f"cell {cell!r}: vector parameter {v.name!r}: the matrices and "
+                            f"their biases have that name")
+    names = [v.name for v in specs]
+    if len(set(names)) != len(names):
+        raise CellError(f"cell {cell!r}: vectors: a name appears twice in {names}")
+    return specs
+
+
 def _add(a, b):
     return b if a is None else a if b is None else a + b
 
@@ -160,7 +276,12 @@ def _local_grads(node: Sym, val) -> list:
     if op == "/":
         y = val(node)
         return [1.0 / val(a[1]), -y / val(a[1])]
+    if op == "mean":
+        share = 1.0 / (float(len(a)) * Sym("units"))
+        return [share] * len(a)
     y = val(node)
+    if op == "sqrt":
+        return [0.5 / y]
     if op == "sigmoid":
         return [y * (1.0 - y)]
     if op == "tanh":
@@ -174,21 +295,27 @@ class Definition:
     """A cell defined by its step: the graph, what forward saves and the
     derived backward (adjoints as Syms over "val" leaves)."""
 
-    def __init__(self, name, gates, states, step, doc=""):
+    def __init__(self, name, gates, states, step, doc="", vectors=(), matrix_bias=True):
         if not (isinstance(name, str) and name.isidentifier()):
             raise CellError(f"cell name: expected an identifier, got {name!r}")
         self.name, self.doc = name, doc or (step.__doc__ or "").strip()
         self.file = getattr(getattr(step, "__code__", None), "co_filename", None)
         self.gates = _names(name, "gates", gates)
         self.states = _names(name, "states", states)
+        self.matrix_bias = bool(matrix_bias)
         if self.states[0] != "h":
             raise CellError(f"cell {name!r}: states: the first state must be 'h' (the "
                             f"output), got {list(self.states)}")
+        self.vectors = _vector_specs(name, vectors)
+        # the vector channels in order: (name, gate or None); V = len
+        self.channels = tuple((v.name, g) for v in self.vectors
+                              for g in (self.gates if v.per_gate else (None,)))
         x = _Names(name, "x", self.gates, "gate")
         r = _Names(name, "r", self.gates, "gate")
         s = _Names(name, "s", self.states, "state")
+        p = _Vectors(name, self.vectors, self.gates)
         try:
-            new = step(x, r, s)
+            new = step(x, r, s, p) if self.vectors else step(x, r, s)
         except CellError as e:
             raise (e if str(e).startswith("cell ") else CellError(f"cell {name!r}: {e}")) from None
         except Exception as e:
@@ -215,7 +342,18 @@ class Definition:
                                 f"rows of weight_ih and weight_hh would do nothing)")
         if ("s", "h") not in used and not any(n.op == "r" for n in nodes):
             raise CellError(f"cell {name!r}: nothing depends on the previous h: not recurrent")
-        self.leaves = {(n.op, n.arg): n for n in nodes if n.op in ("x", "r", "s")}
+        used_v = {n.arg for n in nodes if n.op == "v"}
+        for v in self.vectors:
+            names = [f"{v.name}.{g}" for g in self.gates] if v.per_gate else [v.name]
+            unused = [n for n in names if n not in used_v]
+            if unused:
+                raise CellError(f"cell {name!r}: vector parameter {v.name!r}: "
+                                f"{', '.join('p.' + n for n in unused)} is used in no "
+                                f"expression")
+        self.leaves = {(n.op, n.arg): n for n in nodes if n.op in LEAVES}
+        for leaf in p.leaves():
+            self.leaves.setdefault(("v", leaf.arg), leaf)
+        self.rows = _rows(nodes)
         for g in self.gates:     # a gate one side leaves unused still has both weights
             self.leaves.setdefault(("x", g), x[g])
             self.leaves.setdefault(("r", g), r[g])
@@ -230,7 +368,8 @@ class Definition:
         # saved: activations not of a state (in forward order)
         self.saved_nodes = sorted((n for n in nodes if n.op in ACTIVATIONS
                                    and id(n) not in new_ids and id(n.args[0]) not in state_leaf
-                                   and id(n.args[0]) not in new_ids), key=lambda n: n.serial)
+                                   and id(n.args[0]) not in new_ids and id(n) not in self.rows),
+                                  key=lambda n: n.serial)
         vals: dict[int, Sym] = {}
 
         def val(n: Sym) -> Sym:
@@ -240,9 +379,12 @@ class Definition:
             return v
 
         adj: dict[int, Sym] = {}
+        into_row: dict[int, Sym] = {}   # a row node's adjoint terms that are unit values
         for k, v in self.new.items():
             adj[id(v)] = _add(adj.get(id(v)), Sym("dnew", arg=k))
         for node in reversed(nodes):
+            if id(node) in into_row:        # every parent is done: one sum over the units
+                adj[id(node)] = _add(adj.get(id(node)), Sym("usum", (into_row[id(node)],)))
             d = adj.get(id(node))
             if d is None or not node.args:
                 continue
@@ -250,19 +392,22 @@ class Definition:
                 if child.op == "const":
                     continue
                 term = d if g is None else -d if g == "neg" else d * g
-                adj[id(child)] = _add(adj.get(id(child)), term)
+                into = into_row if id(child) in self.rows and id(node) not in self.rows else adj
+                into[id(child)] = _add(into.get(id(child)), term)
         self.d_x = {g: adj.get(id(self.leaves["x", g])) for g in self.gates}
         self.d_r = {g: adj.get(id(self.leaves["r", g])) for g in self.gates}
         self.d_prev = {k: adj.get(id(self.leaves["s", k])) for k in self.states}
+        self.d_vec = [adj.get(id(self.leaves["v", n if g is None else f"{n}.{g}"]))
+                      for n, g in self.channels]
         self.dxp_is_dhg = all(self.d_x[g] is self.d_r[g] for g in self.gates)
-        # projections backward needs as they are join the saved values
+        # projections and row values backward needs as they are join the saved values
         saved_ids = {id(n) for n in self.saved_nodes}
         raw = []
 
         def need(n: Sym):
-            if id(n) in saved_ids or id(n) in new_ids or n.op in ("s", "const"):
+            if id(n) in saved_ids or id(n) in new_ids or n.op in ("s", "v", "const", "units"):
                 return
-            if n.op in ("x", "r"):
+            if n.op in ("x", "r") or id(n) in self.rows:
                 saved_ids.add(id(n))
                 raw.append(n)
                 return
@@ -270,25 +415,33 @@ class Definition:
                 need(c)
 
         for d in _topo([d for d in (*self.d_x.values(), *self.d_r.values(),
-                                    *self.d_prev.values()) if d is not None]):
+                                    *self.d_prev.values(), *self.d_vec) if d is not None]):
             if d.op == "val":
                 need(d.args[0])
-        self.saved_nodes += raw
+        self.saved_nodes += sorted(raw, key=lambda n: (id(n) in self.rows, n.serial))
         if not self.saved_nodes:       # the layout holds at least one channel: h' itself
             self.saved_nodes = [self.new["h"]]
-        self.saved = _saved_names(self.saved_nodes)
+        self.saved = _saved_names(self.saved_nodes, self.rows)
+
+    @property
+    def reduces(self) -> bool:
+        """Whether the step reduces over the hidden units (a step then needs
+        every unit of its products before its pointwise work)."""
+        return any(n.op == "mean" for n in _topo(list(self.new.values())))
 
     def step_function(self, ops):
-        """The step as a function of arrays: step(xg, hg, states) -> new
-        states, xg and hg (B, G*H) with the gates' blocks in order, states
-        (B, H) each. ops gives sigmoid, tanh and relu for the array kind
-        (numpy, torch); + - * / are the arrays' own."""
+        """The step as a function of arrays: step(xg, hg, states, vectors=None)
+        -> new states, xg and hg (B, G*H) with the gates' blocks in order,
+        states (B, H) each, vectors {name: (H,) or (G*H,)}. ops gives
+        sigmoid, tanh, relu, sqrt and mean_units (a (B, H) array's mean
+        over axis 1, kept as (B, 1)) for the array kind (numpy, torch);
+        + - * / are the arrays' own."""
         H_of = lambda a: a.shape[1] // len(self.gates)   # noqa: E731
         gate = {g: k for k, g in enumerate(self.gates)}
         roots = [self.new[k] for k in self.states]
         order = _topo(roots)
 
-        def step(xg, hg, states):
+        def step(xg, hg, states, vectors=None):
             H = H_of(xg)
             env = {}
             for n in order:
@@ -297,12 +450,18 @@ class Definition:
                     v = (xg if n.op == "x" else hg)[:, k * H:(k + 1) * H]
                 elif n.op == "s":
                     v = states[self.states.index(n.arg)]
+                elif n.op == "v":
+                    name, _, g = n.arg.partition(".")
+                    v = vectors[name] if not g else \
+                        vectors[name][gate[g] * H:(gate[g] + 1) * H]
                 elif n.op == "const":
                     v = n.arg
                 elif n.op == "neg":
                     v = -env[id(n.args[0])]
-                elif n.op in ACTIVATIONS:
+                elif n.op in UNARY:
                     v = getattr(ops, n.op)(env[id(n.args[0])])
+                elif n.op == "mean":
+                    v = sum(ops.mean_units(env[id(c)]) for c in n.args) / len(n.args)
                 else:
                     a, b = (env[id(c)] for c in n.args)
                     v = a + b if n.op == "+" else a - b if n.op == "-" else a * b \
@@ -314,23 +473,28 @@ class Definition:
     def signature(self) -> str:
         """The definition as text: equal for equal math (a cache key part)."""
         return (f"{self.name} gates={','.join(self.gates)} states={','.join(self.states)} "
+                + (f"vectors={self.vectors!r} " if self.vectors else "")
+                + ("" if self.matrix_bias else "matrix_bias=False ")
                 + " ".join(f"{k}'={self.new[k]!r}" for k in self.states))
 
     def describe(self) -> dict:
         return {"name": self.name, "gates": list(self.gates), "states": list(self.states),
-                "saved": list(self.saved), "dxp_is_dhg": self.dxp_is_dhg, "doc": self.doc}
+                "saved": list(self.saved), "dxp_is_dhg": self.dxp_is_dhg, "doc": self.doc,
+                "vectors": [{"name": v.name, "per_gate": v.per_gate, "init": v.init,
+                             "bias": v.bias} for v in self.vectors],
+                "matrix_bias": self.matrix_bias, "reduces": self.reduces}
 
 
 def _gates_read(n: Sym) -> set:
     """The gates whose projections n reads, not counting inside activations."""
     if n.op in ("x", "r"):
         return {n.arg}
-    if n.op in ACTIVATIONS:
+    if n.op in ACTIVATIONS or n.op in REDUCTIONS:
         return set()
     return set().union(*(_gates_read(c) for c in n.args)) if n.args else set()
 
 
-def _saved_names(nodes) -> tuple[str, ...]:
+def _saved_names(nodes, rows) -> tuple[str, ...]:
     """A name for each saved value: its gate where an activation reads one
     gate (the LSTM's i, f, g, o), r_<gate> for a recurrent product saved as
     it is, else the activation and its gates; unique."""
@@ -338,6 +502,8 @@ def _saved_names(nodes) -> tuple[str, ...]:
     for k, n in enumerate(nodes):
         if n.op in ("x", "r"):
             name = f"{n.op}_{n.arg}"
+        elif id(n) in rows:                # a row value
+            name = f"row_{k}"
         else:
             gates = sorted(_gates_read(n.args[0]))
             name = gates[0] if len(gates) == 1 else f"{n.op}_{'_'.join(gates) or k}"
@@ -347,11 +513,14 @@ def _saved_names(nodes) -> tuple[str, ...]:
     return tuple(names)
 
 
-def define(name: str, gates, states, step, doc: str = "") -> Definition:
-    """A cell from its step function step(x, r, s) -> {state: new value}.
-    gates: names of the weight row blocks (in weight_ih's order), e.g.
-    "ifgo" or ("i", "f", "g", "o"); states: names, h first. x.<gate> is
-    W_ih x + b_ih's block, r.<gate> W_hh h + b_hh's, s.<state> the previous
-    state. CellError, naming the cell, for a definition that cannot be
-    compiled."""
-    return Definition(name, gates, states, step, doc)
+def define(name: str, gates, states, step, doc: str = "", vectors=(),
+           matrix_bias: bool = True) -> Definition:
+    """A cell from its step function step(x, r, s) -> {state: new value}
+    (step(x, r, s, p) where it declares vectors). gates: names of the
+    weight row blocks (in weight_ih's order), e.g. "ifgo" or ("i", "f",
+    "g", "o"); states: names, h first. x.<gate> is W_ih x + b_ih's block,
+    r.<gate> W_hh h + b_hh's, s.<state> the previous state, p.<name> a
+    vector parameter (vectors: `vector(...)` declarations). matrix_bias
+    False: no bias_ih, bias_hh (x.<gate> = W_ih x). CellError, naming the
+    cell, for a definition that cannot be compiled."""
+    return Definition(name, gates, states, step, doc, vectors, matrix_bias)

@@ -1,6 +1,13 @@
 """A language Definition as a Cell: its step and derived backward as
-Halide Funcs (pointwise Exprs, inlined unless a schedule names a stage)."""
+Halide Funcs (pointwise Exprs, inlined unless a schedule names a stage).
+
+A row value that reduces (mean, usum) becomes a Func over the batch row,
+sum over an RDom of the units of its operands lowered at the RDom's unit;
+the Funcs made are listed in `reductions`, children first, for the
+schedules to place (a Func with an update cannot be inlined)."""
 from __future__ import annotations
+
+import itertools
 
 import halide as hl
 
@@ -13,29 +20,73 @@ def _relu(v):
 
 
 _UNARY = {"sigmoid": sigmoid, "tanh": tanh, "relu": _relu, "neg": lambda v: -v,
-          "step": lambda v: hl.select(v > 0.0, hl.f32(1), hl.f32(0))}
+          "sqrt": hl.sqrt, "step": lambda v: hl.select(v > 0.0, hl.f32(1), hl.f32(0))}
 _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
            "/": lambda a, b: a / b}
 
 
-def _lower(node: Sym, known, memo: dict):
-    """node as an Expr; known(node) gives an Expr for nodes read from a
-    buffer or Func (None: compute from the children)."""
-    e = memo.get(id(node))
-    if e is not None:
+_serial = itertools.count()
+
+
+class _Lowering:
+    """Exprs of a Definition's nodes at unit u (a Var, or a reduction's
+    RVar) and batch row b. known(node, u) gives an Expr for a node read
+    from a buffer or Func (None: compute it from its children)."""
+
+    def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict):
+        self.name, self.H, self.b, self.known = name, H, b, known
+        self.reductions, self.rows = reductions, rows    # shared: one Func per row node
+        self.memo: dict = {}
+
+    def __call__(self, node: Sym, u):
+        key = (id(node), u.name())
+        e = self.memo.get(key)
+        if e is None:
+            e = self.memo[key] = self._expr(node, u)
         return e
-    e = known(node)
-    if e is None:
-        if node.op == "const":
-            e = hl.f32(node.arg)
-        elif node.op in _UNARY:
-            e = _UNARY[node.op](_lower(node.args[0], known, memo))
-        elif node.op in _BINARY:
-            e = _BINARY[node.op](*(_lower(a, known, memo) for a in node.args))
-        else:
-            raise AssertionError(f"no value for {node!r}")
-    memo[id(node)] = e
-    return e
+
+    def _expr(self, node: Sym, u):
+        e = self.known(node, u)
+        if e is not None:
+            return e
+        op = node.op
+        if op == "const":
+            return hl.f32(node.arg)
+        if op == "units":
+            return hl.f32(self.H)
+        if op in ("mean", "usum"):
+            return self._row(node)[self.b]
+        if op in _UNARY:
+            return _UNARY[op](self(node.args[0], u))
+        if op in _BINARY:
+            return _BINARY[op](*(self(a, u) for a in node.args))
+        raise AssertionError(f"no value for {node!r}")
+
+    def _row(self, node: Sym) -> hl.Func:
+        """The reduction at node as a Func over b: the sum over the units of
+        its operands (mean: divided by their count)."""
+        f = self.rows.get(id(node))
+        if f is not None:
+            return f
+        k = next(_serial)      # (names unique in a pipeline: nested sums are made first)
+        r = hl.RDom([(0, self.H)], f"r_u{k}")
+        at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows)
+        args, scale = node.args, 1.0 / (len(node.args) * self.H) if node.op == "mean" else 1.0
+        if len(args) == 1 and args[0].op == "neg":
+            # sum(-t) as -sum(t): Halide simplifies f + (0 - t) to f - t, whose
+            # associativity rfactor cannot prove
+            args, scale = args[0].args, -scale
+        total = sum((at_r(a, r.x) for a in args[1:]), at_r(args[0], r.x))
+        f = hl.Func(f"{self.name}_{node.op}{k}")
+        f[self.b] = hl.f32(0)
+        f[self.b] += total
+        self.reductions.append(f)
+        if scale != 1.0:
+            out = hl.Func(f"{self.name}_{node.op}{k}_out")
+            out[self.b] = f[self.b] * hl.f32(scale)
+            f = out
+        self.rows[id(node)] = f
+        return f
 
 
 class DefinedCell(Cell):
@@ -46,63 +97,70 @@ class DefinedCell(Cell):
         self.d = d
         self.name, self.gates, self.states = d.name, d.gates, d.states
         self.saved, self.dxp_is_dhg = d.saved, d.dxp_is_dhg
+        self.channels, self.reduces = d.channels, d.reduces
+        self.reductions: list = []     # the reduction Funcs of the last forward or backward
 
-    def _leaf(self, xp, hg, prev, j, b):
+    def _leaf(self, xp, hg, prev, vec, b):
         gate = {g: k for k, g in enumerate(self.gates)}
+        channel = {(n if g is None else f"{n}.{g}"): c for c, (n, g) in enumerate(self.channels)}
 
-        def leaf(n):
+        def leaf(n, u):
             if n.op == "x":
-                return xp[j, gate[n.arg], b]
+                return xp[u, gate[n.arg], b]
             if n.op == "r":
-                return hg[j, gate[n.arg], b]
+                return hg[u, gate[n.arg], b]
             if n.op == "s":
-                return prev[n.arg][j, b]
+                return prev[n.arg][u, b]
+            if n.op == "v":
+                return vec[u, channel[n.arg]]
             return None
         return leaf
 
-    def forward(self, xp, hg, prev, j, b):
-        d, leaf = self.d, self._leaf(xp, hg, prev, j, b)
-        memo: dict = {}
-        saved = gate_func(f"{d.name}_saved", [_lower(n, leaf, memo) for n in d.saved_nodes],
-                          j, b)
+    def forward(self, xp, hg, prev, vec, H, j, b):
+        d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
+        self.reductions, rows = [], {}
+        direct = _Lowering(d.name, H, b, leaf, self.reductions, rows)
+        saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.saved_nodes], j, b)
         slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
 
-        def known(n):   # the states read the saved values back, as one Func
-            return saved[j, slot[id(n)], b] if id(n) in slot else leaf(n)
-        memo = {}
+        def known(n, u):   # at unit j the states read the saved values back, as one Func
+            if id(n) in slot and u.name() == j.name():
+                return saved[u, slot[id(n)], b]
+            return leaf(n, u)
+        lower = _Lowering(d.name, H, b, known, self.reductions, rows)
         new = {}
         for s in self.states:
             new[s] = hl.Func(f"{d.name}_{s}")
-            new[s][j, b] = _lower(d.new[s], known, memo)
+            new[s][j, b] = lower(d.new[s], j)
         return saved, new
 
-    def backward(self, saved, prev, new, dnew, j, b):
+    def backward(self, saved, prev, new, dnew, vec, H, j, b):
         d = self.d
         slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
         new_node = {id(v): s for s, v in d.new.items()}
-        values: dict = {}
+        leaf = self._leaf(None, None, prev, vec, b)
 
-        def value(n):          # forward values: saved, new or previous states, else recomputed
+        def value(n, u):       # forward values: saved, new or previous states, else recomputed
             if id(n) in slot:
-                return saved[j, slot[id(n)], b]
+                return saved[u, slot[id(n)], b]
             if id(n) in new_node:
-                return new[new_node[id(n)]][j, b]
-            if n.op == "s":
-                return prev[n.arg][j, b]
+                return new[new_node[id(n)]][u, b]
             if n.op in ("x", "r"):
                 raise AssertionError(f"{n!r} is needed but not saved")
-            return None
+            return leaf(n, u)
+        self.reductions, rows = [], {}
+        values = _Lowering(d.name + "_val", H, b, value, self.reductions, {})
 
-        def known(n):
+        def known(n, u):
             if n.op == "val":
-                return _lower(n.args[0], value, values)
+                return values(n.args[0], u)
             if n.op == "dnew":
-                return dnew[n.arg][j, b]
+                return dnew[n.arg][u, b]
             return None
-        memo: dict = {}
+        lower_at = _Lowering(d.name + "_adj", H, b, known, self.reductions, rows)
 
         def lower(adjoint):
-            return hl.f32(0) if adjoint is None else _lower(adjoint, known, memo)
+            return hl.f32(0) if adjoint is None else lower_at(adjoint, j)
         dxp = gate_func(f"{d.name}_dxp", [lower(d.d_x[g]) for g in self.gates], j, b)
         dhg = dxp if d.dxp_is_dhg else gate_func(
             f"{d.name}_dhg", [lower(d.d_r[g]) for g in self.gates], j, b)
@@ -113,4 +171,7 @@ class DefinedCell(Cell):
                 continue
             dprev[s] = hl.Func(f"{d.name}_d{s}_prev")
             dprev[s][j, b] = lower(d.d_prev[s])
-        return dxp, dhg, dprev
+        dvec = None
+        if self.channels:
+            dvec = gate_func(f"{d.name}_dvec", [lower(a) for a in d.d_vec], j, b)
+        return dxp, dhg, dprev, dvec

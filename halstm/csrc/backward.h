@@ -6,46 +6,46 @@ extern "C" {
 
 #ifdef HALSTM_BACKWARD
 #define HB halide_buffer_t *
-// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh (with HALSTM_SPLIT then
-// int panel0, panels); outputs dxp, [dhg], dprev[NS]
+// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh, [vec] (with HALSTM_SPLIT then
+// int panel0, panels); outputs dxp, [dhg], dprev[NS], [dvec rows]
 // (the step pipelines are called through Halide's argv entry points:
 // buffers as given, pointers to scalars)
 int halstm_step_bwd_argv(void **);
 #if HALSTM_FUSED_BWD
-// inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh;
-// outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], the next call's dh_add
+// inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh, [vec];
+// outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], dvec[NV], the next call's dh_add
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #endif
 int halstm_pack_bwd(HB, HB, HB, HB);
-#if HALSTM_ONEHOT && DXP_IS_DHG
-int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB);
-#elif HALSTM_ONEHOT
-int halstm_grads_ids(HB, HB, HB, HB, HB, HB, HB, HB);
-#elif DXP_IS_DHG
-int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB);
-#else
-int halstm_grads(HB, HB, HB, HB, HB, HB, HB, HB, HB, HB);
-#endif
+// inputs x (or ids), hs, dxp, [dhg], [w_ih], [dvec rows]; outputs [dx], dw_ih, db_ih,
+// dw_hh, db_hh, [dvec] (through Halide's argv entry point)
+int halstm_grads_argv(void **);
+int halstm_grads_ids_argv(void **);
 
-// x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); saved (T, B, S, H) and
+// x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); vec (NV, H) (unused without
+// vector parameters, NV = 0); saved (T, B, S, H) and
 // states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
 // dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
 // on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
 // workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
 //   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG);
-//   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then 3*B*HP + 2*B*G*H floats
-// out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H)
+//   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then
+//     3*B*HP + 2*B*G*H + B*NV*H floats
+//   dvec_rows (T, B, NV, H) (unused with NV = 0): the vector gradients per row
+// out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H);
+//   dvec (NV, H)
 // dx NULL (CPU builds): the input gradient is not wanted and not computed
 // (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
 // HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
 int halstm_backward(int T, int B, const void *x, const float *w_ih, const float *w_hh,
-                    const float *saved, const float *const *states, const float *dy,
-                    float *const *dstate, float *wq_ih, float *wq_hh, float *dxp, float *dhg,
-                    float *fused_ws, float *dx, float *dw_ih, float *db_ih, float *dw_hh,
-                    float *db_hh) {
+                    const float *vec, const float *saved, const float *const *states,
+                    const float *dy, float *const *dstate, float *wq_ih, float *wq_hh,
+                    float *dxp, float *dhg, float *fused_ws, float *dvec_rows, float *dx,
+                    float *dw_ih, float *db_ih, float *dw_hh, float *db_hh, float *dvec) {
     g_error[0] = 0;
     (void)dhg, (void)fused_ws;
+    View vvec(vec, {{H, 1}, {NV, H}});
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
 #if HALSTM_RAW_BWD   // the products read the weights as given (no pack_bwd; wq unused)
     View &vwq_ih = vw_ih, &vwq_hh = vw_hh;
@@ -63,7 +63,8 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     // finishes step t+1's product and runs step t's pointwise backward.
     // fused_ws: zeros (B, G, H): dhg_next of the first call; add (2, B, HP):
     // the dh_add rows passed from call to call; dh (B, HP): dh of calls
-    // t >= 0 (unused); scratch (2, B, G, H): call -1's dxp and dhg (unused).
+    // t >= 0 (unused); scratch (2, B, G, H) then (B, NV, H): call -1's dxp, dhg
+    // and dvec (unused).
     float *zeros = fused_ws, *add = zeros + (int64_t)B * G * H, *dh_scratch = add + 2 * B * HP;
     float *scratch = dh_scratch + (int64_t)B * HP;
     auto part_steps = [&](const auto &part, void *barrier) {
@@ -89,7 +90,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
                 prev[s] = bh(states[s], u, B), next[s] = bh(states[s], u + 1, B);
                 dnext[s] = dstate_row(dstate[s], cur, B, H), dprev[s] = dstate_row(dstate[s], nxt, B, H);
             }
-            void *args[9 + 4 * NS + 2 * G];
+            void *args[10 + 4 * NS + 2 * G + NV];
             int n = 0;
             args[n++] = saved_t.hb(), args[n++] = h0.hb();
             for (int s = 1; s < NS; s++) args[n++] = prev[s].hb();
@@ -98,6 +99,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             args[n++] = dy_t.hb();
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
             args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
+            if (NV) args[n++] = vvec.hb();
             args[n++] = dh.hb();
             View dplanes[G];
             for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = plane(dxp_t, g)).hb();
@@ -107,6 +109,11 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = plane(dhg_t, g)).hb();
 #endif
             for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
+            // dvec channel c: a plane of dvec_rows[t] (B, NV, H) (call -1: unused, scratch)
+            View vplanes[NV > 0 ? NV : 1];
+            float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + (int64_t)t * B * NV * H;
+            for (int c = 0; c < NV; c++)
+                args[n++] = (vplanes[c] = View(dvec_t + c * H, {{H, 1}, {B, NV * H}})).hb();
             args[n++] = add_out.hb();
             rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;
@@ -133,7 +140,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
 #if !DXP_IS_DHG
             View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
 #endif
-            void *args[4 + 4 * NS + 4];
+            void *args[6 + 4 * NS + 4];
             int n = 0;
             args[n++] = saved_t.hb();
             for (int s = 0; s < NS; s++) args[n++] = prev[s].hb();
@@ -141,6 +148,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             args[n++] = dy_t.hb();
             for (int s = 0; s < NS; s++) args[n++] = dnext[s].hb();
             args[n++] = vwq_hh.hb();
+            if (NV) args[n++] = vvec.hb();
 #if HALSTM_SPLIT
             args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
@@ -149,6 +157,8 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             args[n++] = dhg_t.hb();
 #endif
             for (int s = 0; s < NS; s++) args[n++] = dprev[s].hb();
+            View dvec_t = PART(View(dvec_rows + (int64_t)t * B * NV * H, {{H, 1}, {NV, H}, {B, NV * H}}), H, 2);
+            if (NV) args[n++] = dvec_t.hb();
             rc = halstm_step_bwd_argv(args);
             if (!step_done(barrier, rc)) break;
         }
@@ -156,10 +166,10 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     };
 #endif  // HALSTM_FUSED_BWD
     auto steps = [&]() { return run_steps(T, B, part_steps); };
-    uint64_t key[8 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
-                                u64(dxp), u64(dhg), u64(fused_ws)};
-    for (int s = 0; s < NS; s++) key[8 + 2 * s] = u64(states[s]), key[9 + 2 * s] = u64(dstate[s]);
-    rc = run_loop(key, 8 + 2 * NS, steps);
+    uint64_t key[10 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
+                                 u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows)};
+    for (int s = 0; s < NS; s++) key[10 + 2 * s] = u64(states[s]), key[11 + 2 * s] = u64(dstate[s]);
+    rc = run_loop(key, 10 + 2 * NS, steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows
@@ -168,17 +178,13 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     View vdxp(dxp, {{H, 1}, {G, H}, {N, G * H}});
     View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
     View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
+    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
+    View vdvec_rows(dvec_rows, {{H, 1}, {NV, H}, {N, NV * H}}), vdvec(dvec, {{H, 1}, {NV, H}});
+    void *args[12];
+    int n = 0;
 #if HALSTM_ONEHOT
     (void)dx;
-    View vids = View::ints(x, N);
-#if DXP_IS_DHG
-    return halstm_grads_ids(vids.hb(), vhs.hb(), vdxp.hb(), vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(),
-                            vdb_hh.hb());
-#else
-    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
-    return halstm_grads_ids(vids.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vdw_ih.hb(), vdb_ih.hb(),
-                            vdw_hh.hb(), vdb_hh.hb());
-#endif
+    View vx = View::ints(x, N);
 #else
     View vx((const float *)x, {{K, 1}, {N, K}});
 #ifdef HALSTM_CUDA
@@ -187,15 +193,24 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     static float no_dx[KP];
     View vdx(dx ? dx : no_dx, {{KP, 1}, {dx ? N : 0, KP}});
 #endif
-#if DXP_IS_DHG
-    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vwq_ih.hb(), vdx.hb(), vdw_ih.hb(),
-                        vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
-#else
-    View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
-    return halstm_grads(vx.hb(), vhs.hb(), vdxp.hb(), vdhg.hb(), vwq_ih.hb(), vdx.hb(),
-                        vdw_ih.hb(), vdb_ih.hb(), vdw_hh.hb(), vdb_hh.hb());
 #endif
-#endif  // HALSTM_ONEHOT
+    args[n++] = vx.hb(), args[n++] = vhs.hb(), args[n++] = vdxp.hb();
+    if (!DXP_IS_DHG) args[n++] = vdhg.hb();
+#if !HALSTM_ONEHOT
+    args[n++] = vwq_ih.hb();
+#endif
+    if (NV) args[n++] = vdvec_rows.hb();
+#if !HALSTM_ONEHOT
+    args[n++] = vdx.hb();
+#endif
+    args[n++] = vdw_ih.hb(), args[n++] = vdb_ih.hb(), args[n++] = vdw_hh.hb();
+    args[n++] = vdb_hh.hb();
+    if (NV) args[n++] = vdvec.hb();
+#if HALSTM_ONEHOT
+    return halstm_grads_ids_argv(args);
+#else
+    return halstm_grads_argv(args);
+#endif
 }
 #endif  // HALSTM_BACKWARD
 

@@ -10,7 +10,7 @@ int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halid
 #else
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
-// inputs xp, wp_hh, b_hh, prev[NS] (with HALSTM_SPLIT then int panel0, panels);
+// inputs xp, wp_hh, b_hh, prev[NS], [vec with NV] (with HALSTM_SPLIT then int panel0, panels);
 // outputs new[NS], then (halstm_step, not halstm_step_infer: a forward that
 // no backward follows) saved channels[S]. Called through Halide's argv
 // entry points, whose arguments are buffers as given and pointers to scalars.
@@ -18,14 +18,15 @@ int halstm_step_argv(void **);
 int halstm_step_infer_argv(void **);
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
-// w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H)
+// w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
+// vector parameters (unused without, NV = 0)
 // workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP), or
 // with HALSTM_XP_PANELS (HP/P, T, B, G, P)
 // out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
 // forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
 int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *b_ih,
-                   const float *w_hh, const float *b_hh, float *wp_ih, float *wp_hh,
+                   const float *w_hh, const float *b_hh, const float *vec, float *wp_ih, float *wp_hh,
                    float *xp, float *saved, float *const *states) {
     g_error[0] = 0;
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
@@ -34,6 +35,7 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
     if (rc) return rc;
     // batch and time merged: N = T*B rows
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
+    View vvec(vec, {{H, 1}, {NV, H}});
     // xp's rows [n0, n0 + rows) of N = T*B (rows n = t*B + b)
     auto xp_rows = [&](int n0, int rows) {
 #if HALSTM_XP_PANELS   // (HP/P, T*B, G, P): panels of P units (pipeline.py _xp_out)
@@ -66,10 +68,11 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
             const float *saved_t = saved + (int64_t)t * B * S * H;
             for (int c = 0; saved && c < S; c++)
                 sv[c] = PART(View(saved_t + c * H, {{H, 1}, {B, S * H}}), H, 1);
-            void *args[3 + 2 * NS + 2 + S];
+            void *args[4 + 2 * NS + 2 + S];
             int n = 0;
             args[n++] = xp_t.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
             for (int s = 0; s < NS; s++) args[n++] = prev[s].hb();
+            if (NV) args[n++] = vvec.hb();
 #if HALSTM_SPLIT
             args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
@@ -85,9 +88,10 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         return rc;
     };
     auto steps = [&]() { return run_steps(T, B, part_steps); };
-    uint64_t key[6 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved)};
-    for (int s = 0; s < NS; s++) key[6 + s] = u64(states[s]);
-    return run_loop(key, 6 + NS, steps);
+    uint64_t key[7 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
+                            u64(vec)};
+    for (int s = 0; s < NS; s++) key[7 + s] = u64(states[s]);
+    return run_loop(key, 7 + NS, steps);
 }
 #endif  // HALSTM_FORWARD
 
