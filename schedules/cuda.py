@@ -441,8 +441,10 @@ def _row_block(p, out, j, b, along=()):
         part.update().split(ro, roo, roi, 4, GUARD).unroll(roi)
 
 
-# Threads of a block that runs a batch row of a step that reduces over units
-ROW_THREADS = 256
+# Threads of a block that runs a batch row of a step that reduces over
+# units: 512 x 128 registers fill an SM's register file
+# (bench/RESULTS.md, "Schedule decisions": cuda._row_block).
+ROW_THREADS = 512
 
 
 def _step_rows(p, target):
