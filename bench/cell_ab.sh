@@ -21,6 +21,7 @@ for v in "$@"; do
   name=${v%%:*}; patch=${v#*:}; [ "$patch" = "$v" ] && patch=""
   tree=$root/$name
   mkdir -p "$tree" && cp -r halstm schedules setup.py "$tree"/
+  [ -e "$tree/halstm/schedules" ] || ln -s ../schedules "$tree/halstm/schedules"
   if [ -n "$patch" ]; then
     patch -s -p1 -d "$tree" < "$patch" || { echo "$patch does not apply" >&2; exit 1; }
   fi
@@ -28,9 +29,11 @@ for v in "$@"; do
     for s in "${rows[@]}"; do
       read -r I H B T <<< "$s"
       log=$tree/$cell-$H.log
-      HALSTM_CACHE=$tree/cache PYTHONPATH="$tree:${PYTHONPATH:-}" python3 -c \
+      # (from inside the copy: `python3 -c` puts the working directory
+      # first on sys.path, ahead of PYTHONPATH)
+      (cd "$tree" && HALSTM_CACHE=$tree/cache PYTHONPATH="$tree:${PYTHONPATH:-}" python3 -c \
         "from halstm.cli import main; main()" compile --cell "$cell" -i "$I" -H "$H" \
-        --target "$target" --out "$tree/$cell-$I-$H" > "$log" 2>&1 &
+        --target "$target" --out "$tree/$cell-$I-$H" > "$log" 2>&1) &
       pids+=($!); what+=("$name $cell H=$H (log $log)")
     done
   done
@@ -40,6 +43,12 @@ for k in "${!pids[@]}"; do
   wait "${pids[$k]}" || { echo "compile failed: ${what[$k]}" >&2; failed=1; }
 done
 [ "$failed" = 0 ] || exit 1
+# each variant's libraries carry the hash of the code they were built from
+for v in "$@"; do
+  name=${v%%:*}
+  python3 -c "import json, glob, sys; print(sys.argv[1], sorted({json.load(open(f))['halstm_code'][:12] for f in glob.glob(sys.argv[2] + '/*/*/manifest.json')}))" \
+    "$name" "$root/$name" | tee -a "$out"
+done
 for cell in ${CELLS:-lstm gru}; do
   for s in "${rows[@]}"; do
     read -r I H B T <<< "$s"

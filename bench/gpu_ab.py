@@ -1,4 +1,4 @@
-"""Time variants of one LSTM or GRU layer against each other, interleaved
+"""Time variants of one layer of a cell against each other, interleaved
 in one process, so that the machine's drift (10-15% between processes on
 the shared H100s) falls on every variant alike.
 
@@ -32,12 +32,13 @@ def main():
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--cell", choices=["lstm", "gru"], default="lstm")
+    ap.add_argument("--cell", default="lstm", help="any cell of halstm.cells")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--target", default="host-cuda")
     a = ap.parse_args()
     I, H, B, T = a.input_size or a.hidden_size, a.hidden_size, a.batch, a.steps
-    cls = halstm.LSTM if a.cell == "lstm" else halstm.GRU
+    def cls(I, H, **kw):
+        return halstm.Recurrent(a.cell, I, H, **kw)
     gpu = "cuda" in a.target
     put = cuda.DeviceArray.from_numpy if gpu else (lambda v: v)
     rng = np.random.default_rng(0)
