@@ -259,7 +259,8 @@ def _row_sums(p, at, at_var, vw):
 def _step_rows(p, target):
     """A step that reduces over the units: the recurrent product for every
     unit first (register tiles, in parallel over unit panels), then per
-    batch row (in parallel) the reductions and the cell, units vectorized."""
+    batch row (in parallel) the reductions and the cell, units vectorized
+    (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
     v, P = p.vars, p.P
     j, b = v["j"], v["b"]
     out, hg, acc, act = p.stage("out"), p.stage("hg"), p.stage("hg_acc"), p.stage("saved")
@@ -315,20 +316,27 @@ def step_bwd(p, target):
     """One thread (the driver runs ranges of units on its threads,
     split_steps): the pointwise backward for every unit (the product reads
     them all), then dh_prev = W_hh^T dhg for this thread's units. Without
-    split_steps (a cell that reduces over units), Halide's threads: rows
-    of the pointwise part, unit panels of the product, in parallel."""
+    split_steps (a cell that reduces over units), Halide's threads: one
+    parallel loop over rows for the pointwise part and its sums, then unit
+    panels of the product (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
     v, H = p.vars, p.H
     k, b = v["k"], v["b"]
     vw = _vw(target, H)
     names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
     names += ("dvec",) if p.V else ()
     own = not p.split_steps
+    first = None
     for name in names:
         f = _pointwise(p.stage(name).compute_root(), vw)
         _pointwise(p.stage(name + "_out"), vw)
-        if own:
-            f.parallel(f.args()[-1])
-    _row_sums(p, None, None, vw)
+        if own and first is None:
+            first = f.parallel(b)
+        elif own:           # one parallel loop over rows for the whole pointwise part
+            f.parallel(b).compute_with(first, b)
+    if own and p.reductions:
+        for s in p.cell.states[1:]:
+            p.stage("dprev_" + s).parallel(b).compute_with(first, b)
+        _row_sums(p, first, b, vw)   # each row's sums inside its iteration
     r = p.rdoms["jg"]
     # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
     # panels of W_hh^T (G*H*P floats each) would not fit in half an L2
