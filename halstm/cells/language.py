@@ -148,39 +148,13 @@ def vector(name: str, per_gate: bool = False, init=0.0, bias: bool = False) -> V
     return Vector(name, per_gate, init, bias)
 
 
-class _Vectors:
-    """p of a step: p.<name> is a unit vector's leaf, p.<name>.<gate> a
-    per-gate vector's block."""
-
-    def __init__(self, cell, specs, gates):
-        self._cell, self._leaves = cell, {}
-        for v in specs:
-            self._leaves[v.name] = (_Names(cell, "v", [f"{v.name}.{g}" for g in gates], "gate")
-                                    if v.per_gate else Sym("v", arg=v.name))
-            if v.per_gate:
-                blocks = self._leaves[v.name]
-                blocks._leaves = {g: blocks._leaves[f"{v.name}.{g}"] for g in gates}
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self._leaves[name]
-        except KeyError:
-            raise CellError(f"cell {self._cell!r}: p.{name}: no vector parameter {name!r}; "
-                            f"it has {list(self._leaves)}") from None
-
-    def leaves(self):
-        for v in self._leaves.values():
-            yield from (v._leaves.values() if isinstance(v, _Names) else (v,))
-
-
 class _Names:
-    """x, r or s of a step: attribute access gives the leaf, once per name."""
+    """x, r, s or p of a step (or a per-gate vector's blocks, p.<name>):
+    attribute access gives the leaf, once per name. prefix names it in
+    errors; leaves: name -> Sym (or a _Names of blocks)."""
 
-    def __init__(self, cell, kind, names, what):
-        self._cell, self._kind, self._what = cell, kind, what
-        self._leaves = {n: Sym(kind, arg=n) for n in names}
+    def __init__(self, cell, prefix, leaves, what):
+        self._cell, self._prefix, self._what, self._leaves = cell, prefix, what, leaves
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -188,11 +162,30 @@ class _Names:
         try:
             return self._leaves[name]
         except KeyError:
-            raise CellError(f"cell {self._cell!r}: {self._kind}.{name}: no {self._what} "
+            raise CellError(f"cell {self._cell!r}: {self._prefix}.{name}: no {self._what} "
                             f"{name!r}; it has {list(self._leaves)}") from None
 
     def __getitem__(self, name):
         return getattr(self, name)
+
+    def all(self):
+        """Every leaf, blocks included."""
+        for v in self._leaves.values():
+            yield from (v.all() if isinstance(v, _Names) else (v,))
+
+
+def _leaves(cell, kind, names, what) -> _Names:
+    """x, r or s of a step: a leaf Sym(kind, arg=name) per name."""
+    return _Names(cell, kind, {n: Sym(kind, arg=n) for n in names}, what)
+
+
+def _vector_leaves(cell, specs, gates) -> _Names:
+    """p of a step: p.<name> a vector's leaf, p.<name>.<gate> a per-gate
+    vector's block (arg "name" or "name.gate")."""
+    return _Names(cell, "p", {
+        v.name: _Names(cell, f"p.{v.name}", {g: Sym("v", arg=f"{v.name}.{g}") for g in gates},
+                       "gate") if v.per_gate else Sym("v", arg=v.name)
+        for v in specs}, "vector parameter")
 
 
 def _names(cell: str, what: str, value) -> tuple[str, ...]:
@@ -310,10 +303,10 @@ class Definition:
         # the vector channels in order: (name, gate or None); V = len
         self.channels = tuple((v.name, g) for v in self.vectors
                               for g in (self.gates if v.per_gate else (None,)))
-        x = _Names(name, "x", self.gates, "gate")
-        r = _Names(name, "r", self.gates, "gate")
-        s = _Names(name, "s", self.states, "state")
-        p = _Vectors(name, self.vectors, self.gates)
+        x = _leaves(name, "x", self.gates, "gate")
+        r = _leaves(name, "r", self.gates, "gate")
+        s = _leaves(name, "s", self.states, "state")
+        p = _vector_leaves(name, self.vectors, self.gates)
         try:
             new = step(x, r, s, p) if self.vectors else step(x, r, s)
         except CellError as e:
@@ -351,7 +344,7 @@ class Definition:
                                 f"{', '.join('p.' + n for n in unused)} is used in no "
                                 f"expression")
         self.leaves = {(n.op, n.arg): n for n in nodes if n.op in LEAVES}
-        for leaf in p.leaves():
+        for leaf in p.all():
             self.leaves.setdefault(("v", leaf.arg), leaf)
         self.rows = _rows(nodes)
         for g in self.gates:     # a gate one side leaves unused still has both weights
