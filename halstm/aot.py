@@ -35,13 +35,13 @@ _HERE = Path(__file__).resolve().parent
 # HP, KP: H and K rounded up to the panel width P.
 ENTRY_POINTS = {
     "fwd": {"halstm_forward": [
-        "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
+        "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
         "b_hh (G*H,)", "vec (V, H): the vector parameters (unused, NULL, with V = 0)",
         "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
         "ws xp (T, B, G, HP)",
         "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)", "inout states[NS] (T+1, B, H)"]},
     "bwd": {"halstm_backward": [
-        "int T", "int B", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
+        "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "vec (V, H) (unused, NULL, with V = 0)", "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
         "inout dstate[NS] (2, B, HP): in [0], out [T & 1]",
         "ws wq_ih (KP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",

@@ -32,6 +32,7 @@ def ptr(a: np.ndarray) -> int:
 class Host:
     """Arrays of a CPU library: numpy."""
 
+    kind = "cpu"
     empty, ptr = staticmethod(empty), staticmethod(ptr)
 
     @staticmethod
@@ -53,9 +54,16 @@ class Host:
         """A contiguous copy of a[..., :w]."""
         return np.ascontiguousarray(a[..., :w])
 
+    @staticmethod
+    def scatter_rows(dst, slot, src):
+        """dst (S, B, W)[slot[b], b, :w] = src (B, w)[b] for every row b."""
+        dst[slot, np.arange(len(slot)), :src.shape[-1]] = src
+
 
 class Device:
     """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
+
+    kind = "cuda"
 
     def __init__(self):
         from . import cuda   # (imported only where a CUDA library is used)
@@ -82,6 +90,12 @@ class Device:
         for i in range(A):   # out[:, i] = a[i]
             self.cuda.copy_2d(out, A * n, a, n, n, B, dst_offset=i * n, src_offset=i * B * n)
         return out
+
+    def scatter_rows(self, dst, slot, src):
+        """As Host.scatter_rows (through the host: dst is a few rows)."""
+        a = dst.numpy()
+        Host.scatter_rows(a, slot, src if isinstance(src, np.ndarray) else src.numpy())
+        dst.copy_from(a)
 
     def leading(self, a, w):
         W = a.shape[-1]

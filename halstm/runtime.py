@@ -36,6 +36,7 @@ class SharedLibrary:
         self.mem = memory.for_device(device)
         if device == "cuda":   # arguments are device pointers in the caller's context
             self.lib.halstm_cuda_init.argtypes = [_P]
+            self.lib.halstm_cuda_set_stream.argtypes = [_P]
             rc = self.lib.halstm_cuda_init(self.mem.cuda.driver().context)
             if rc:
                 raise KernelError(f"halstm_cuda_init failed with code {rc}")
@@ -77,27 +78,42 @@ class Library:
         self._lib, self.mem = self._shared.lib, self._shared.mem
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
-            self._entry.argtypes = [_I, _I] + [_P] * 11
+            self._entry.argtypes = [_I, _I] + [_P] * 12
         else:
             self._entry = self._lib.halstm_backward
-            self._entry.argtypes = [_I, _I] + [_P] * 20
+            self._entry.argtypes = [_I, _I] + [_P] * 21
         self._entry.restype = _I
-        self._ws = {}
+        self._ws = {}      # by (memory kind, name)
         # One call at a time: the workspaces are shared between calls, and
         # ctypes releases the GIL while the library runs.
         self._lock = threading.Lock()
 
-    def _workspace(self, name: str, shape, zeros=False):
-        """An array that only lives through one call (packed weights, the
-        projected inputs, dxp), kept for the next call of the same shape:
-        fresh ones were faulted in on every call (the char LM's backward
-        spent about 15% of its time in page faults on the 2-core VM).
-        zeros: zero-filled when made (for parts that calls only read)."""
-        a = self._ws.get(name)
-        if a is None or a.shape != tuple(shape):
-            self._ws.pop(name, None)
-            a = self._ws[name] = (self.mem.zeros if zeros else self.mem.empty)(tuple(shape))
+    def _workspace(self, mem, name: str, shape, zeros=False):
+        """An array of `mem` that only lives through one call (packed
+        weights, the projected inputs, dxp), kept for the next call of the
+        same shape: fresh ones were faulted in on every call (the char LM's
+        backward spent about 15% of its time in page faults on the 2-core
+        VM). zeros: zero-filled when made (for parts that calls only read)."""
+        key = (mem.kind, name)
+        a = self._ws.get(key)
+        if a is None or tuple(a.shape) != tuple(shape):
+            self._ws.pop(key, None)
+            a = self._ws[key] = (mem.zeros if zeros else mem.empty)(tuple(shape))
         return a
+
+    @staticmethod
+    def _batch_sizes(batch_sizes, T, B):
+        """batch_sizes checked: None, or a (T,) int32 numpy array of
+        nonincreasing sizes in [1, B] starting at B (sequences sorted by
+        length, longest first)."""
+        if batch_sizes is None:
+            return None
+        bs = np.ascontiguousarray(batch_sizes, dtype=np.int32)
+        if bs.shape != (T,) or bs[0] != B or bs.min() < 1 or (np.diff(bs) > 0).any():
+            raise ValueError(f"batch_sizes: expected ({T},) nonincreasing step batch sizes "
+                             f"from {B} down to at least 1 (sequences sorted longest "
+                             f"first), got {np.asarray(batch_sizes).tolist()}")
+        return bs
 
     def use_graphs(self, on: bool) -> None:
         """CUDA: run the time loops from captured CUDA graphs (the default
@@ -123,13 +139,16 @@ class Library:
         splits steps itself (manifest layout split_steps); else 0."""
         return self._lib.halstm_step_threads()
 
-    def _call(self, *args) -> None:
+    def _call(self, stream, *args) -> None:
         m = self.manifest
+        if self.device == "cuda":
+            self._lib.halstm_cuda_set_stream(stream)
         self._shared.check(self._entry(*args), f"{m['cell']} {m['direction']} kernel "
                                                f"({m['target']}, schedule {m['schedule']})")
 
-    def _ptrs(self, arrays) -> ctypes.Array:
-        return (_P * len(arrays))(*[self.mem.ptr(a) for a in arrays])
+    @staticmethod
+    def _ptrs(mem, arrays) -> ctypes.Array:
+        return (_P * len(arrays))(*[mem.ptr(a) for a in arrays])
 
     def _x_shape(self, x):
         """(T, B, K) of a layer input: (T, B, K) floats, or for a one-hot
@@ -143,88 +162,116 @@ class Library:
             raise ValueError(f"x: expected (T, B, {self.K}), got {x.shape}")
         return x.shape
 
-    def _x_ptr(self, x) -> int:
-        return x.ctypes.data if self.onehot else self.mem.ptr(x)
+    def _x_ptr(self, mem, x) -> int:
+        return x.ctypes.data if self.onehot else mem.ptr(x)
 
-    def _vec(self, vec):
+    def _vec(self, mem, vec):
         """The vector parameters (V, H) checked, or None for a cell without."""
         if not self.V:
             return None
         if vec is None or tuple(vec.shape) != (self.V, self.H):
             raise ValueError(f"vec: expected the vector parameters as one ({self.V}, {self.H}) "
                              f"array, got {None if vec is None else tuple(vec.shape)}")
-        return self.mem.ptr(vec)
+        return mem.ptr(vec)
 
-    def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None):
+    def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None, batch_sizes=None,
+                mem=None, stream=None):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array (or None: zeros) per state; vec: the cell's
-        vector parameters (V, H), one row per channel (None without). Returns (states, saved): states
-        each (T+1, B, H) with the initial state at [0]; saved (T, B, S, H)
-        for backward, or None with save=False (the steps store nothing else).
-        Arrays are numpy for a CPU library, DeviceArrays for a CUDA one.
+        vector parameters (V, H), one row per channel (None without).
+        Returns (states, saved): states (NS, T+1, B, H), per state its
+        initial state at [0]; saved (T, B, S, H) for backward, or None with
+        save=False (the steps store nothing else).
+        Arrays are numpy for a CPU library, DeviceArrays for a CUDA one, or
+        of `mem` where given (halstm.memory's interface, e.g. torch tensors).
         A one-hot library (manifest "onehot") takes x as (T, B) int32 class
-        indices in [0, K) instead."""
+        indices in [0, K) instead.
+        batch_sizes: None, or (T,) ints, nonincreasing from B: step t runs
+        the first batch_sizes[t] rows only (sequences sorted by length,
+        longest first); a row's states past its length stay zero.
+        stream: a CUDA library's CUstream handle for this call (None: the
+        legacy default stream)."""
+        mem = mem or self.mem
         with self._lock:
             T, B, K = self._x_shape(x)
-            G, H, S, mem = self.G, self.H, self.S, self.mem
-            states = []
-            for s0 in init:
-                st = mem.empty((T + 1, B, H))
+            bs = self._batch_sizes(batch_sizes, T, B)
+            G, H, S, NS = self.G, self.H, self.S, len(self.states)
+            states = (mem.empty if bs is None else mem.zeros)((NS, T + 1, B, H))
+            for s, s0 in enumerate(init):
                 if s0 is None:
-                    mem.zero(st[0])
+                    mem.zero(states[s][0])
                 else:
-                    st[0] = s0
-                states.append(st)
+                    states[s][0] = s0
             saved = mem.empty((T, B, S, H)) if save else None
             Hp, P = self.Hp, self.P
-            ws = [self._workspace("wp_ih", (Hp // P, K, G, P)),
-                  self._workspace("wp_hh", (Hp // P, H, G, P)),
-                  self._workspace("xp", (T, B, G, Hp))]
-            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)),
-                       self._vec(vec), *map(mem.ptr, ws),
-                       None if saved is None else mem.ptr(saved), self._ptrs(states))
+            ws = [self._workspace(mem, "wp_ih", (Hp // P, K, G, P)),
+                  self._workspace(mem, "wp_hh", (Hp // P, H, G, P)),
+                  self._workspace(mem, "xp", (T, B, G, Hp))]
+            self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
+                       *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
+                       *map(mem.ptr, ws), None if saved is None else mem.ptr(saved),
+                       self._ptrs(mem, [states[s] for s in range(NS)]))
             return states, saved
 
-    def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None):
-        """BPTT of one layer. dfinal: one (B, H) gradient (or None: zeros) per
-        final state; vec as forward's.
+    def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None,
+                 batch_sizes=None, mem=None, stream=None):
+        """BPTT of one layer. states as forward returned them; dfinal: one
+        (B, H) gradient (or None: zeros) per final state; vec, batch_sizes,
+        mem and stream as forward's (with batch sizes, a row's final-state
+        gradient enters at its own last step, and its dy past it is unread).
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh, dvec (V, H) for a cell
         with vector parameters, and d<state>0 (B, H).
         need_dx False: no dx in the result, and a CPU library skips its GEMM.
         A one-hot library takes x as (T, B) int32 indices and gives no dx."""
+        mem = mem or self.mem
         with self._lock:
             T, B, K = self._x_shape(x)
-            G, H, Hp, Kp, P, mem = self.G, self.H, self.Hp, self.Kp, self.P, self.mem
-            if dy.shape != (T, B, H):
-                raise ValueError(f"dy: expected (T, B, {H}) = {(T, B, H)}, got {dy.shape}")
+            bs = self._batch_sizes(batch_sizes, T, B)
+            G, H, Hp, Kp, P, V = self.G, self.H, self.Hp, self.Kp, self.P, self.V
+            if tuple(dy.shape) != (T, B, H):
+                raise ValueError(f"dy: expected (T, B, {H}) = {(T, B, H)}, got {tuple(dy.shape)}")
             need_dx = need_dx and not self.onehot
+            fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
+            if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
+                fused = self._workspace(mem, "fused_bwd", (3 * B * Hp + 3 * B * G * H
+                                                          + B * V * H,), zeros=True)
+            # step t reads a row's state gradient from [(T - 1 - t) & 1], so a
+            # row of length n starts from [(T - n) & 1]; the fused step reads
+            # step t's dh_add rows from add[(t + 1) & 1]: n's from add[n & 1]
+            lengths = None if bs is None else self._lengths(bs, B)
             dstate = []
-            for d in dfinal:
+            for s, d in enumerate(dfinal):
                 a = mem.zeros((2, B, Hp))
-                if d is not None:
+                if d is not None and lengths is None:
                     mem.put_leading(a[0], d)
+                elif d is not None:
+                    mem.scatter_rows(a, (T - lengths) & 1, d)
+                    if fused is not None and s == 0:
+                        add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
+                        mem.scatter_rows(add, lengths & 1, d)
                 dstate.append(a)
             ws = [None, None]       # no pack_bwd: the products read the weights as given
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
-                ws = [self._workspace("wq_ih", (Kp // P, G, H, P)),
-                      self._workspace("wq_hh", (Hp // P, G, H, P))]
-            dxp = self._workspace("dxp", (T, B, G, H))
-            dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace("dhg", (T, B, G, H))
-            fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
-            if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
-                fused = self._workspace("fused_bwd", (3 * B * Hp + 3 * B * G * H
-                                                      + B * self.V * H,), zeros=True)
-            vec_ptr = self._vec(vec)
-            dvec_rows = self._workspace("dvec_rows", (T, B, self.V, H)) if self.V else None
+                ws = [self._workspace(mem, "wq_ih", (Kp // P, G, H, P)),
+                      self._workspace(mem, "wq_hh", (Hp // P, G, H, P))]
+            dxp = self._workspace(mem, "dxp", (T, B, G, H))
+            dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace(mem, "dhg", (T, B, G, H))
+            dvec_rows = self._workspace(mem, "dvec_rows", (T, B, V, H)) if V else None
+            if bs is not None:     # rows no step writes enter the sums as zeros
+                for a in {id(a): a for a in (dxp, dhg, dvec_rows) if a is not None}.values():
+                    mem.zero(a)
+            vec_ptr = self._vec(mem, vec)
             skip_dx = not need_dx and self.device == "cpu"
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
-                   "db_hh": mem.empty(G * H), "dvec": mem.empty((self.V, H)) if self.V else None}
-            self._call(T, B, self._x_ptr(x), *map(mem.ptr, (w_ih, w_hh)), vec_ptr,
-                       mem.ptr(saved), self._ptrs(states), mem.ptr(dy), self._ptrs(dstate),
+                   "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
+            self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
+                       *map(mem.ptr, (w_ih, w_hh)), vec_ptr, mem.ptr(saved),
+                       self._ptrs(mem, [states[s] for s in range(len(self.states))]),
+                       mem.ptr(dy), self._ptrs(mem, dstate),
                        *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
                                                                      dvec_rows, *out.values())])
-            if not self.V:
+            if not V:
                 del out["dvec"]
             if not need_dx:
                 del out["dx"]
@@ -234,3 +281,8 @@ class Library:
                 # (a is this call's own: where it has no padding, a view will do)
                 out[f"d{s}0"] = a[T & 1] if Hp == H else mem.leading(a[T & 1], H)
             return out
+
+    @staticmethod
+    def _lengths(bs, B):
+        """Each row's sequence length from the step batch sizes: (B,) ints."""
+        return (bs[None, :] > np.arange(B)[:, None]).sum(1)

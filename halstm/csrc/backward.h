@@ -38,7 +38,13 @@ int halstm_grads_ids_argv(void **);
 // dx NULL (CPU builds): the input gradient is not wanted and not computed
 // (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
 // HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
-int halstm_backward(int T, int B, const void *x, const float *w_ih, const float *w_hh,
+// batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
+// batch_sizes[t]) only, as in halstm_forward. Then the caller zeroes dxp,
+// dhg and dvec_rows (the rows no step writes enter the gradients' sums as
+// zeros), puts a row's final-state gradient where its last step reads it
+// (dstate[s][(T - length) & 1]; the fused step's dh_add rows: fused_ws's
+// add[length & 1]), and finds every dL/d(initial state) in [T & 1].
+int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *w_hh,
                     const float *vec, const float *saved, const float *const *states,
                     const float *dy, float *const *dstate, float *wq_ih, float *wq_hh,
                     float *dxp, float *dhg, float *fused_ws, float *dvec_rows, float *dx,
@@ -73,22 +79,27 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
         for (int t = T - 1; t >= -1; t--) {
             int u = t < 0 ? 0 : t;     // the step whose pointwise inputs are read
             int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
-            View saved_t(saved + (int64_t)u * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
-            View dy_t = bh(dy, u, B);
-            View h0 = bh(states[0], u, B), h1 = bh(states[0], u + 1, B);
+            // step u's rows (step t+1's, which the product finishes, are as
+            // many or fewer: its other rows of dhg_next are zeros)
+            const int rows = step_rows(batch_sizes, u, B);
+            View saved_t(saved + (int64_t)u * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
+            View dy_t = bh(dy, u, B, rows);
+            View h0 = bh(states[0], u, B, rows), h1 = bh(states[0], u + 1, B, rows);
             const float *dhg_src = DXP_IS_DHG ? dxp : dhg;
             View dhg_next(t == T - 1 ? zeros : dhg_src + (int64_t)(t + 1) * B * G * H,
-                          {{H, 1}, {G, H}, {B, G * H}});
-            View dh_add = t == T - 1 ? dstate_row(dstate[0], 0, B, H) : dstate_row(add, (t + 1) & 1, B, H);
-            View add_out = dstate_row(add, t & 1, B, H);
-            View dh = t < 0 ? dstate_row(dstate[0], T & 1, B, H) : dstate_row(dh_scratch, 0, B, H);
-            // a gate's plane of (B, G, H)
-            auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {B, G * H}}); };
+                          {{H, 1}, {G, H}, {rows, G * H}});
+            View dh_add = t == T - 1 ? dstate_row(dstate[0], 0, B, H, rows)
+                                     : dstate_row(add, (t + 1) & 1, B, H, rows);
+            View add_out = dstate_row(add, t & 1, B, H, rows);
+            View dh = t < 0 ? dstate_row(dstate[0], T & 1, B, H, rows) : dstate_row(dh_scratch, 0, B, H, rows);
+            // a gate's plane of (B, G, H), its leading rows
+            auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {rows, G * H}}); };
             float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
             View prev[NS], next[NS], dnext[NS], dprev[NS];
             for (int s = 1; s < NS; s++) {   // (h's are above: h0, h1, dh_add, dh)
-                prev[s] = bh(states[s], u, B), next[s] = bh(states[s], u + 1, B);
-                dnext[s] = dstate_row(dstate[s], cur, B, H), dprev[s] = dstate_row(dstate[s], nxt, B, H);
+                prev[s] = bh(states[s], u, B, rows), next[s] = bh(states[s], u + 1, B, rows);
+                dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
+                dprev[s] = dstate_row(dstate[s], nxt, B, H, rows);
             }
             void *args[10 + 4 * NS + 2 * G + NV];
             int n = 0;
@@ -113,7 +124,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             View vplanes[NV > 0 ? NV : 1];
             float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + (int64_t)t * B * NV * H;
             for (int c = 0; c < NV; c++)
-                args[n++] = (vplanes[c] = View(dvec_t + c * H, {{H, 1}, {B, NV * H}})).hb();
+                args[n++] = (vplanes[c] = View(dvec_t + c * H, {{H, 1}, {rows, NV * H}})).hb();
             args[n++] = add_out.hb();
             rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;
@@ -126,19 +137,24 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
         int rc = 0;
         for (int t = T - 1; t >= 0; t--) {
             int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
-            View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {B, S * H}});
-            View dxp_t = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
-            View dy_t = bh(dy, t, B);
+            const int rows = step_rows(batch_sizes, t, B);
+            if (!PART_HAS_ROWS(rows)) {   // (a part of rows past the step's: no call)
+                if (!step_done(barrier, 0)) break;
+                continue;
+            }
+            View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
+            View dxp_t = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
+            View dy_t = bh(dy, t, B, rows);
             View prev[NS], next[NS], dnext[NS], dprev[NS];
             for (int s = 0; s < NS; s++) {
-                prev[s] = bh(states[s], t, B), next[s] = bh(states[s], t + 1, B);
-                dnext[s] = dstate_row(dstate[s], cur, B, H);
+                prev[s] = bh(states[s], t, B, rows), next[s] = bh(states[s], t + 1, B, rows);
+                dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
                 // h's gradient spans HP units (the product's padded rows)
-                dprev[s] = s == 0 ? PART(dstate_row(dstate[0], nxt, B, HP), HP, 1)
-                                  : PART(dstate_row(dstate[s], nxt, B, H), H, 1);
+                dprev[s] = s == 0 ? PART(dstate_row(dstate[0], nxt, B, HP, rows), HP, 1)
+                                  : PART(dstate_row(dstate[s], nxt, B, H, rows), H, 1);
             }
 #if !DXP_IS_DHG
-            View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {B, G * H}}), H, 2);
+            View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
 #endif
             void *args[6 + 4 * NS + 4];
             int n = 0;
@@ -157,7 +173,7 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
             args[n++] = dhg_t.hb();
 #endif
             for (int s = 0; s < NS; s++) args[n++] = dprev[s].hb();
-            View dvec_t = PART(View(dvec_rows + (int64_t)t * B * NV * H, {{H, 1}, {NV, H}, {B, NV * H}}), H, 2);
+            View dvec_t = PART(View(dvec_rows + (int64_t)t * B * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}), H, 2);
             if (NV) args[n++] = dvec_t.hb();
             rc = halstm_step_bwd_argv(args);
             if (!step_done(barrier, rc)) break;
@@ -166,10 +182,11 @@ int halstm_backward(int T, int B, const void *x, const float *w_ih, const float 
     };
 #endif  // HALSTM_FUSED_BWD
     auto steps = [&]() { return run_steps(T, B, part_steps); };
-    uint64_t key[10 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
-                                 u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows)};
-    for (int s = 0; s < NS; s++) key[10 + 2 * s] = u64(states[s]), key[11 + 2 * s] = u64(dstate[s]);
-    rc = run_loop(key, 10 + 2 * NS, steps);
+    uint64_t key[11 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
+                                 u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows),
+                                 rows_hash(batch_sizes, T)};
+    for (int s = 0; s < NS; s++) key[11 + 2 * s] = u64(states[s]), key[12 + 2 * s] = u64(dstate[s]);
+    rc = run_loop(key, 11 + 2 * NS, steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows

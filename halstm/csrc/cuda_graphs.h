@@ -16,12 +16,13 @@ namespace {
 // cached under exactly those and replayed while they recur, as they do
 // when the same workspaces come back from the allocator's pool.
 void *g_context = nullptr;  // the CUcontext every kernel runs in
+void *g_stream = nullptr;   // the CUstream calls run on (halstm_cuda_set_stream; NULL: legacy)
 
 struct Graphs {
     // SLOTS: a training loop alternates two sets of saved states per layer
     // (the tape holds the last forward's while the next one runs), and the
     // layers after the first share a library: 2 * (layers - 1) keys a loop
-    static constexpr int KEY = 16, SLOTS = 16;
+    static constexpr int KEY = 24, SLOTS = 16;
     struct Slot {
         int n = 0;
         uint64_t key[KEY];
@@ -124,7 +125,7 @@ struct Graphs {
         if (hit) {
             hit->used = ++clock;
             replays++;
-            int rc = launch(hit->exec, nullptr);
+            int rc = launch(hit->exec, g_stream);
             return rc ? fail(rc, "cuGraphLaunch") : 0;
         }
         const int relaxed = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
@@ -163,7 +164,7 @@ struct Graphs {
         slot->n = n;
         std::memcpy(slot->key, key, n * sizeof(uint64_t));
         slot->used = ++clock;
-        rc = launch(slot->exec, nullptr);
+        rc = launch(slot->exec, g_stream);
         return rc ? fail(rc, "cuGraphLaunch") : 0;
     }
 };
@@ -196,10 +197,11 @@ static int acquire_context(void *, void **ctx, bool) {
 }
 static int release_context(void *) { return 0; }
 
-// Kernels run on the legacy default stream, as PyTorch's and CuPy's do,
-// except while a time loop is being captured into a CUDA graph (below).
+// Kernels run on the stream halstm_cuda_set_stream named (the legacy
+// default stream, as PyTorch's and CuPy's default, unless told), except
+// while a time loop is being captured into a CUDA graph (below).
 static int get_stream(void *, void *, void **stream) {
-    *stream = g_graphs.capturing ? g_graphs.capture_stream : nullptr;
+    *stream = g_graphs.capturing ? g_graphs.capture_stream : g_stream;
     return 0;
 }
 
@@ -228,6 +230,10 @@ int halstm_cuda_init(void *context) {
     g_graphs.init(context, HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
     return halide_reuse_device_allocations(nullptr, true);
 }
+
+// The CUstream this library's next calls run on (NULL: the legacy default
+// stream); a caller keeps calls on several streams from overlapping.
+void halstm_cuda_set_stream(void *stream) { g_stream = stream; }
 
 // Turn the time loops' graphs on (1) or off (0) for this library.
 void halstm_cuda_use_graphs(int on) {

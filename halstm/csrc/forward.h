@@ -25,7 +25,10 @@ int halstm_step_infer_argv(void **);
 // out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
 // forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
-int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *b_ih,
+// batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
+// batch_sizes[t]) only (sequences sorted by length, longest first); the other
+// rows of states[t+1] and saved[t] are not written.
+int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, const float *vec, float *wp_ih, float *wp_hh,
                    float *xp, float *saved, float *const *states) {
     g_error[0] = 0;
@@ -57,17 +60,22 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         (void)part, (void)barrier;
         int rc = 0;
         for (int t = 0; t < T; t++) {
-            View xp_t = xp_rows(t * B, B);
+            const int rows = step_rows(batch_sizes, t, B);
+            if (!PART_HAS_ROWS(rows)) {   // (a part of rows past the step's: no call)
+                if (!step_done(barrier, 0)) break;
+                continue;
+            }
+            View xp_t = xp_rows(t * B, rows);
             View prev[NS], next[NS];
             for (int s = 0; s < NS; s++) {
-                prev[s] = bh(states[s], t, B);
-                next[s] = PART(bh(states[s], t + 1, B), H, 1);
+                prev[s] = bh(states[s], t, B, rows);
+                next[s] = PART(bh(states[s], t + 1, B, rows), H, 1);
             }
-            // saved channel c: the (B, H) rows of saved[t] (B, S, H)
+            // saved channel c: the (rows, H) rows of saved[t] (B, S, H)
             View sv[S];
             const float *saved_t = saved + (int64_t)t * B * S * H;
             for (int c = 0; saved && c < S; c++)
-                sv[c] = PART(View(saved_t + c * H, {{H, 1}, {B, S * H}}), H, 1);
+                sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
             void *args[4 + 2 * NS + 2 + S];
             int n = 0;
             args[n++] = xp_t.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
@@ -88,10 +96,10 @@ int halstm_forward(int T, int B, const void *x, const float *w_ih, const float *
         return rc;
     };
     auto steps = [&]() { return run_steps(T, B, part_steps); };
-    uint64_t key[7 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
-                            u64(vec)};
-    for (int s = 0; s < NS; s++) key[7 + s] = u64(states[s]);
-    return run_loop(key, 7 + NS, steps);
+    uint64_t key[8 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
+                            u64(vec), rows_hash(batch_sizes, T)};
+    for (int s = 0; s < NS; s++) key[8 + s] = u64(states[s]);
+    return run_loop(key, 8 + NS, steps);
 }
 #endif  // HALSTM_FORWARD
 

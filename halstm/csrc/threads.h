@@ -87,7 +87,8 @@ struct Part {
 View part_of(View v, const Part &part, int units, int rows) {
     int j0 = part.q0 * P, j1 = (part.q0 + part.nq) * P;
     v = crop(v, 0, j0, (j1 < units ? j1 : units) - j0);
-    return crop(v, rows, part.b0, part.nb);
+    int r1 = part.b0 + part.nb, have = v.dim[rows].extent;   // (a step of fewer rows)
+    return crop(v, rows, part.b0, (r1 < have ? r1 : have) - part.b0);
 }
 
 // Run body(part, barrier) on as many threads as the work of a step (macs)
@@ -169,9 +170,11 @@ int run_split(double macs, int T, int B, F body) {
 // arguments (RANGE); with one thread doing all of it, the views whole.
 #if HALSTM_SPLIT
 #define PART(v, units, rows) part_of(v, part, units, rows)
+#define PART_HAS_ROWS(n) (part.b0 < (n))
 #define RANGE , part.q0, part.nq
 #else
 #define PART(v, units, rows) v
+#define PART_HAS_ROWS(n) ((n) > 0)
 #define RANGE
 #endif
 

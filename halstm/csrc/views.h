@@ -52,14 +52,30 @@ struct View {
 };
 
 #ifndef HALSTM_MODEL
-// A (B, H) slice of a (T+1, B, H) or (T, B, H) array at step t.
-View bh(const float *base, int t, int B) {
-    return View(base + (int64_t)t * B * H, {{H, 1}, {B, H}});
+// The leading (rows, H) of the (B, H) slice of a (T+1, B, H) or (T, B, H)
+// array at step t.
+View bh(const float *base, int t, int B, int rows) {
+    return View(base + (int64_t)t * B * H, {{H, 1}, {rows, H}});
 }
 
-// Row i of a (2, B, HP) state-gradient array: `units` (H or HP) used per row.
-View dstate_row(const float *base, int i, int B, int units) {
-    return View(base + (int64_t)i * B * HP, {{units, 1}, {B, HP}});
+// The rows step t runs: batch_sizes[t] (sequences sorted longest first), or
+// all B without batch sizes.
+inline int step_rows(const int *batch_sizes, int t, int B) {
+    return batch_sizes ? batch_sizes[t] : B;
+}
+
+// The batch sizes in a time loop's graph key (0: none): FNV-1a of the T sizes.
+uint64_t rows_hash(const int *batch_sizes, int T) {
+    if (!batch_sizes) return 0;
+    uint64_t h = 1469598103934665603ull;
+    for (int t = 0; t < T; t++) h = (h ^ (uint32_t)batch_sizes[t]) * 1099511628211ull;
+    return h | 1;
+}
+
+// Row i of a (2, B, HP) state-gradient array, its leading `rows` of B:
+// `units` (H or HP) used per row.
+View dstate_row(const float *base, int i, int B, int units, int rows) {
+    return View(base + (int64_t)i * B * HP, {{units, 1}, {rows, HP}});
 }
 
 // Panels (n/P, ..., P) of a weight as packed by pipeline.py: dims innermost first.

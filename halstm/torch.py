@@ -1,0 +1,486 @@
+"""torch.nn drop-ins running halstm's kernels: LSTM, GRU, RNN and
+Recurrent(cell) as torch.nn.Modules with torch.nn's constructor, parameter
+names, call and autograd (needs PyTorch: pip install halstm[torch]).
+
+    import halstm.torch as hnn
+    lstm = hnn.LSTM(13, 37, num_layers=2, bidirectional=True, dropout=0.1)
+    lstm.load_state_dict(torch.nn.LSTM(13, 37, 2, bidirectional=True).state_dict())
+    y, (h_n, c_n) = lstm(x)                  # x (T, B, 13) float32, CPU or CUDA
+    y.sum().backward()                       # gradients into lstm's parameters
+
+Each layer and direction is one call of a compiled layer (halstm::layer, a
+torch custom operator with a derived backward, halstm::layer_backward), so
+torch.compile(fullgraph=True) traces through it. Tensors go to the kernels
+in place: CPU tensors to the host build, CUDA tensors (device 0) to the
+CUDA build, on torch's current stream, with every array from torch's
+allocator. Packed sequences run inside the kernels: step t runs only the
+sequences longer than t.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import Tensor
+from torch.nn.utils import rnn as rnn_utils
+
+from . import aot, cells
+from .runtime import Library
+
+__all__ = ["LSTM", "GRU", "RNN", "Recurrent"]
+
+
+# ---- the kernels, keyed by what they are compiled for ----------------------
+
+class _Tensors:
+    """halstm.memory's interface over torch tensors of one device: the
+    library's arrays come from torch's allocator."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.kind = device, f"torch:{device}"
+
+    def empty(self, shape):
+        return torch.empty(shape, dtype=torch.float32, device=self.device)
+
+    def zeros(self, shape):
+        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def zero(a):
+        a.zero_()
+
+    @staticmethod
+    def ptr(a) -> int:
+        assert a.dtype == torch.float32 and a.is_contiguous(), "kernel arrays: contiguous f32"
+        return a.data_ptr()
+
+    @staticmethod
+    def put_leading(dst, src):
+        dst[:, :src.shape[-1]] = src
+
+    @staticmethod
+    def leading(a, w):
+        return a[..., :w].contiguous()
+
+    def scatter_rows(self, dst, slot, src):
+        rows = torch.arange(len(slot), device=self.device)
+        dst[torch.as_tensor(slot, device=self.device), rows, :src.shape[-1]] = src
+
+
+_libs: dict = {}
+_mems: dict = {}
+_lock = threading.Lock()
+
+
+def _spec(cell: str, K: int, H: int, schedule: str | None) -> str:
+    return f"{cell}|{K}|{H}|{schedule or ''}"
+
+
+def _unspec(spec: str):
+    cell, K, H, schedule = spec.split("|")
+    return cell, int(K), int(H), schedule or None
+
+
+def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, _Tensors]:
+    """The compiled library of spec for a tensor on `device`, and its memory."""
+    cell, K, H, schedule = _unspec(spec)
+    if device.type == "cuda":
+        if (device.index or 0) != 0:
+            raise ValueError(f"input: halstm runs CUDA tensors on cuda:0 only, got {device}")
+        target = "host-cuda"
+    elif device.type == "cpu":
+        target = "host"
+    else:
+        raise ValueError(f"input: expected a CPU or CUDA tensor, got one on {device}")
+    key = (spec, direction, target)
+    with _lock:
+        if key not in _libs:
+            _libs[key] = Library(*aot.library(aot.Spec(cell, K, H, direction, target, schedule)))
+        if device not in _mems:
+            _mems[device] = _Tensors(device)
+        return _libs[key], _mems[device]
+
+
+def _stream(device: torch.device):
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+def _sizes(spec: str):
+    """(states, saved channels, gate blocks, vector rows) of spec's cell."""
+    d = cells.definition(_unspec(spec)[0])
+    return (len(d.states), len(d.describe()["saved"]), len(d.gates),
+            sum(len(d.gates) if v.per_gate else 1 for v in d.vectors))
+
+
+# ---- one layer, one direction: the custom operators ------------------------
+
+@torch.library.custom_op("halstm::layer", mutates_args=())
+def _layer(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor,
+           vec: Tensor | None, init: list[Tensor], batch_sizes: Tensor | None, spec: str,
+           save: bool) -> tuple[Tensor, Tensor]:
+    """x (T, B, K) -> states (NS, T+1, B, H) (initial states at [:, 0]),
+    saved (T, B, S, H) for backward (save), else (0,)."""
+    lib, mem = _library(spec, "fwd", x.device)
+    bs = None if batch_sizes is None else batch_sizes.numpy()
+    states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
+                                vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device))
+    return states, saved if save else x.new_empty((0,))
+
+
+@_layer.register_fake
+def _(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
+    NS, S, _, _ = _sizes(spec)
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    return x.new_empty((NS, T + 1, B, H)), x.new_empty((T, B, S, H) if save else (0,))
+
+
+@torch.library.custom_op("halstm::layer_backward", mutates_args=())
+def _layer_backward(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, saved: Tensor,
+                    states: Tensor, dy: Tensor, dfinal: list[Tensor],
+                    batch_sizes: Tensor | None, spec: str,
+                    need_dx: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """BPTT of one layer: dx (T, B, K) (need_dx, else (0,)), dw_ih, db_ih,
+    dw_hh, db_hh, dvec (V, H) (or (0,)), dinit (NS, B, H)."""
+    lib, mem = _library(spec, "bwd", x.device)
+    bs = None if batch_sizes is None else batch_sizes.numpy()
+    g = lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
+                     [d.contiguous() for d in dfinal], need_dx=need_dx, vec=vec,
+                     batch_sizes=bs, mem=mem, stream=_stream(x.device))
+    dinit = torch.stack([g[f"d{s}0"] for s in lib.states])
+    return (g["dx"] if need_dx else x.new_empty((0,)), g["dw_ih"], g["db_ih"], g["dw_hh"],
+            g["db_hh"], g["dvec"] if "dvec" in g else x.new_empty((0,)), dinit)
+
+
+@_layer_backward.register_fake
+def _(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx):
+    NS, _, G, V = _sizes(spec)
+    T, B, K = x.shape
+    H = w_hh.shape[1]
+    return (x.new_empty((T, B, K) if need_dx else (0,)), x.new_empty((G * H, K)),
+            x.new_empty((G * H,)), x.new_empty((G * H, H)), x.new_empty((G * H,)),
+            x.new_empty((V, H) if V else (0,)), x.new_empty((NS, B, H)))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_ih, _, w_hh, _, vec, init, batch_sizes, spec, save = inputs
+    states, saved = output
+    ctx.spec, ctx.n_init, ctx.saved = spec, len(init), save
+    ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
+
+
+def _backward(ctx, dstates, dsaved):
+    if not ctx.saved:
+        raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+    x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
+    T = x.shape[0]
+    # y is states[0, 1:] and the final states are states[:, T] (or at each
+    # row's length): their gradients all land in dstates. h's final
+    # gradient is part of dy at the row's last step; the other states'
+    # final gradients are read where each row ends.
+    dy = dstates[0, 1:]
+    if batch_sizes is None:
+        ends = [dstates[s, T] for s in range(1, len(dstates))]
+    else:
+        lengths = (batch_sizes[None, :] > torch.arange(x.shape[1])[:, None]).sum(1)
+        rows = torch.arange(x.shape[1])
+        ends = [dstates[s][lengths.to(dstates.device), rows.to(dstates.device)]
+                for s in range(1, len(dstates))]
+    dfinal = [torch.zeros_like(dstates[0, 0])] + ends
+    dx, dw_ih, db_ih, dw_hh, db_hh, dvec, dinit = _layer_backward(
+        x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, ctx.spec,
+        ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None, dw_ih, db_ih, dw_hh, db_hh,
+            dvec if vec is not None else None, list(dinit.unbind(0)), None, None, None)
+
+
+_layer.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the modules ------------------------------------------------------------
+
+class _Recurrent(torch.nn.Module):
+    """A stack of layers of one cell with torch.nn.RNNBase's constructor,
+    parameters and call."""
+
+    def __init__(self, cell: str, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None,
+                 schedule: str | None = None):
+        super().__init__()
+        for name, v in (("input_size", input_size), ("hidden_size", hidden_size),
+                        ("num_layers", num_layers)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) \
+                or not 0 <= dropout <= 1:
+            raise ValueError(f"dropout: expected a probability in [0, 1], got {dropout!r}")
+        if proj_size:
+            raise NotImplementedError(f"proj_size={proj_size}: halstm does not run projected "
+                                      f"LSTMs yet (proj_size=0 only)")
+        if dtype not in (None, torch.float32):
+            raise TypeError(f"dtype: halstm's kernels run float32, got {dtype}")
+        self.cell = cells.check(cell)
+        d = cells.definition(cell)
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.dropout = bool(bias), bool(batch_first), float(dropout)
+        self.bidirectional, self.proj_size, self.schedule = bool(bidirectional), 0, schedule
+        self._states = tuple(d.states)
+        self._vector_specs = [v for v in d.vectors if self.bias or not v.bias]
+        self._all_vectors = d.vectors
+        self._matrix_bias = d.matrix_bias
+        G, H, D = len(d.gates), hidden_size, 2 if bidirectional else 1
+        self._gates = G
+        self._flat_weights_names = []
+        for layer in range(num_layers):
+            K = input_size if layer == 0 else H * D
+            for sfx in ("", "_reverse")[:D]:
+                shapes = {"weight_ih": (G * H, K), "weight_hh": (G * H, H)}
+                if self.bias and self._matrix_bias:
+                    shapes |= {"bias_ih": (G * H,), "bias_hh": (G * H,)}
+                for v in self._vector_specs:
+                    shapes[v.name] = ((G if v.per_gate else 1) * H,)
+                for base, shape in shapes.items():
+                    name = f"{base}_l{layer}{sfx}"
+                    self.register_parameter(name, torch.nn.Parameter(
+                        torch.empty(shape, dtype=torch.float32, device=device)))
+                    self._flat_weights_names.append(name)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torch's initialisation: matrices and biases uniform in
+        ±1/sqrt(hidden_size); vector parameters as the cell declares."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        inits = {v.name: v.init for v in self._vector_specs}
+        with torch.no_grad():
+            for name in self._flat_weights_names:
+                init = inits.get(name.split("_l")[0], "uniform")
+                p = getattr(self, name)
+                p.uniform_(-bound, bound) if init == "uniform" else p.fill_(init)
+
+    def flatten_parameters(self) -> None:
+        """torch.nn.RNNBase's: nothing to do (the kernels take the
+        parameters as they are)."""
+
+    @property
+    def all_weights(self) -> list[list[Tensor]]:
+        n = len(self._flat_weights_names) // (self.num_layers * self._directions)
+        names = self._flat_weights_names
+        return [[getattr(self, k) for k in names[i:i + n]] for i in range(0, len(names), n)]
+
+    @property
+    def _directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def extra_repr(self) -> str:
+        s = f"{self.input_size}, {self.hidden_size}"
+        if self.num_layers != 1:
+            s += f", num_layers={self.num_layers}"
+        for k, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
+                           ("bidirectional", False)):
+            if getattr(self, k) != default:
+                s += f", {k}={getattr(self, k)}"
+        return s
+
+    # ---- one layer's parameters ------------------------------------------
+    def _weights(self, layer: int, sfx: str, zero: Tensor):
+        def get(name):
+            return getattr(self, f"{name}_l{layer}{sfx}", None)
+        b_ih, b_hh = get("bias_ih"), get("bias_hh")
+        vec = None
+        if self._all_vectors:   # one (V, H) array: channels in declaration order
+            H, rows = self.hidden_size, []
+            for v in self._all_vectors:
+                n = self._gates if v.per_gate else 1
+                a = get(v.name)
+                rows.append(zero.new_zeros((n, H)) if a is None else a.view(n, H))
+            vec = torch.cat(rows)
+        return (get("weight_ih"), zero if b_ih is None else b_ih, get("weight_hh"),
+                zero if b_hh is None else b_hh, vec)
+
+    # ---- the call ---------------------------------------------------------
+    def _check_input(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"input: expected a Tensor or PackedSequence, got "
+                            f"{type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"input: halstm's kernels run float32, got {x.dtype} (convert "
+                            f"with .float())")
+        for name, p in self.named_parameters():
+            if p.device != x.device:
+                raise ValueError(f"input is on {x.device} but parameter {name} is on "
+                                 f"{p.device}; move one of them (module.to(device))")
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {name}: halstm's kernels run float32, got "
+                                f"{p.dtype} (module.float())")
+
+    def _run(self, input, hx):
+        """(output, finals: per state (L*D, B, H)) with torch's input forms."""
+        packed = isinstance(input, rnn_utils.PackedSequence)
+        if packed:
+            self._check_input(input.data)
+            x, lengths = rnn_utils.pad_packed_sequence(
+                rnn_utils.PackedSequence(input.data, input.batch_sizes))
+            batch_sizes, unbatched = input.batch_sizes.to(torch.int32), False
+            order = input.sorted_indices
+        else:
+            self._check_input(input)
+            if input.dim() not in (2, 3):
+                raise ValueError(f"input: expected a 3-D (seq, batch, input_size) tensor "
+                                 f"({'batch first' if self.batch_first else 'time first'}) "
+                                 f"or 2-D unbatched (seq, input_size), got {input.dim()}-D "
+                                 f"{tuple(input.shape)}")
+            unbatched = input.dim() == 2
+            x = input.unsqueeze(1) if unbatched else (
+                input.transpose(0, 1) if self.batch_first else input)
+            batch_sizes, lengths, order = None, None, None
+        if x.shape[-1] != self.input_size or 0 in x.shape:
+            raise ValueError(f"input: expected input_size {self.input_size} features and no "
+                             f"empty axis, got shape {tuple(x.shape)}")
+        T, B, _ = x.shape
+        L, D, H = self.num_layers, self._directions, self.hidden_size
+        init = self._initial(hx, B, unbatched, x)
+        if order is not None:            # hx comes in the caller's row order
+            init = [s.index_select(1, order) for s in init]
+        zero = x.new_zeros((self._gates * H,))
+        save = torch.is_grad_enabled()
+        rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
+        finals = [[] for _ in self._states]
+        for layer in range(L):
+            outs = []
+            for d, sfx in enumerate(("", "_reverse")[:D]):
+                w_ih, b_ih, w_hh, b_hh, vec = self._weights(layer, sfx, zero)
+                inp = x if d == 0 else self._reverse(x, rev)
+                spec = _spec(self.cell, inp.shape[-1], H, self.schedule)
+                states, _ = _layer(inp, w_ih, b_ih, w_hh, b_hh, vec,
+                                   [s[layer * D + d] for s in init], batch_sizes, spec, save)
+                y = states[0, 1:]
+                outs.append(y if d == 0 else self._reverse(y, rev))
+                for s in range(len(self._states)):
+                    finals[s].append(states[s, T] if lengths is None else
+                                     states[s][lengths.to(x.device),
+                                               torch.arange(B, device=x.device)])
+            x = outs[0] if D == 1 else torch.cat(outs, -1)
+            if self.dropout and self.training and layer < L - 1:
+                x = torch.nn.functional.dropout(x, self.dropout, training=True)
+        finals = [torch.stack(f) for f in finals]
+        if packed:
+            out = rnn_utils.pack_padded_sequence(x, lengths, enforce_sorted=True)
+            out = rnn_utils.PackedSequence(out.data, input.batch_sizes, input.sorted_indices,
+                                           input.unsorted_indices)
+            if input.unsorted_indices is not None:
+                finals = [f.index_select(1, input.unsorted_indices) for f in finals]
+            return out, finals
+        if unbatched:
+            return x.squeeze(1), [f.squeeze(1) for f in finals]
+        return (x.transpose(0, 1) if self.batch_first else x), finals
+
+    @staticmethod
+    def _reverse_index(T, B, lengths, device):
+        """(T, B) time indices reversing each sequence within its length
+        (padding stays in place), or None: reverse all T steps."""
+        if lengths is None:
+            return None
+        t = torch.arange(T)[:, None]
+        n = lengths[None, :].to(torch.int64)
+        return torch.where(t < n, n - 1 - t, t).to(device)
+
+    @staticmethod
+    def _reverse(a: Tensor, rev) -> Tensor:
+        if rev is None:
+            return a.flip(0)
+        return a.gather(0, rev[:, :, None].expand(a.shape)).contiguous()
+
+    def _initial(self, hx, B, unbatched, x):
+        """Per state an (L*D, B, H) tensor: the caller's, or zeros."""
+        LD, H = self.num_layers * self._directions, self.hidden_size
+        n = len(self._states)
+        if hx is None:
+            return [x.new_zeros((LD, B, H)) for _ in range(n)]
+        given = (hx,) if n == 1 else hx
+        if n > 1 and (not isinstance(hx, (tuple, list)) or len(hx) != n):
+            raise TypeError(f"hx: expected None or a tuple of {n} tensors "
+                            f"({', '.join(s + '_0' for s in self._states)}), got "
+                            f"{type(hx).__name__}")
+        out = []
+        for s, a in zip(self._states, given):
+            want = (LD, H) if unbatched else (LD, B, H)
+            if not isinstance(a, Tensor) or tuple(a.shape) != want:
+                raise ValueError(f"hx: expected {s}_0 of shape {want}, got "
+                                 f"{tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__}")
+            if a.device != x.device or a.dtype != torch.float32:
+                raise ValueError(f"hx: {s}_0 is {a.dtype} on {a.device}; expected float32 on "
+                                 f"{x.device}, as the input")
+            out.append(a.unsqueeze(1) if unbatched else a)
+        return out
+
+
+class LSTM(_Recurrent):
+    """torch.nn.LSTM on halstm's kernels: LSTM(input_size, hidden_size,
+    num_layers=1, bias=True, batch_first=False, dropout=0.0,
+    bidirectional=False, proj_size=0, device=None, dtype=None); a call
+    returns output, (h_n, c_n)."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
+                 dropout=0.0, bidirectional=False, proj_size=0, device=None, dtype=None,
+                 schedule=None):
+        super().__init__("lstm", input_size, hidden_size, num_layers, bias, batch_first,
+                         dropout, bidirectional, proj_size, device, dtype, schedule)
+
+    def forward(self, input, hx=None):
+        out, (h, c) = self._run(input, hx)
+        return out, (h, c)
+
+
+class GRU(_Recurrent):
+    """torch.nn.GRU on halstm's kernels; a call returns output, h_n."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
+                 dropout=0.0, bidirectional=False, device=None, dtype=None, schedule=None):
+        super().__init__("gru", input_size, hidden_size, num_layers, bias, batch_first,
+                         dropout, bidirectional, 0, device, dtype, schedule)
+
+    def forward(self, input, hx=None):
+        out, (h,) = self._run(input, hx)
+        return out, h
+
+
+class RNN(_Recurrent):
+    """torch.nn.RNN (nonlinearity "tanh" or "relu") on halstm's kernels; a
+    call returns output, h_n."""
+
+    def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
+                 batch_first=False, dropout=0.0, bidirectional=False, device=None, dtype=None,
+                 schedule=None):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        self.nonlinearity = nonlinearity
+        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias,
+                         batch_first, dropout, bidirectional, 0, device, dtype, schedule)
+
+    forward = GRU.forward
+
+
+class Recurrent(_Recurrent):
+    """Any halstm cell (by name, or a definition from halstm.cells.define)
+    as a stack of layers with torch.nn.RNNBase's options. Parameters
+    weight_ih_l{k}, weight_hh_l{k}, bias_ih_l{k}, bias_hh_l{k} (not for a
+    cell defined with matrix_bias=False) and the cell's vector parameters
+    <name>_l{k} (with _reverse for the reverse direction). A call returns
+    output, h_n for a one-state cell, else output, (h_n, s2_n, ...)."""
+
+    def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
+                 batch_first=False, dropout=0.0, bidirectional=False, device=None, dtype=None,
+                 schedule=None):
+        if isinstance(cell, cells.Definition):
+            cell = cells.register(cell)
+        if not isinstance(cell, str):
+            raise TypeError(f"cell: expected a cell name or definition, got "
+                            f"{type(cell).__name__}")
+        super().__init__(cell, input_size, hidden_size, num_layers, bias, batch_first,
+                         dropout, bidirectional, 0, device, dtype, schedule)
+
+    def forward(self, input, hx=None):
+        out, finals = self._run(input, hx)
+        return (out, finals[0]) if len(finals) == 1 else (out, tuple(finals))

@@ -1,0 +1,242 @@
+"""halstm.torch against torch.nn.LSTM / GRU / RNN loaded with the same state
+dict: outputs, final states and every gradient, over the layer options
+(pairwise: each pair of options appears together in some case), plus
+training, torch.compile, determinism and errors."""
+import copy
+import io
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import halstm  # noqa: E402
+import halstm.torch as hnn  # noqa: E402
+from helpers import H, I, assert_close  # noqa: E402
+
+PEERS = {"lstm": (hnn.LSTM, torch.nn.LSTM, {}), "gru": (hnn.GRU, torch.nn.GRU, {}),
+         "rnn_tanh": (hnn.RNN, torch.nn.RNN, {}),
+         "rnn_relu": (hnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"})}
+
+# cell, layers, bidirectional, batch_first, hx given, input form, T, B
+CASES = [
+    ("lstm", 1, False, False, False, "padded", 7, 3),
+    ("lstm", 2, True, True, True, "packed", 7, 5),
+    ("lstm", 3, False, True, True, "unbatched", 1, 1),
+    ("lstm", 2, True, False, False, "padded", 1, 1),
+    ("lstm", 1, True, False, True, "packed", 7, 4),
+    ("gru", 2, False, False, True, "packed", 7, 5),
+    ("gru", 1, True, True, False, "padded", 5, 1),
+    ("rnn_tanh", 2, True, False, True, "padded", 4, 3),
+    ("rnn_relu", 1, False, True, False, "packed", 7, 4),
+]
+LENGTHS = {5: [3, 7, 1, 5, 5], 4: [2, 7, 7, 4]}   # unsorted, by batch size (T = 7)
+
+
+def _pair(cell, layers, bidirectional, batch_first, seed=0):
+    mine, theirs, kw = PEERS[cell]
+    torch.manual_seed(seed)
+    ref = theirs(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                 **kw)
+    m = mine(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, **kw)
+    m.load_state_dict(ref.state_dict())
+    return m, ref
+
+
+def _finals(hn):
+    return hn if isinstance(hn, tuple) else (hn,)
+
+
+def _run(module, x, hx, form, lengths):
+    """Output (as one tensor), finals, and the loss both modules minimise."""
+    if form == "packed":
+        x = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=module.batch_first,
+                                                    enforce_sorted=False)
+    y, hn = module(x, hx)
+    out = y.data if form == "packed" else y
+    w = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    loss = (out * w).sum() + sum((h * h).sum() for h in _finals(hn))
+    return out, _finals(hn), loss
+
+
+@pytest.mark.parametrize("cell,layers,bidir,batch_first,given,form,T,B", CASES)
+def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B):
+    m, ref = _pair(cell, layers, bidir, batch_first)
+    D = 2 if bidir else 1
+    g = torch.Generator().manual_seed(1)
+    shape = (T, I) if form == "unbatched" else ((B, T, I) if batch_first else (T, B, I))
+    x = torch.randn(shape, generator=g)
+    lengths = torch.tensor(LENGTHS.get(B, [T] * B)) if form == "packed" else None
+    hx = None
+    if given:
+        hshape = (layers * D, H) if form == "unbatched" else (layers * D, B, H)
+        hx = tuple(torch.randn(hshape, generator=g, requires_grad=True)
+                   for _ in range(2 if cell == "lstm" else 1))
+    results = []
+    for module in (m, ref):
+        xi = x.clone().requires_grad_()
+        his = None if hx is None else tuple(h.detach().clone().requires_grad_() for h in hx)
+        out, finals, loss = _run(module, xi, his if his is None or cell == "lstm" else his[0],
+                                 form, lengths)
+        loss.backward()
+        grads = {"input": xi.grad} | {n: p.grad for n, p in module.named_parameters()}
+        if his is not None:
+            grads |= {f"hx{i}": h.grad for i, h in enumerate(his)}
+        results.append((out, finals, grads))
+    (out, finals, grads), (want_out, want_finals, want_grads) = results
+    assert_close("output", out.detach(), want_out.detach())
+    for i, (a, b) in enumerate(zip(finals, want_finals)):
+        assert_close(f"final state {i}", a.detach(), b.detach())
+    assert grads.keys() == want_grads.keys()
+    for k in want_grads:
+        assert_close(f"d {k}", grads[k], want_grads[k])
+
+
+def test_state_dict_both_ways():
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True)
+    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True)
+    assert list(m.state_dict()) == list(ref.state_dict())
+    for k, v in m.state_dict().items():
+        assert v.shape == ref.state_dict()[k].shape, k
+    m.load_state_dict(ref.state_dict())
+    back = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True)
+    back.load_state_dict(m.state_dict())
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+    with pytest.raises(RuntimeError, match="weight_hh_l1_reverse"):
+        hnn.LSTM(I, H, num_layers=2).load_state_dict(ref.state_dict())
+
+
+def test_training_follows_torch():
+    """50 Adam steps from the same weights on the same batches: the loss
+    curves agree to 1e-3."""
+    torch.manual_seed(3)
+    start = torch.nn.LSTM(I, H, num_layers=2).state_dict()
+    head_start = torch.nn.Linear(H, I).state_dict()
+    data = torch.randn(4, 7, 3, I, generator=torch.Generator().manual_seed(4))
+
+    def train(cls):
+        rnn, head = cls(I, H, num_layers=2), torch.nn.Linear(H, I)
+        rnn.load_state_dict(start)
+        head.load_state_dict(head_start)
+        opt = torch.optim.Adam(list(rnn.parameters()) + list(head.parameters()), lr=1e-2)
+        losses = []
+        for step in range(50):
+            x = data[step % 4]
+            y, _ = rnn(x)
+            loss = torch.nn.functional.mse_loss(head(y[:-1]), x[1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return np.array(losses)
+    mine, theirs = train(hnn.LSTM), train(torch.nn.LSTM)
+    assert theirs[-1] < 0.8 * theirs[0]
+    assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
+
+
+def test_compile_fullgraph_matches_eager():
+    m = hnn.LSTM(I, H, num_layers=2)
+    x = torch.randn(7, 3, I)
+
+    def step(model):
+        y, (h, c) = model(x)
+        loss = (y * y).sum() + h.sum() + c.sum()
+        loss.backward()
+        return y.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    y, grads = step(m)
+    m.zero_grad()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    y2, grads2 = step(compiled)
+    assert_close("compiled output", y2, y)
+    for k in grads:
+        assert_close(f"compiled d {k}", grads2[k], grads[k])
+
+
+def test_deterministic():
+    m = hnn.GRU(I, H, num_layers=2, bidirectional=True)
+    x = torch.randn(7, 3, I)
+
+    def once():
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        y, h = m(xi)
+        (y.sum() + (h * h).sum()).backward()
+        return [y, h, xi.grad] + [p.grad for p in m.parameters()]
+    for a, b in zip(once(), once()):
+        assert torch.equal(a, b)
+
+
+def test_dropout_between_layers():
+    m = hnn.LSTM(I, H, num_layers=2, dropout=0.5)
+    ref = torch.nn.LSTM(I, H, num_layers=2, dropout=0.5)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(7, 3, I)
+    torch.manual_seed(5)
+    a, _ = m(x)
+    torch.manual_seed(5)
+    b, _ = m(x)
+    torch.manual_seed(6)
+    c, _ = m(x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    m.eval(), ref.eval()
+    assert_close("eval output", m(x)[0].detach(), ref(x)[0].detach())
+
+
+def test_vector_cell_matches_numpy_module():
+    """A cell with vector parameters (layer norm) through halstm.torch
+    equals the numpy module (checked against the float64 reference in
+    test_cells.py), forward and gradients."""
+    m = hnn.Recurrent("layernorm_lstm", I, H)
+    ref = halstm.Recurrent("layernorm_lstm", I, H)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.uniform_(-0.5, 0.5)
+    ref.load_state_dict({k: v.detach().numpy() for k, v in m.state_dict().items()})
+    x = torch.randn(7, 3, I, requires_grad=True)
+    y, (h, c) = m(x)
+    (y.sum() + h.sum()).backward()
+    want_y, (want_h, _) = ref(x.detach().numpy())
+    dy = np.ones(want_y.shape, np.float32)
+    want = ref.backward(dy, np.ones_like(want_h))
+    assert_close("output", y.detach(), want_y)
+    assert_close("d input", x.grad, want["input"])
+    for n, p in m.named_parameters():
+        assert_close(f"d {n}", p.grad, want[n])
+
+
+def test_module_conveniences():
+    m = hnn.GRU(I, H, num_layers=2)
+    m.flatten_parameters()
+    x = torch.randn(5, 2, I)
+    y, h = m(x)
+    c = copy.deepcopy(m)
+    assert_close("deepcopy output", c(x)[0].detach(), y.detach())
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    n = hnn.GRU(I, H, num_layers=2)
+    n.load_state_dict(torch.load(buf))
+    assert torch.equal(n(x)[0], y)
+    with torch.no_grad():
+        y2, _ = m(x)
+    assert torch.equal(y2, y.detach())
+    assert "num_layers=2" in repr(m)
+
+
+def test_errors_name_the_argument():
+    m = hnn.LSTM(I, H)
+    with pytest.raises(TypeError, match="input: .*float32, got torch.float64"):
+        m(torch.randn(4, 2, I, dtype=torch.float64))
+    with pytest.raises(ValueError, match="input: expected input_size 13"):
+        m(torch.randn(4, 2, I + 1))
+    with pytest.raises(ValueError, match=r"hx: expected h_0 of shape \(1, 2, 37\)"):
+        m(torch.randn(4, 2, I), (torch.zeros(1, 3, H), torch.zeros(1, 3, H)))
+    with pytest.raises(TypeError, match="hx: expected None or a tuple of 2"):
+        m(torch.randn(4, 2, I), torch.zeros(1, 2, H))
+    with pytest.raises(NotImplementedError, match="proj_size"):
+        hnn.LSTM(I, H, proj_size=5)
+    with pytest.raises(ValueError, match="dropout"):
+        hnn.LSTM(I, H, dropout=2)
+    with pytest.raises(TypeError, match="parameter weight_ih_l0: .*float64"):
+        hnn.LSTM(I, H).double()(torch.randn(4, 2, I))
