@@ -8,9 +8,10 @@ names, call and autograd (needs PyTorch: pip install halstm[torch]).
     y, (h_n, c_n) = lstm(x)                  # x (T, B, 13) float32, CPU or CUDA
     y.sum().backward()                       # gradients into lstm's parameters
 
-Each layer and direction is one call of a compiled layer (halstm::layer, a
-torch custom operator with a derived backward, halstm::layer_backward), so
-torch.compile(fullgraph=True) traces through it. Tensors go to the kernels
+Each layer and direction is one call of a compiled layer: eagerly through a
+torch.autograd.Function, under torch.compile as the custom operator
+halstm::layer (backward: halstm::layer_backward), so torch.compile(
+fullgraph=True) traces through it. Tensors go to the kernels
 in place: CPU tensors to the host build, CUDA tensors (device 0) to the
 CUDA build, on torch's current stream, with every array from torch's
 allocator. Packed sequences run inside the kernels: step t runs only the
@@ -65,7 +66,7 @@ class _Tensors:
 
     def scatter_rows(self, dst, slot, src):
         rows = torch.arange(len(slot), device=self.device)
-        dst[torch.as_tensor(slot, device=self.device), rows, :src.shape[-1]] = src
+        dst[_to(torch.from_numpy(slot), self.device), rows, :src.shape[-1]] = src
 
 
 _libs: dict = {}
@@ -102,6 +103,12 @@ def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, 
         return _libs[key], _mems[device]
 
 
+def _to(a: Tensor, device) -> Tensor:
+    """A small CPU tensor (indices) on `device` without waiting for the
+    device's queued work (a blocking copy would)."""
+    return a.to(device, non_blocking=True)
+
+
 def _stream(device: torch.device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
@@ -113,12 +120,16 @@ def _sizes(spec: str):
             sum(len(d.gates) if v.per_gate else 1 for v in d.vectors))
 
 
-# ---- one layer, one direction: the custom operators ------------------------
+# ---- one layer, one direction: the kernels as operators ---------------------
+# Eagerly, a layer is a torch.autograd.Function (_Layer); under torch.compile
+# it is the custom operator halstm::layer, whose backward is the custom
+# operator halstm::layer_backward. Both call the same two functions; the
+# Function's dispatch costs less (a custom operator's is about 0.4 ms a
+# forward and backward in Python).
 
-@torch.library.custom_op("halstm::layer", mutates_args=())
-def _layer(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor,
-           vec: Tensor | None, init: list[Tensor], batch_sizes: Tensor | None, spec: str,
-           save: bool) -> tuple[Tensor, Tensor]:
+def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor,
+                  vec: Tensor | None, init: list[Tensor], batch_sizes: Tensor | None, spec: str,
+                  save: bool) -> tuple[Tensor, Tensor]:
     """x (T, B, K) -> states (NS, T+1, B, H) (initial states at [:, 0]),
     saved (T, B, S, H) for backward (save), else (0,)."""
     lib, mem = _library(spec, "fwd", x.device)
@@ -128,19 +139,10 @@ def _layer(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor,
     return states, saved if save else x.new_empty((0,))
 
 
-@_layer.register_fake
-def _(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
-    NS, S, _, _ = _sizes(spec)
-    T, B, _ = x.shape
-    H = w_hh.shape[1]
-    return x.new_empty((NS, T + 1, B, H)), x.new_empty((T, B, S, H) if save else (0,))
-
-
-@torch.library.custom_op("halstm::layer_backward", mutates_args=())
-def _layer_backward(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, saved: Tensor,
-                    states: Tensor, dy: Tensor, dfinal: list[Tensor],
-                    batch_sizes: Tensor | None, spec: str,
-                    need_dx: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward_impl(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, saved: Tensor,
+                   states: Tensor, dy: Tensor, dfinal: list[Tensor],
+                   batch_sizes: Tensor | None, spec: str,
+                   need_dx: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """BPTT of one layer: dx (T, B, K) (need_dx, else (0,)), dw_ih, db_ih,
     dw_hh, db_hh, dvec (V, H) (or (0,)), dinit (NS, B, H)."""
     lib, mem = _library(spec, "bwd", x.device)
@@ -153,6 +155,19 @@ def _layer_backward(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, s
             g["db_hh"], g["dvec"] if "dvec" in g else x.new_empty((0,)), dinit)
 
 
+_layer = torch.library.custom_op("halstm::layer", _forward_impl, mutates_args=())
+_layer_backward = torch.library.custom_op("halstm::layer_backward", _backward_impl,
+                                          mutates_args=())
+
+
+@_layer.register_fake
+def _(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
+    NS, S, _, _ = _sizes(spec)
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    return x.new_empty((NS, T + 1, B, H)), x.new_empty((T, B, S, H) if save else (0,))
+
+
 @_layer_backward.register_fake
 def _(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx):
     NS, _, G, V = _sizes(spec)
@@ -163,39 +178,67 @@ def _(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx)
             x.new_empty((V, H) if V else (0,)), x.new_empty((NS, B, H)))
 
 
-def _setup_context(ctx, inputs, output):
-    x, w_ih, _, w_hh, _, vec, init, batch_sizes, spec, save = inputs
-    states, saved = output
-    ctx.spec, ctx.n_init, ctx.saved = spec, len(init), save
-    ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
-
-
-def _backward(ctx, dstates, dsaved):
+def _grads(ctx, dstates, backward):
+    """The gradients of a layer's inputs from those of its states (NS, T+1,
+    B, H): y is states[0, 1:] and the final states are states[:, T] (or at
+    each row's length), so every gradient lands in dstates. h's final
+    gradient is part of dy at the row's last step; the other states' are
+    read where each row ends. Returns (dx or None, dw_ih, db_ih, dw_hh,
+    db_hh, dvec or None, dinit (NS, B, H))."""
     if not ctx.saved:
         raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
     x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
-    T = x.shape[0]
-    # y is states[0, 1:] and the final states are states[:, T] (or at each
-    # row's length): their gradients all land in dstates. h's final
-    # gradient is part of dy at the row's last step; the other states'
-    # final gradients are read where each row ends.
-    dy = dstates[0, 1:]
+    T, B = x.shape[0], x.shape[1]
     if batch_sizes is None:
         ends = [dstates[s, T] for s in range(1, len(dstates))]
     else:
-        lengths = (batch_sizes[None, :] > torch.arange(x.shape[1])[:, None]).sum(1)
-        rows = torch.arange(x.shape[1])
-        ends = [dstates[s][lengths.to(dstates.device), rows.to(dstates.device)]
-                for s in range(1, len(dstates))]
+        lengths = _to((batch_sizes[None, :] > torch.arange(B)[:, None]).sum(1), dstates.device)
+        rows = torch.arange(B, device=dstates.device)
+        ends = [dstates[s][lengths, rows] for s in range(1, len(dstates))]
     dfinal = [torch.zeros_like(dstates[0, 0])] + ends
-    dx, dw_ih, db_ih, dw_hh, db_hh, dvec, dinit = _layer_backward(
-        x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, ctx.spec,
-        ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None, dw_ih, db_ih, dw_hh, db_hh,
-            dvec if vec is not None else None, list(dinit.unbind(0)), None, None, None)
+    need_dx = ctx.needs_input_grad[0]
+    dx, dw_ih, db_ih, dw_hh, db_hh, dvec, dinit = backward(
+        x, w_ih, w_hh, vec, saved, states, dstates[0, 1:], dfinal, batch_sizes, ctx.spec,
+        need_dx)
+    return (dx if need_dx else None, dw_ih, db_ih, dw_hh, db_hh,
+            dvec if vec is not None else None, dinit)
 
 
-_layer.register_autograd(_backward, setup_context=_setup_context)
+def _setup_context(ctx, inputs, output):
+    x, w_ih, _, w_hh, _, vec, init, batch_sizes, spec, save = inputs
+    ctx.spec, ctx.saved = spec, save
+    ctx.save_for_backward(x, w_ih, w_hh, vec, output[1], output[0], batch_sizes)
+
+
+def _op_backward(ctx, dstates, dsaved):
+    *g, dinit = _grads(ctx, dstates, _layer_backward)
+    return (*g, list(dinit.unbind(0)), None, None, None)
+
+
+_layer.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _Layer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
+        states, saved = _forward_impl(x, w_ih, b_ih, w_hh, b_hh, vec, list(init), batch_sizes,
+                                      spec, save)
+        ctx.spec, ctx.saved = spec, save
+        ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
+        ctx.mark_non_differentiable(saved)
+        return states, saved
+
+    @staticmethod
+    def backward(ctx, dstates, dsaved):
+        *g, dinit = _grads(ctx, dstates, _backward_impl)
+        return (*g, None, None, None, *dinit.unbind(0))
+
+
+def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
+    """states (NS, T+1, B, H) of one layer over x (see _forward_impl)."""
+    if torch.compiler.is_compiling():
+        return _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
+    return _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)[0]
 
 
 # ---- the modules ------------------------------------------------------------
@@ -318,11 +361,14 @@ class _Recurrent(torch.nn.Module):
     def _run(self, input, hx):
         """(output, finals: per state (L*D, B, H)) with torch's input forms."""
         packed = isinstance(input, rnn_utils.PackedSequence)
-        if packed:
+        if packed:   # padded (T, B, I), rows sorted longest first, by one scatter
             self._check_input(input.data)
-            x, lengths = rnn_utils.pad_packed_sequence(
-                rnn_utils.PackedSequence(input.data, input.batch_sizes))
-            batch_sizes, unbatched = input.batch_sizes.to(torch.int32), False
+            bs = input.batch_sizes
+            T, B = len(bs), int(bs[0])
+            where = self._packed_rows(bs, input.data.device)
+            x = input.data.new_zeros((T, B, input.data.shape[-1])).index_put(where, input.data)
+            lengths = (bs[None, :] > torch.arange(B)[:, None]).sum(1)
+            batch_sizes, unbatched = bs.to(torch.int32), False
             order = input.sorted_indices
         else:
             self._check_input(input)
@@ -347,27 +393,26 @@ class _Recurrent(torch.nn.Module):
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
+        if lengths is not None:    # where each row's final state is: states[:, length, row]
+            ends = (_to(lengths, x.device), torch.arange(B, device=x.device))
         for layer in range(L):
             outs = []
             for d, sfx in enumerate(("", "_reverse")[:D]):
                 w_ih, b_ih, w_hh, b_hh, vec = self._weights(layer, sfx, zero)
                 inp = x if d == 0 else self._reverse(x, rev)
                 spec = _spec(self.cell, inp.shape[-1], H, self.schedule)
-                states, _ = _layer(inp, w_ih, b_ih, w_hh, b_hh, vec,
-                                   [s[layer * D + d] for s in init], batch_sizes, spec, save)
+                states = _run_layer(inp, w_ih, b_ih, w_hh, b_hh, vec,
+                                    [s[layer * D + d] for s in init], batch_sizes, spec, save)
                 y = states[0, 1:]
                 outs.append(y if d == 0 else self._reverse(y, rev))
                 for s in range(len(self._states)):
-                    finals[s].append(states[s, T] if lengths is None else
-                                     states[s][lengths.to(x.device),
-                                               torch.arange(B, device=x.device)])
+                    finals[s].append(states[s, T] if lengths is None else states[s][ends])
             x = outs[0] if D == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer < L - 1:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
         finals = [torch.stack(f) for f in finals]
         if packed:
-            out = rnn_utils.pack_padded_sequence(x, lengths, enforce_sorted=True)
-            out = rnn_utils.PackedSequence(out.data, input.batch_sizes, input.sorted_indices,
+            out = rnn_utils.PackedSequence(x[where], input.batch_sizes, input.sorted_indices,
                                            input.unsorted_indices)
             if input.unsorted_indices is not None:
                 finals = [f.index_select(1, input.unsorted_indices) for f in finals]
@@ -377,6 +422,14 @@ class _Recurrent(torch.nn.Module):
         return (x.transpose(0, 1) if self.batch_first else x), finals
 
     @staticmethod
+    def _packed_rows(batch_sizes, device):
+        """(t, b) of each row of a packed sequence's data: data[n] is
+        padded[t[n], b[n]] (torch's pad_packed_sequence copies step by step)."""
+        t = torch.repeat_interleave(torch.arange(len(batch_sizes)), batch_sizes)
+        first = torch.cumsum(batch_sizes, 0) - batch_sizes
+        return _to(t, device), _to(torch.arange(len(t)) - first[t], device)
+
+    @staticmethod
     def _reverse_index(T, B, lengths, device):
         """(T, B) time indices reversing each sequence within its length
         (padding stays in place), or None: reverse all T steps."""
@@ -384,7 +437,7 @@ class _Recurrent(torch.nn.Module):
             return None
         t = torch.arange(T)[:, None]
         n = lengths[None, :].to(torch.int64)
-        return torch.where(t < n, n - 1 - t, t).to(device)
+        return _to(torch.where(t < n, n - 1 - t, t), device)
 
     @staticmethod
     def _reverse(a: Tensor, rev) -> Tensor:

@@ -1,0 +1,119 @@
+"""halstm.torch against the kernels called directly (halstm.LSTM), against
+torch.nn.LSTM (cuDNN on the GPU), and packed variable-length batches
+against the same batch padded, forward+backward, interleaved in one
+process (medians of alternating rounds; ratios to torch.nn in the same run).
+
+    python bench/torch_layers.py --device cpu --shapes small_128_b16,charrnn_512x2
+    python bench/torch_layers.py --device cuda --json out.json
+
+Variants per shape: kernels (halstm.LSTM with numpy / CUDA arrays),
+halstm.torch, torch.nn; packed: lengths uniform in 1..T (seeded), the
+batch as a PackedSequence, through halstm.torch and torch.nn; bidirectional
+halstm.torch and torch.nn. Each halstm.torch variant's output is checked
+against torch.nn's before timing.
+"""
+import argparse
+import json
+import platform
+
+import numpy as np
+import torch
+
+import halstm
+import halstm.torch as hnn
+from halstm import benchmark
+from halstm.benchmark import alternating
+
+
+def _check(name, got, want, tol=1e-3):
+    err = float((got - want).abs().max() / want.abs().max())
+    if not err <= tol:
+        raise SystemExit(f"{name}: output differs from torch.nn's by {err:.2e} (> {tol})")
+
+
+def variants(s, device, seed=0):
+    """name -> a function running forward+backward once."""
+    I, H, B, T, L = s["I"], s["H"], s["B"], s["T"], s["L"]
+    torch.manual_seed(seed)
+    ref = torch.nn.LSTM(I, H, L).to(device)
+    mine = hnn.LSTM(I, H, L).to(device)
+    mine.load_state_dict(ref.state_dict())
+    target = "host-cuda" if device == "cuda" else "host"
+    kern = halstm.LSTM(I, H, L, target=target)
+    kern.load_state_dict({k: v.detach().cpu().numpy() for k, v in ref.state_dict().items()})
+    x = torch.randn(T, B, I, device=device)
+    dy = torch.randn(T, B, H, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    bi_ref = torch.nn.LSTM(I, H, L, bidirectional=True).to(device)
+    bi = hnn.LSTM(I, H, L, bidirectional=True).to(device)
+    bi.load_state_dict(bi_ref.state_dict())
+    xk = x if device == "cuda" else x.numpy()
+    dyk = dy if device == "cuda" else dy.numpy()
+
+    def module(m, inp, d):
+        def run():
+            y, _ = m(inp)
+            (y.data if isinstance(y, torch.nn.utils.rnn.PackedSequence) else y).backward(d)
+        return run
+
+    def kernels():
+        kern(xk)
+        kern.backward(dyk)
+
+    dpk = torch.randn(packed.data.shape[0], H, device=device)
+    calls = {"kernels": kernels, "halstm.torch": module(mine, x, dy),
+             "torch.nn": module(ref, x, dy),
+             "halstm.torch packed": module(mine, packed, dpk),
+             "torch.nn packed": module(ref, packed, dpk),
+             "halstm.torch bidir": module(bi, x, torch.cat([dy, dy], -1)),
+             "torch.nn bidir": module(bi_ref, x, torch.cat([dy, dy], -1))}
+    with torch.no_grad():
+        _check("halstm.torch", mine(x)[0], ref(x)[0])
+        _check("halstm.torch packed", mine(packed)[0].data, ref(packed)[0].data)
+        _check("halstm.torch bidir", bi(x)[0], bi_ref(x)[0])
+    return calls, lengths
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--shapes", default="small_128_b16,charrnn_512x2,deepbench_1024")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="write the medians here")
+    a = ap.parse_args()
+    shapes = benchmark.shapes()
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    torch.backends.cudnn.allow_tf32 = False     # fp32 against fp32 (torch's default: TF32)
+    machine = (torch.cuda.get_device_name() if a.device == "cuda" else
+               f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    out = {"device": a.device, "machine": machine, "torch": torch.__version__, "shapes": {}}
+    print(f"# {machine}; torch {torch.__version__}; forward+backward, median ms "
+          f"of {a.rounds - a.warmup} alternating rounds")
+    for name in a.shapes.split(","):
+        calls, lengths = variants(shapes[name], a.device)
+        med = {k: v * 1e3 for k, v in alternating(calls, a.rounds, a.warmup, sync).items()}
+        out["shapes"][name] = {"ms": med, "lengths_mean": float(lengths.float().mean())}
+        print(f"\n## {name} {shapes[name]}")
+        for k, v in med.items():
+            print(f"  {k:22s} {v:9.3f} ms")
+        r = {"halstm.torch / kernels": med["halstm.torch"] / med["kernels"],
+             "halstm.torch / torch.nn": med["halstm.torch"] / med["torch.nn"],
+             "packed / padded (halstm.torch)": med["halstm.torch packed"] / med["halstm.torch"],
+             "packed: halstm.torch / torch.nn": med["halstm.torch packed"]
+             / med["torch.nn packed"],
+             "bidir: halstm.torch / torch.nn": med["halstm.torch bidir"] / med["torch.nn bidir"]}
+        out["shapes"][name]["ratios"] = r
+        for k, v in r.items():
+            print(f"  {k:34s} {v:6.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
