@@ -105,8 +105,11 @@ def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, 
 
 def _to(a: Tensor, device) -> Tensor:
     """A small CPU tensor (indices) on `device` without waiting for the
-    device's queued work (a blocking copy would)."""
-    return a.to(device, non_blocking=True)
+    device's queued work (a blocking copy would; so may one from pageable
+    memory)."""
+    if torch.device(device).type != "cuda":
+        return a.to(device)
+    return a.pin_memory().to(device, non_blocking=True)
 
 
 def _stream(device: torch.device):
