@@ -330,38 +330,69 @@ class _RNN:
         _check_shape(name, a, (L, H) if unbatched else (L, B, H))
         return self._array(a).reshape(L, B, H)
 
-    def _forward(self, x, init):
-        """Run every layer; init: per state an (L, B, H) array."""
+    def _rows(self, lengths, T, B, unbatched):
+        """None without lengths, else the batch sorted longest first:
+        (order, inverse, sorted lengths, step batch sizes (T,))."""
+        if lengths is None:
+            return None
+        if self.on_gpu:
+            raise ValueError("lengths: variable-length batches run on CPU targets here; "
+                             "on a GPU use halstm.torch with a PackedSequence")
+        if unbatched:
+            raise ValueError("lengths: expected a batch (an unbatched input has one sequence)")
+        n = np.asarray(lengths)
+        if (n.shape != (B,) or not np.issubdtype(n.dtype, np.integer) or n.min() < 1
+                or n.max() > T):
+            raise ValueError(f"lengths: expected ({B},) ints in [1, {T}] (a length per "
+                             f"sequence), got {n.tolist()}")
+        order = np.argsort(-n, kind="stable")
+        ls = n[order]
+        return order, np.argsort(order), ls, (ls[None, :] > np.arange(T)[:, None]).sum(1)
+
+    def _forward(self, x, init, lengths=None):
+        """Run every layer; init: per state an (L, B, H) array; lengths:
+        None, or each sequence's length (B,): the kernels run a step for the
+        sequences longer than it only, and outputs past a length are zero."""
         x, unbatched, host = self._input(x)
-        B = x.shape[1]
+        T, B = x.shape[0], x.shape[1]
         ids = x.ndim == 2                            # one-hot rows as class indices
         init = [self._initial(n, a, B, unbatched) for n, a in init]
+        rows = self._rows(lengths, T, B, unbatched)
+        bs = None
+        if rows is not None:                         # sorted longest first
+            order, _, ends, bs = rows
+            x = np.ascontiguousarray(x[:, order])
+            init = [None if a is None else np.ascontiguousarray(a[:, order]) for a in init]
         tape, inp, save = [], x, is_grad_enabled()
         for layer in range(self.num_layers):
             w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
             states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
                 inp, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer) for s in init], save=save,
-                vec=self._layer_vec(layer))
+                vec=self._layer_vec(layer), batch_sizes=bs)
             tape.append((inp, states, saved))
             inp = states[0][1:]                      # this layer's h over time (T, B, H)
-        self._tape = (tape, unbatched, ids)
+        self._tape = (tape, unbatched, ids, rows)
         finals = []
         for s in range(len(init)):
-            if len(tape) == 1 and not save:      # no backward reads the states: a view
+            if len(tape) == 1 and not save and rows is None:   # no backward reads them: a view
                 f = tape[0][1][s][-1:]
             else:
                 f = self._mem.empty((self.num_layers, B, self.hidden_size))
                 for layer, t in enumerate(tape):
-                    f[layer] = t[1][s][-1]
+                    f[layer] = t[1][s][-1] if rows is None else t[1][s][ends, np.arange(B)]
+            if rows is not None:
+                f = np.ascontiguousarray(f[:, rows[1]])
             f = f.reshape(self.num_layers, self.hidden_size) if unbatched else f
             finals.append(self._result(f, host))
+        if rows is not None:
+            return self._seq_out(np.ascontiguousarray(inp[:, rows[1]]), host, False), finals
         return self._seq_out(inp, host, taped=save), finals
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:
             raise RuntimeError("backward: call the module forward first (no forward pass "
                                "recorded since construction or load_state_dict)")
-        tape, unbatched, ids = self._tape
+        tape, unbatched, ids, rows = self._tape
         if tape[0][2] is None:
             raise RuntimeError("backward: the last forward ran under halstm.no_grad(), which "
                                "keeps nothing for backward; run it outside no_grad()")
@@ -373,6 +404,11 @@ class _RNN:
         _check_shape("dy", dy, shape)
         dy = self._seq_in(dy, unbatched, in_place=True)     # (the library only reads it)
         dfinal = [self._initial(n, a, B, unbatched) for n, a in dfinal]
+        bs = None
+        if rows is not None:                                # the forward's row order
+            order, bs = rows[0], rows[3]
+            dy = np.ascontiguousarray(dy[:, order])
+            dfinal = [None if a is None else np.ascontiguousarray(a[:, order]) for a in dfinal]
         # one layer: the library's own state gradients are the result (no copy)
         grads, dinit = {}, [None if L == 1 else self._mem.empty((L, B, H)) for _ in dfinal]
         for layer in reversed(range(L)):
@@ -382,7 +418,7 @@ class _RNN:
                 inp, w_ih, w_hh, saved, states, dy,
                                                  [_layer(d, layer) for d in dfinal],
                                                  need_dx=input_grad or layer > 0,
-                                                 vec=self._layer_vec(layer))
+                                                 vec=self._layer_vec(layer), batch_sizes=bs)
             grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
             if self.bias and self._matrix_bias:
                 grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
@@ -395,6 +431,9 @@ class _RNN:
                     dinit[i][layer] = g[f"d{s}0"]
             dy = g.get("dx")
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
+        if rows is not None:                                # back to the caller's order
+            dinit = [np.ascontiguousarray(d[:, rows[1]]) for d in dinit]
+            dy = None if dy is None else np.ascontiguousarray(dy[:, rows[1]])
         if input_grad and not ids:
             grads["input"] = self._seq_out(dy, host)
         for d, s in zip(dinit, self._state_names):
@@ -407,15 +446,19 @@ class LSTM(_RNN):
 
     cell, n_gates, _state_names = "lstm", 4, ("h", "c")
 
-    def __call__(self, x, hx=None):
+    def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None or (h0, c0) each
-        (L, B, H). Returns y (T, B, H), (h_n, c_n) each (L, B, H)."""
+        (L, B, H). Returns y (T, B, H), (h_n, c_n) each (L, B, H).
+        lengths (CPU targets): each sequence's length (B,) in [1, T]; a
+        sequence's steps past it are not run, its outputs there are zero,
+        its final states are those after its last step, and backward
+        ignores dy past it."""
         if hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
             raise TypeError(f"hx: expected None or a pair (h0, c0) of (num_layers, batch, "
                             f"hidden_size) arrays, got {type(hx).__name__}"
                             + (f" of length {len(hx)}" if isinstance(hx, (tuple, list)) else ""))
         h0, c0 = (None, None) if hx is None else hx
-        y, (h_n, c_n) = self._forward(x, [("h0", h0), ("c0", c0)])
+        y, (h_n, c_n) = self._forward(x, [("h0", h0), ("c0", c0)], lengths)
         return y, (h_n, c_n)
 
     def backward(self, dy, dh_n=None, dc_n=None, *, input_grad=True) -> dict[str, np.ndarray]:
@@ -431,10 +474,10 @@ class GRU(_RNN):
 
     cell, n_gates, _state_names = "gru", 3, ("h",)
 
-    def __call__(self, x, hx=None):
+    def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None or h0 (L, B, H).
-        Returns y (T, B, H), h_n (L, B, H)."""
-        y, (h_n,) = self._forward(x, [("h0", hx)])
+        Returns y (T, B, H), h_n (L, B, H). lengths: as LSTM's."""
+        y, (h_n,) = self._forward(x, [("h0", hx)], lengths)
         return y, h_n
 
     def backward(self, dy, dh_n=None, *, input_grad=True) -> dict[str, np.ndarray]:
@@ -484,9 +527,10 @@ class Recurrent(_RNN):
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, target,
                          schedule, seed)
 
-    def __call__(self, x, hx=None):
+    def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None, or per state an
-        (L, B, H) array: h0 alone for a one-state cell, else a tuple."""
+        (L, B, H) array: h0 alone for a one-state cell, else a tuple;
+        lengths: as LSTM's."""
         names = self._state_names
         if len(names) == 1:
             hx = [("h0", hx)]
@@ -496,7 +540,7 @@ class Recurrent(_RNN):
                                 f"({', '.join(s + '0' for s in names)}), each (num_layers, "
                                 f"batch, hidden_size), got {type(hx).__name__}")
             hx = [(s + "0", None if hx is None else a) for s, a in zip(names, hx or names)]
-        y, finals = self._forward(x, hx)
+        y, finals = self._forward(x, hx, lengths)
         return (y, finals[0]) if len(names) == 1 else (y, tuple(finals))
 
     def backward(self, dy, *dfinal, input_grad=True) -> dict:

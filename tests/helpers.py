@@ -78,12 +78,12 @@ def make(cell, num_layers=L, seed=0, **kw):
     return CLASSES[cell](I, H, num_layers=num_layers, seed=seed, **kw)
 
 
-def call(module, cell, x, hx=None):
+def call(module, cell, x, hx=None, **kw):
     """Run the module; returns (y, [final states]) in the module's layout."""
     if cell == "lstm":
-        y, (h_n, c_n) = module(x, hx)
+        y, (h_n, c_n) = module(x, hx, **kw)
         return y, [h_n, c_n]
-    y, h_n = module(x, hx)
+    y, h_n = module(x, hx, **kw)
     return y, [h_n]
 
 

@@ -512,3 +512,44 @@ def test_class_index_input_matches_one_hot(cell, schedule):
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_no_grad_forward_equals_forward_and_blocks_backward(cell):
     check_no_grad(cell)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lengths_match_each_sequence_alone(cell, rng):
+    """A batch with lengths (unsorted, one of length 1, one full) equals the
+    float64 reference run on each sequence alone: outputs (zero past each
+    length), final states and every gradient (dy past a length ignored)."""
+    from helpers import ref_run
+    T, B = 7, 5
+    lengths = np.array([3, 7, 1, 5, 7])
+    m = make(cell)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    hx = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in STATES[cell]]
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in STATES[cell]]
+    y, finals = call(m, cell, x, hx if cell == "lstm" else hx[0], lengths=lengths)
+    grads = backward(m, cell, dy, dfinal)
+    want_grads = {}
+    for b, n in enumerate(lengths):
+        ry, rfinals, rg = ref_run(cell, m, x[:n, b:b + 1], [a[:, b:b + 1] for a in hx],
+                                  dy[:n, b:b + 1], [a[:, b:b + 1] for a in dfinal])
+        assert_close(f"y of sequence {b}", y[:n, b:b + 1], ry)
+        assert not y[n:, b].any(), f"outputs past length {n} of sequence {b}"
+        for s, (f, rf) in enumerate(zip(finals, rfinals)):
+            assert_close(f"final state {s} of sequence {b}", f[:, b:b + 1], rf)
+        assert_close(f"d input of sequence {b}", grads["input"][:n, b:b + 1], rg["input"])
+        assert not grads["input"][n:, b].any()
+        for s in STATES[cell]:
+            assert_close(f"d {s}0 of sequence {b}", grads[f"{s}0"][:, b:b + 1], rg[f"{s}0"])
+        for k in m.state_dict():
+            want_grads[k] = want_grads.get(k, 0) + rg[k]
+    for k, v in want_grads.items():
+        assert_close(f"d {k}", grads[k], v)
+
+
+def test_lengths_errors():
+    m = make("lstm")
+    x = np.zeros((7, 3, I), np.float32)
+    for bad in ([3, 8, 1], [0, 2, 1], [3, 2], [1.5, 2, 3]):
+        with pytest.raises(ValueError, match=r"lengths: expected \(3,\) ints in \[1, 7\]"):
+            m(x, lengths=np.array(bad))
