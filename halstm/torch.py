@@ -29,7 +29,7 @@ from torch.nn.utils import rnn as rnn_utils
 from . import aot, cells
 from .runtime import Library
 
-__all__ = ["LSTM", "GRU", "RNN", "Recurrent"]
+__all__ = ["LSTM", "GRU", "RNN", "Recurrent", "LSTMCell", "GRUCell", "RNNCell"]
 
 
 # ---- the kernels, keyed by what they are compiled for ----------------------
@@ -246,6 +246,27 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
 
 # ---- the modules ------------------------------------------------------------
 
+def _check_input(module, x: Tensor) -> Tensor:
+    """x checked against the module's parameters (device, dtype); inside a
+    torch.autocast region a float16 / bfloat16 x comes back as float32."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"input: expected a Tensor or PackedSequence, got {type(x).__name__}")
+    if (x.dtype in (torch.float16, torch.bfloat16) and x.device.type in ("cpu", "cuda")
+            and torch.is_autocast_enabled(x.device.type)):
+        x = x.float()        # autocast: ops without a low-precision kernel run in float32
+    if x.dtype != torch.float32:
+        raise TypeError(f"input: halstm's kernels run float32, got {x.dtype} (convert with "
+                        f".float())")
+    for name, p in module.named_parameters():
+        if p.device != x.device:
+            raise ValueError(f"input is on {x.device} but parameter {name} is on "
+                             f"{p.device}; move one of them (module.to(device))")
+        if p.dtype != torch.float32:
+            raise TypeError(f"parameter {name}: halstm's kernels run float32, got {p.dtype} "
+                            f"(module.float())")
+    return x
+
+
 class _Recurrent(torch.nn.Module):
     """A stack of layers of one cell with torch.nn.RNNBase's constructor,
     parameters and call."""
@@ -346,35 +367,25 @@ class _Recurrent(torch.nn.Module):
                 zero if b_hh is None else b_hh, vec)
 
     # ---- the call ---------------------------------------------------------
-    def _check_input(self, x: Tensor) -> None:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"input: expected a Tensor or PackedSequence, got "
-                            f"{type(x).__name__}")
-        if x.dtype != torch.float32:
-            raise TypeError(f"input: halstm's kernels run float32, got {x.dtype} (convert "
-                            f"with .float())")
-        for name, p in self.named_parameters():
-            if p.device != x.device:
-                raise ValueError(f"input is on {x.device} but parameter {name} is on "
-                                 f"{p.device}; move one of them (module.to(device))")
-            if p.dtype != torch.float32:
-                raise TypeError(f"parameter {name}: halstm's kernels run float32, got "
-                                f"{p.dtype} (module.float())")
+    def _check_input(self, x: Tensor) -> Tensor:
+        """x checked; inside a torch.autocast region a float16 / bfloat16
+        input comes back as float32 (the kernels run float32)."""
+        return _check_input(self, x)
 
     def _run(self, input, hx):
         """(output, finals: per state (L*D, B, H)) with torch's input forms."""
         packed = isinstance(input, rnn_utils.PackedSequence)
         if packed:   # padded (T, B, I), rows sorted longest first, by one scatter
-            self._check_input(input.data)
+            rows = self._check_input(input.data)
             bs = input.batch_sizes
             T, B = len(bs), int(bs[0])
-            where = self._packed_rows(bs, input.data.device)
-            x = input.data.new_zeros((T, B, input.data.shape[-1])).index_put(where, input.data)
+            where = self._packed_rows(bs, rows.device)
+            x = rows.new_zeros((T, B, rows.shape[-1])).index_put(where, rows)
             lengths = (bs[None, :] > torch.arange(B)[:, None]).sum(1)
             batch_sizes, unbatched = bs.to(torch.int32), False
             order = input.sorted_indices
         else:
-            self._check_input(input)
+            input = self._check_input(input)
             if input.dim() not in (2, 3):
                 raise ValueError(f"input: expected a 3-D (seq, batch, input_size) tensor "
                                  f"({'batch first' if self.batch_first else 'time first'}) "
@@ -540,3 +551,86 @@ class Recurrent(_Recurrent):
     def forward(self, input, hx=None):
         out, finals = self._run(input, hx)
         return (out, finals[0]) if len(finals) == 1 else (out, tuple(finals))
+
+
+class _Cell(torch.nn.Module):
+    """One step of a cell, torch.nn.LSTMCell-style: parameters weight_ih,
+    weight_hh, bias_ih, bias_hh; input (B, I) or unbatched (I,)."""
+
+    def __init__(self, cell, input_size, hidden_size, bias=True, device=None, dtype=None):
+        super().__init__()
+        stack = _Recurrent(cell, input_size, hidden_size, 1, bias, device=device, dtype=dtype)
+        self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bool(bias)
+        for name in stack._flat_weights_names:          # weight_ih_l0 -> weight_ih
+            setattr(self, name[:-3], getattr(stack, name))
+        stack._parameters.clear()
+        object.__setattr__(self, "_stack", stack)       # (its facts only: not a submodule)
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.uniform_(-bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}" + ("" if self.bias else ", bias=False")
+
+    def _step(self, input, hx):
+        x = _check_input(self, input)
+        if x.dim() not in (1, 2) or x.shape[-1] != self.input_size:
+            raise ValueError(f"input: expected (batch, {self.input_size}) or unbatched "
+                             f"({self.input_size},), got {tuple(x.shape)}")
+        unbatched = x.dim() == 1
+        x = x.reshape(1, -1, self.input_size)
+        B, H, n = x.shape[1], self.hidden_size, len(self._stack._states)
+        if hx is None:
+            hx = [x.new_zeros((B, H)) for _ in range(n)]
+        else:
+            hx = list(hx) if n > 1 else [hx]
+            for s, a in zip(self._stack._states, hx):
+                if not isinstance(a, Tensor) or a.reshape(-1, H).shape != (B, H):
+                    raise ValueError(f"hx: expected {s} of shape {(H,) if unbatched else (B, H)}, "
+                                     f"got {tuple(getattr(a, 'shape', ()))}")
+            hx = [a.reshape(B, H) for a in hx]
+        zero = x.new_zeros((self._stack._gates * H,))
+        b_ih, b_hh = getattr(self, "bias_ih", None), getattr(self, "bias_hh", None)
+        spec = _spec(self._stack.cell, self.input_size, H, None)
+        states = _run_layer(x, self.weight_ih, zero if b_ih is None else b_ih, self.weight_hh,
+                            zero if b_hh is None else b_hh, None, hx, None, spec,
+                            torch.is_grad_enabled())
+        out = [states[s, 1] for s in range(n)]
+        return [o.reshape(H) for o in out] if unbatched else out
+
+
+class LSTMCell(_Cell):
+    """torch.nn.LSTMCell on halstm's kernels: (h', c') = cell(x, (h, c))."""
+
+    def __init__(self, input_size, hidden_size, bias=True, device=None, dtype=None):
+        super().__init__("lstm", input_size, hidden_size, bias, device, dtype)
+
+    def forward(self, input, hx=None):
+        h, c = self._step(input, hx)
+        return h, c
+
+
+class GRUCell(_Cell):
+    """torch.nn.GRUCell on halstm's kernels: h' = cell(x, h)."""
+
+    def __init__(self, input_size, hidden_size, bias=True, device=None, dtype=None):
+        super().__init__("gru", input_size, hidden_size, bias, device, dtype)
+
+    def forward(self, input, hx=None):
+        return self._step(input, hx)[0]
+
+
+class RNNCell(_Cell):
+    """torch.nn.RNNCell on halstm's kernels: h' = cell(x, h)."""
+
+    def __init__(self, input_size, hidden_size, bias=True, nonlinearity="tanh", device=None,
+                 dtype=None):
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
+        self.nonlinearity = nonlinearity
+        super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, bias, device, dtype)
+
+    forward = GRUCell.forward

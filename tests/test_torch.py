@@ -240,3 +240,39 @@ def test_errors_name_the_argument():
         hnn.LSTM(I, H, dropout=2)
     with pytest.raises(TypeError, match="parameter weight_ih_l0: .*float64"):
         hnn.LSTM(I, H).double()(torch.randn(4, 2, I))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_cells_match_torch(cell):
+    mine, theirs = {"lstm": (hnn.LSTMCell, torch.nn.LSTMCell),
+                    "gru": (hnn.GRUCell, torch.nn.GRUCell),
+                    "rnn_tanh": (hnn.RNNCell, torch.nn.RNNCell)}[cell]
+    ref, m = theirs(I, H), mine(I, H)
+    m.load_state_dict(ref.state_dict())
+    assert list(m.state_dict()) == list(ref.state_dict())
+    x = torch.randn(3, I)
+    h = torch.randn(3, H)
+    hx = (h, torch.randn(3, H)) if cell == "lstm" else h
+    results = []
+    for module in (m, ref):
+        xi = x.clone().requires_grad_()
+        out = module(xi, hx)
+        out = out if isinstance(out, tuple) else (out,)
+        sum((o * o).sum() for o in out).backward()
+        results.append([o.detach() for o in out] + [xi.grad] + [p.grad for p in module.parameters()])
+        # a decoding loop: unbatched input, default state
+        u = module(x[0])
+        assert (u[0] if isinstance(u, tuple) else u).shape == (H,)
+    for k, (a, b) in enumerate(zip(*results)):
+        assert_close(f"result {k}", a, b)
+
+
+def test_autocast_runs_float32():
+    m = hnn.LSTM(I, H)
+    x = torch.randn(5, 2, I)
+    want, _ = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = m(x.bfloat16())
+    assert got.dtype == torch.float32
+    assert_close("autocast output", got.detach(), m(x.bfloat16().float())[0].detach())
+    assert_close("autocast output vs float32 input", got.detach(), want.detach(), rtol=2e-2)
