@@ -6,7 +6,8 @@ of the libraries used.
 
     python bench/torch_packed.py cuda I H B T L     # e.g. cuda 128 128 16 100 1
 """
-import os, sys, time, torch
+import sys
+import torch
 import halstm.torch as hnn
 from halstm.benchmark import alternating
 torch.backends.cudnn.allow_tf32 = False
