@@ -27,7 +27,7 @@ import numpy as np
 
 from . import aot, cuda
 from . import memory
-from .runtime import Library
+from .runtime import Library, step_batch_sizes
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 _GRAD = threading.local()
@@ -347,7 +347,7 @@ class _RNN:
                              f"sequence), got {n.tolist()}")
         order = np.argsort(-n, kind="stable")
         ls = n[order]
-        return order, np.argsort(order), ls, (ls[None, :] > np.arange(T)[:, None]).sum(1)
+        return order, np.argsort(order), ls, step_batch_sizes(ls, T)
 
     def _forward(self, x, init, lengths=None):
         """Run every layer; init: per state an (L, B, H) array; lengths:

@@ -24,6 +24,18 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
+def row_lengths(batch_sizes, B: int) -> np.ndarray:
+    """Each row's sequence length (B,) from the step batch sizes (T,) of a
+    batch sorted longest first (the rows step t runs: batch_sizes[t])."""
+    return (np.asarray(batch_sizes)[None, :] > np.arange(B)[:, None]).sum(1)
+
+
+def step_batch_sizes(lengths, T: int) -> np.ndarray:
+    """The step batch sizes (T,) of sequences of `lengths` (B,), sorted
+    longest first: row_lengths' inverse."""
+    return (np.asarray(lengths)[None, :] > np.arange(T)[:, None]).sum(1)
+
+
 class SharedLibrary:
     """A loaded libhalstm.so (a layer's, or other kernels linked with the
     driver): its C functions (.lib), where its arrays live (.mem, from
@@ -238,7 +250,7 @@ class Library:
             # step t reads a row's state gradient from [(T - 1 - t) & 1], so a
             # row of length n starts from [(T - n) & 1]; the fused step reads
             # step t's dh_add rows from add[(t + 1) & 1]: n's from add[n & 1]
-            lengths = None if bs is None else self._lengths(bs, B)
+            lengths = None if bs is None else row_lengths(bs, B)
             dstate = []
             for s, d in enumerate(dfinal):
                 a = mem.zeros((2, B, Hp))
@@ -281,8 +293,3 @@ class Library:
                 # (a is this call's own: where it has no padding, a view will do)
                 out[f"d{s}0"] = a[T & 1] if Hp == H else mem.leading(a[T & 1], H)
             return out
-
-    @staticmethod
-    def _lengths(bs, B):
-        """Each row's sequence length from the step batch sizes: (B,) ints."""
-        return (bs[None, :] > np.arange(B)[:, None]).sum(1)

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn.utils import rnn as rnn_utils
 
 from . import aot, cells
-from .runtime import Library
+from .runtime import Library, row_lengths
 
 __all__ = ["LSTM", "GRU", "RNN", "Recurrent", "LSTMCell", "GRUCell", "RNNCell"]
 
@@ -195,7 +195,7 @@ def _grads(ctx, dstates, backward):
     if batch_sizes is None:
         ends = [dstates[s, T] for s in range(1, len(dstates))]
     else:
-        lengths = _to((batch_sizes[None, :] > torch.arange(B)[:, None]).sum(1), dstates.device)
+        lengths = _to(torch.from_numpy(row_lengths(batch_sizes.numpy(), B)), dstates.device)
         rows = torch.arange(B, device=dstates.device)
         ends = [dstates[s][lengths, rows] for s in range(1, len(dstates))]
     dfinal = [torch.zeros_like(dstates[0, 0])] + ends
@@ -367,25 +367,20 @@ class _Recurrent(torch.nn.Module):
                 zero if b_hh is None else b_hh, vec)
 
     # ---- the call ---------------------------------------------------------
-    def _check_input(self, x: Tensor) -> Tensor:
-        """x checked; inside a torch.autocast region a float16 / bfloat16
-        input comes back as float32 (the kernels run float32)."""
-        return _check_input(self, x)
-
     def _run(self, input, hx):
         """(output, finals: per state (L*D, B, H)) with torch's input forms."""
         packed = isinstance(input, rnn_utils.PackedSequence)
         if packed:   # padded (T, B, I), rows sorted longest first, by one scatter
-            rows = self._check_input(input.data)
+            rows = _check_input(self, input.data)
             bs = input.batch_sizes
             T, B = len(bs), int(bs[0])
             where = self._packed_rows(bs, rows.device)
             x = rows.new_zeros((T, B, rows.shape[-1])).index_put(where, rows)
-            lengths = (bs[None, :] > torch.arange(B)[:, None]).sum(1)
+            lengths = torch.from_numpy(row_lengths(bs.numpy(), B))
             batch_sizes, unbatched = bs.to(torch.int32), False
             order = input.sorted_indices
         else:
-            input = self._check_input(input)
+            input = _check_input(self, input)
             if input.dim() not in (2, 3):
                 raise ValueError(f"input: expected a 3-D (seq, batch, input_size) tensor "
                                  f"({'batch first' if self.batch_first else 'time first'}) "
