@@ -16,6 +16,10 @@ uploads), and so does everything between forward and backward. Results
 come back where the input came from: numpy in, numpy out (one upload and
 one download per call); a DeviceArray or a CUDA DLPack array (PyTorch,
 CuPy) in, DeviceArrays out, with no host round trip.
+
+bidirectional=True, dropout=p (between layers, in training mode: train() /
+eval(); masks from numpy's generator seeded by `seed`) and lengths= (a
+length per sequence) run on CPU targets; on a GPU, halstm.torch has them.
 """
 from __future__ import annotations
 
@@ -89,15 +93,24 @@ class _RNN:
     cell = ""
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
-                 target="host", schedule=None, seed=None):
+                 dropout=0.0, bidirectional=False, target="host", schedule=None, seed=None):
         self.input_size = _positive_int("input_size", input_size)
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.num_layers = _positive_int("num_layers", num_layers)
         self.bias, self.batch_first = bool(bias), bool(batch_first)
+        if (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                or not 0 <= dropout <= 1):
+            raise ValueError(f"dropout: expected a probability in [0, 1], got {dropout!r}")
+        self.dropout, self.bidirectional = float(dropout), bool(bidirectional)
+        self.num_directions = 2 if self.bidirectional else 1
+        self.training = True
         self.target, self.schedule = target, schedule
         aot.Spec(self.cell, self.input_size, self.hidden_size, "fwd", target, schedule)
         self.on_gpu = "cuda" in str(target).split("-")
         if self.on_gpu:
+            if self.bidirectional or self.dropout:
+                raise ValueError(f"bidirectional, dropout: run on CPU targets in this API (got "
+                                 f"target {target!r}); on a GPU use halstm.torch")
             try:
                 cuda.driver()
             except cuda.CudaError as e:
@@ -122,6 +135,7 @@ class _RNN:
                     rng.uniform(-bound, bound, shape).astype(np.float32) if init == "uniform"
                     else np.full(shape, init, np.float32))
         self._zero_bias = self._array(np.zeros(G * H, np.float32))
+        self._rng = rng            # and then the dropout masks
         self._libs: dict = {}
         self._libs_lock = threading.Lock()
         # What backward reads is kept per thread: each thread's backward
@@ -139,15 +153,33 @@ class _RNN:
     def _tape(self, value):
         self._local.tape = None if value is None else (self._version, value)
 
+    def train(self, mode: bool = True) -> "_RNN":
+        """Training mode (dropout between layers on) or not, as torch's."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "_RNN":
+        return self.train(False)
+
     # ---- parameters -------------------------------------------------------
+    @staticmethod
+    def _suffix(layer, d) -> str:
+        """A parameter's suffix: layer `layer`, direction d (1: reverse)."""
+        return f"_l{layer}" + ("_reverse" if d else "")
+
+    def _input_size(self, layer) -> int:
+        return self.input_size if layer == 0 else self.num_directions * self.hidden_size
+
     def _param_shapes(self, layer) -> dict:
-        G, H = self.n_gates, self.hidden_size
-        K = self.input_size if layer == 0 else H
-        shapes = {f"weight_ih_l{layer}": (G * H, K), f"weight_hh_l{layer}": (G * H, H)}
-        if self.bias and self._matrix_bias:
-            shapes |= {f"bias_ih_l{layer}": (G * H,), f"bias_hh_l{layer}": (G * H,)}
-        for name, (channels, _) in self._vectors.items():
-            shapes[f"{name}_l{layer}"] = (channels * H,)
+        G, H, K = self.n_gates, self.hidden_size, self._input_size(layer)
+        shapes = {}
+        for d in range(self.num_directions):
+            x = self._suffix(layer, d)
+            shapes |= {f"weight_ih{x}": (G * H, K), f"weight_hh{x}": (G * H, H)}
+            if self.bias and self._matrix_bias:
+                shapes |= {f"bias_ih{x}": (G * H,), f"bias_hh{x}": (G * H,)}
+            for name, (channels, _) in self._vectors.items():
+                shapes[f"{name}{x}"] = (channels * H,)
         return shapes
 
     def _array(self, a):
@@ -192,7 +224,7 @@ class _RNN:
 
     # ---- kernels ----------------------------------------------------------
     def _lib(self, layer: int, direction: str, onehot: bool = False) -> Library:
-        K = self.input_size if layer == 0 else self.hidden_size
+        K = self._input_size(layer)
         key = (K, direction) + (("onehot",) if onehot else ())
         with self._libs_lock:
             if key not in self._libs:
@@ -217,13 +249,13 @@ class _RNN:
                 self._lib(layer, "bwd")
         return self
 
-    def _layer_weights(self, layer):
-        p = self._params
-        b_ih = p.get(f"bias_ih_l{layer}", self._zero_bias)
-        b_hh = p.get(f"bias_hh_l{layer}", self._zero_bias)
-        return p[f"weight_ih_l{layer}"], b_ih, p[f"weight_hh_l{layer}"], b_hh
+    def _layer_weights(self, layer, d=0):
+        p, x = self._params, self._suffix(layer, d)
+        b_ih = p.get(f"bias_ih{x}", self._zero_bias)
+        b_hh = p.get(f"bias_hh{x}", self._zero_bias)
+        return p[f"weight_ih{x}"], b_ih, p[f"weight_hh{x}"], b_hh
 
-    def _layer_vec(self, layer):
+    def _layer_vec(self, layer, d=0):
         """The layer's vector parameters as the kernels take them: one (V, H)
         array, channels in declaration order (a bias left out: zeros); None
         for a cell without."""
@@ -232,7 +264,7 @@ class _RNN:
         G, H, rows = self.n_gates, self.hidden_size, []
         for v in self._vector_specs:
             n = G if v.per_gate else 1
-            rows.append((n, self._params.get(f"{v.name}_l{layer}")))
+            rows.append((n, self._params.get(f"{v.name}{self._suffix(layer, d)}")))
         vec, r = self._mem.empty((sum(n for n, _ in rows), H)), 0
         for n, a in rows:
             if a is None:
@@ -242,13 +274,14 @@ class _RNN:
             r += n
         return vec
 
-    def _vector_grads(self, layer, dvec) -> dict:
+    def _vector_grads(self, layer, d, dvec) -> dict:
         """dvec (V, H) split into the layer's vector parameters' gradients."""
         out, r = {}, 0
         for v in self._vector_specs:
             n = self.n_gates if v.per_gate else 1
             if v.name in self._vectors:
-                out[f"{v.name}_l{layer}"] = dvec[r:r + n].reshape(n * self.hidden_size)
+                out[f"{v.name}{self._suffix(layer, d)}"] = dvec[r:r + n].reshape(
+                    n * self.hidden_size)
             r += n
         return out
 
@@ -321,14 +354,15 @@ class _RNN:
         return self._result(y, host) if self.on_gpu else np.array(y, order="C")
 
     def _initial(self, name, a, B, unbatched):
-        """A caller's initial state (or state gradient) as an (L, B, H) array,
-        or None for None (zeros: the library fills them in)."""
-        L, H = self.num_layers, self.hidden_size
+        """A caller's initial state (or state gradient) as an (L*D, B, H)
+        array (D directions; row layer*D + d), or None for None (zeros: the
+        library fills them in)."""
+        LD, H = self.num_layers * self.num_directions, self.hidden_size
         if a is None:
             return None
         a = _float_array(name, a)
-        _check_shape(name, a, (L, H) if unbatched else (L, B, H))
-        return self._array(a).reshape(L, B, H)
+        _check_shape(name, a, (LD, H) if unbatched else (LD, B, H))
+        return self._array(a).reshape(LD, B, H)
 
     def _rows(self, lengths, T, B, unbatched):
         """None without lengths, else the batch sorted longest first:
@@ -349,87 +383,114 @@ class _RNN:
         ls = n[order]
         return order, np.argsort(order), ls, step_batch_sizes(ls, T)
 
+    def _dropout_mask(self, shape):
+        """A dropout mask: 0 with probability p, else 1/(1-p)."""
+        p = self.dropout
+        keep = self._rng.random(shape, dtype=np.float32) >= p
+        return keep.astype(np.float32) / np.float32(1 - p) if p < 1 else keep.astype(np.float32)
+
     def _forward(self, x, init, lengths=None):
-        """Run every layer; init: per state an (L, B, H) array; lengths:
-        None, or each sequence's length (B,): the kernels run a step for the
-        sequences longer than it only, and outputs past a length are zero."""
+        """Run every layer and direction; init: per state an (L*D, B, H)
+        array; lengths: None, or each sequence's length (B,): the kernels
+        run a step for the sequences longer than it only, and outputs past a
+        length are zero."""
         x, unbatched, host = self._input(x)
         T, B = x.shape[0], x.shape[1]
         ids = x.ndim == 2                            # one-hot rows as class indices
         init = [self._initial(n, a, B, unbatched) for n, a in init]
         rows = self._rows(lengths, T, B, unbatched)
-        bs = None
+        bs, ns = None, None
         if rows is not None:                         # sorted longest first
-            order, _, ends, bs = rows
+            order, _, ns, bs = rows
             x = np.ascontiguousarray(x[:, order])
             init = [None if a is None else np.ascontiguousarray(a[:, order]) for a in init]
-        tape, inp, save = [], x, is_grad_enabled()
-        for layer in range(self.num_layers):
-            w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
-            states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
-                inp, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer) for s in init], save=save,
-                vec=self._layer_vec(layer), batch_sizes=bs)
-            tape.append((inp, states, saved))
-            inp = states[0][1:]                      # this layer's h over time (T, B, H)
-        self._tape = (tape, unbatched, ids, rows)
+        D, L, save = self.num_directions, self.num_layers, is_grad_enabled()
+        tape, masks, inp = [], [], x                 # tape[layer * D + d]
+        for layer in range(L):
+            ys = []
+            for d in range(D):
+                inp_d = inp if d == 0 else _reverse_time(inp, ns)
+                w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer, d)
+                states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
+                    inp_d, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer * D + d) for s in init],
+                    save=save, vec=self._layer_vec(layer, d), batch_sizes=bs)
+                tape.append((inp_d, states, saved))
+                y = states[0][1:]                    # this direction's h over time (T, B, H)
+                ys.append(y if d == 0 else _reverse_time(y, ns))
+            inp = ys[0] if D == 1 else np.concatenate(ys, axis=2)   # (T, B, D*H)
+            if self.dropout and self.training and layer < L - 1:
+                masks.append(self._dropout_mask(inp.shape))
+                inp = inp * masks[-1]
+        self._tape = (tape, unbatched, ids, rows, masks)
         finals = []
         for s in range(len(init)):
             if len(tape) == 1 and not save and rows is None:   # no backward reads them: a view
                 f = tape[0][1][s][-1:]
             else:
-                f = self._mem.empty((self.num_layers, B, self.hidden_size))
-                for layer, t in enumerate(tape):
-                    f[layer] = t[1][s][-1] if rows is None else t[1][s][ends, np.arange(B)]
+                f = self._mem.empty((L * D, B, self.hidden_size))
+                for i, t in enumerate(tape):
+                    f[i] = t[1][s][-1] if rows is None else t[1][s][ns, np.arange(B)]
             if rows is not None:
                 f = np.ascontiguousarray(f[:, rows[1]])
-            f = f.reshape(self.num_layers, self.hidden_size) if unbatched else f
+            f = f.reshape(L * D, self.hidden_size) if unbatched else f
             finals.append(self._result(f, host))
         if rows is not None:
             return self._seq_out(np.ascontiguousarray(inp[:, rows[1]]), host, False), finals
-        return self._seq_out(inp, host, taped=save), finals
+        return self._seq_out(inp, host, taped=save and D == 1 and not masks), finals
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:
             raise RuntimeError("backward: call the module forward first (no forward pass "
                                "recorded since construction or load_state_dict)")
-        tape, unbatched, ids, rows = self._tape
+        tape, unbatched, ids, rows, masks = self._tape
         if tape[0][2] is None:
             raise RuntimeError("backward: the last forward ran under halstm.no_grad(), which "
                                "keeps nothing for backward; run it outside no_grad()")
-        T, B, H = tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1], self.hidden_size
-        L = self.num_layers
-        shape = (T, H) if unbatched else ((B, T, H) if self.batch_first else (T, B, H))
+        D, L, H = self.num_directions, self.num_layers, self.hidden_size
+        T, B = tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1]
+        shape = (T, D * H) if unbatched else ((B, T, D * H) if self.batch_first else (T, B, D * H))
         dy = _float_array("dy", dy)
         host = isinstance(dy, np.ndarray)
         _check_shape("dy", dy, shape)
         dy = self._seq_in(dy, unbatched, in_place=True)     # (the library only reads it)
         dfinal = [self._initial(n, a, B, unbatched) for n, a in dfinal]
-        bs = None
+        bs, ns = None, None
         if rows is not None:                                # the forward's row order
-            order, bs = rows[0], rows[3]
+            order, _, ns, bs = rows
             dy = np.ascontiguousarray(dy[:, order])
             dfinal = [None if a is None else np.ascontiguousarray(a[:, order]) for a in dfinal]
-        # one layer: the library's own state gradients are the result (no copy)
-        grads, dinit = {}, [None if L == 1 else self._mem.empty((L, B, H)) for _ in dfinal]
+        # one layer and direction: the library's own state gradients are the
+        # result (no copy)
+        grads = {}
+        dinit = [None if L * D == 1 else self._mem.empty((L * D, B, H)) for _ in dfinal]
         for layer in reversed(range(L)):
-            inp, states, saved = tape[layer]
-            w_ih, _, w_hh, _ = self._layer_weights(layer)
-            g = self._lib(layer, "bwd", ids and layer == 0).backward(
-                inp, w_ih, w_hh, saved, states, dy,
-                                                 [_layer(d, layer) for d in dfinal],
-                                                 need_dx=input_grad or layer > 0,
-                                                 vec=self._layer_vec(layer), batch_sizes=bs)
-            grads[f"weight_ih_l{layer}"], grads[f"weight_hh_l{layer}"] = g["dw_ih"], g["dw_hh"]
-            if self.bias and self._matrix_bias:
-                grads[f"bias_ih_l{layer}"], grads[f"bias_hh_l{layer}"] = g["db_ih"], g["db_hh"]
-            if "dvec" in g:
-                grads |= self._vector_grads(layer, g["dvec"])
-            for i, s in enumerate(self._state_names[:len(dinit)]):
-                if L == 1:
-                    dinit[i] = g[f"d{s}0"].reshape(1, B, H)
-                else:
-                    dinit[i][layer] = g[f"d{s}0"]
-            dy = g.get("dx")
+            dx = None                                       # (T, B, K) summed over directions
+            for d in range(D):
+                inp, states, saved = tape[layer * D + d]
+                dy_d = dy if D == 1 else np.ascontiguousarray(dy[:, :, d * H:(d + 1) * H])
+                if d:
+                    dy_d = _reverse_time(dy_d, ns)
+                w_ih, _, w_hh, _ = self._layer_weights(layer, d)
+                g = self._lib(layer, "bwd", ids and layer == 0).backward(
+                    inp, w_ih, w_hh, saved, states, dy_d,
+                    [_layer(a, layer * D + d) for a in dfinal],
+                    need_dx=input_grad or layer > 0, vec=self._layer_vec(layer, d),
+                    batch_sizes=bs)
+                sfx = self._suffix(layer, d)
+                grads[f"weight_ih{sfx}"], grads[f"weight_hh{sfx}"] = g["dw_ih"], g["dw_hh"]
+                if self.bias and self._matrix_bias:
+                    grads[f"bias_ih{sfx}"], grads[f"bias_hh{sfx}"] = g["db_ih"], g["db_hh"]
+                if "dvec" in g:
+                    grads |= self._vector_grads(layer, d, g["dvec"])
+                for i, s in enumerate(self._state_names[:len(dinit)]):
+                    if L * D == 1:
+                        dinit[i] = g[f"d{s}0"].reshape(1, B, H)
+                    else:
+                        dinit[i][layer * D + d] = g[f"d{s}0"]
+                if "dx" in g:
+                    dx_d = g["dx"] if d == 0 else _reverse_time(g["dx"], ns)
+                    dx = dx_d if dx is None else dx + dx_d
+            dy = dx if layer == 0 or not masks else dx * masks[layer - 1]
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if rows is not None:                                # back to the caller's order
             dinit = [np.ascontiguousarray(d[:, rows[1]]) for d in dinit]
@@ -437,8 +498,19 @@ class _RNN:
         if input_grad and not ids:
             grads["input"] = self._seq_out(dy, host)
         for d, s in zip(dinit, self._state_names):
-            grads[f"{s}0"] = self._result(d.reshape(L, H) if unbatched else d, host)
+            grads[f"{s}0"] = self._result(d.reshape(L * D, H) if unbatched else d, host)
         return grads
+
+
+def _reverse_time(a, lengths):
+    """A new (T, B, ...) array: a's rows each reversed in time within the
+    row's length (lengths (B,); None: all T). Steps past a length keep
+    their place, so the map is its own inverse."""
+    if lengths is None:
+        return np.ascontiguousarray(a[::-1])
+    t = np.arange(a.shape[0])[:, None]
+    src = np.where(t < lengths, lengths - 1 - t, t)              # (T, B)
+    return np.take_along_axis(a, src.reshape(src.shape + (1,) * (a.ndim - 2)), axis=0)
 
 
 class LSTM(_RNN):
@@ -448,7 +520,8 @@ class LSTM(_RNN):
 
     def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None or (h0, c0) each
-        (L, B, H). Returns y (T, B, H), (h_n, c_n) each (L, B, H).
+        (L*D, B, H), D = 2 if bidirectional else 1. Returns y (T, B, D*H),
+        (h_n, c_n) each (L*D, B, H), rows layer*D + direction as torch's.
         lengths (CPU targets): each sequence's length (B,) in [1, T]; a
         sequence's steps past it are not run, its outputs there are zero,
         its final states are those after its last step, and backward
@@ -475,8 +548,8 @@ class GRU(_RNN):
     cell, n_gates, _state_names = "gru", 3, ("h",)
 
     def __call__(self, x, hx=None, *, lengths=None):
-        """x (T, B, I) (batch_first: (B, T, I)); hx None or h0 (L, B, H).
-        Returns y (T, B, H), h_n (L, B, H). lengths: as LSTM's."""
+        """x (T, B, I) (batch_first: (B, T, I)); hx None or h0 (L*D, B, H).
+        Returns y (T, B, D*H), h_n (L*D, B, H). lengths: as LSTM's."""
         y, (h_n,) = self._forward(x, [("h0", hx)], lengths)
         return y, h_n
 
@@ -493,12 +566,13 @@ class RNN(_RNN):
     n_gates, _state_names = 1, ("h",)
 
     def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
-                 batch_first=False, target="host", schedule=None, seed=None):
+                 batch_first=False, dropout=0.0, bidirectional=False, target="host",
+                 schedule=None, seed=None):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
         self.nonlinearity, self.cell = nonlinearity, f"rnn_{nonlinearity}"
-        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, target,
-                         schedule, seed)
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
+                         bidirectional, target, schedule, seed)
 
     __call__, backward = GRU.__call__, GRU.backward
 
@@ -509,12 +583,14 @@ class Recurrent(_RNN):
     Parameters weight_ih_l{k} (G*H, I), weight_hh_l{k} (G*H, H), bias_ih_l{k}
     and bias_hh_l{k} (G*H), G the cell's gate blocks (the biases not for a
     cell defined with matrix_bias=False), and the cell's vector parameters
-    <name>_l{k}, (H,) or (G*H,) per gate. A call returns
+    <name>_l{k}, (H,) or (G*H,) per gate; bidirectional, each again with
+    the suffix _reverse, and layers past the first read 2H inputs. A call returns
     y, h_n for a cell of one state, else y, (h_n, s2_n, ...), states in the
     cell's order; backward takes one d<state>_n per state."""
 
     def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
-                 batch_first=False, target="host", schedule=None, seed=None):
+                 batch_first=False, dropout=0.0, bidirectional=False, target="host",
+                 schedule=None, seed=None):
         from . import cells
         if isinstance(cell, cells.Definition):
             cell = cells.register(cell)
@@ -524,12 +600,12 @@ class Recurrent(_RNN):
         desc = cells.info(cells.check(cell))
         self.cell, self.n_gates = cell, len(desc["gates"])
         self._state_names = tuple(desc["states"])
-        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, target,
-                         schedule, seed)
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
+                         bidirectional, target, schedule, seed)
 
     def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None, or per state an
-        (L, B, H) array: h0 alone for a one-state cell, else a tuple;
+        (L*D, B, H) array: h0 alone for a one-state cell, else a tuple;
         lengths: as LSTM's."""
         names = self._state_names
         if len(names) == 1:

@@ -553,3 +553,118 @@ def test_lengths_errors():
     for bad in ([3, 8, 1], [0, 2, 1], [3, 2], [1.5, 2, 3]):
         with pytest.raises(ValueError, match=r"lengths: expected \(3,\) ints in \[1, 7\]"):
             m(x, lengths=np.array(bad))
+
+
+# ---- bidirectional, dropout (CPU targets) -------------------------------------
+
+def _torch_reference(tm, cell, x, hx, dy, dfinal, lengths=None, batch_first=False):
+    """torch.nn module tm on x (and packed by lengths): y, finals, grads by name."""
+    torch = pytest.importorskip("torch")
+    tx = torch.from_numpy(x.copy()).requires_grad_()
+    th = [torch.from_numpy(a.copy()).requires_grad_() for a in hx]
+    inp = tx
+    if lengths is not None:
+        inp = torch.nn.utils.rnn.pack_padded_sequence(tx, torch.as_tensor(lengths), batch_first,
+                                                      enforce_sorted=False)
+    ty, tfin = tm(inp, tuple(th) if cell == "lstm" else th[0])
+    if lengths is not None:
+        ty, _ = torch.nn.utils.rnn.pad_packed_sequence(ty, batch_first, total_length=T)
+    tfin = list(tfin) if cell == "lstm" else [tfin]
+    loss = (ty * torch.from_numpy(dy)).sum()
+    for f, d in zip(tfin, dfinal):
+        loss = loss + (f * torch.from_numpy(d)).sum()
+    loss.backward()
+    grads = {k: p.grad.numpy() for k, p in tm.named_parameters()}
+    grads["input"] = tx.grad.numpy()
+    grads |= {f"{s}0": t.grad.numpy() for s, t in zip(STATES[cell], th)}
+    return ty.detach().numpy(), [f.detach().numpy() for f in tfin], grads
+
+
+@pytest.mark.parametrize("cell, lengths, batch_first", [
+    ("lstm", None, False), ("lstm", [3, 7, 1], True), ("gru", [7, 2, 5], False)])
+def test_bidirectional_matches_torch(cell, lengths, batch_first, rng):
+    """Two layers both ways, with and without (unsorted) lengths, against
+    torch.nn with the same state dict: outputs, final states, every gradient."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    tm = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(
+        I, H, num_layers=L, bidirectional=True, batch_first=batch_first)
+    m = make(cell, bidirectional=True, batch_first=batch_first)
+    assert list(m.state_dict()) == list(tm.state_dict())
+    m.load_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    x = rng.standard_normal((B, T, I) if batch_first else (T, B, I)).astype(np.float32)
+    hx = [rng.standard_normal((2 * L, B, H)).astype(np.float32) for _ in STATES[cell]]
+    dy = rng.standard_normal((B, T, 2 * H) if batch_first else (T, B, 2 * H)).astype(np.float32)
+    dfinal = [rng.standard_normal((2 * L, B, H)).astype(np.float32) for _ in STATES[cell]]
+    if lengths is not None:            # torch's packed gradients ignore dy past a length
+        pad = np.arange(T)[None, :] >= np.array(lengths)[:, None]        # (B, T)
+        dy[pad if batch_first else pad.T] = 0
+    y, finals = call(m, cell, x, hx if cell == "lstm" else hx[0], lengths=lengths)
+    grads = backward(m, cell, dy, dfinal)
+    ty, tfinals, want = _torch_reference(tm, cell, x, hx, dy, dfinal, lengths, batch_first)
+    assert_close("y", y, ty)
+    for s, f, tf in zip(STATES[cell], finals, tfinals):
+        assert_close(f"{s}_n", f, tf)
+    assert set(grads) == set(want)
+    for k, g in grads.items():
+        assert_close(f"d {k}", g, want[k])
+
+
+def test_dropout_applies_the_module_masks(rng, monkeypatch):
+    """In training mode each layer's output but the last is multiplied by a
+    mask (here fixed) on the way up and on the way down: equal to torch
+    layers composed by hand with the same masks, every gradient included."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(1)
+    layers = [torch.nn.LSTM(I if k == 0 else 2 * H, H, bidirectional=True) for k in range(L)]
+    m = make("lstm", bidirectional=True, dropout=0.5)
+    m.load_state_dict({k.replace("_l0", f"_l{i}"): v.detach().numpy()
+                       for i, t in enumerate(layers) for k, v in t.state_dict().items()})
+    masks = [np.where(rng.random((T, B, 2 * H)) < 0.5, 0, 2).astype(np.float32)]
+    monkeypatch.setattr(m, "_dropout_mask", lambda shape: masks[0])
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, 2 * H)).astype(np.float32)
+    y, _ = m(x)
+    grads = m.backward(dy)
+    tx = torch.from_numpy(x).requires_grad_()
+    out, _ = layers[0](tx)
+    ty, _ = layers[1](out * torch.from_numpy(masks[0]))
+    (ty * torch.from_numpy(dy)).sum().backward()
+    assert_close("y", y, ty.detach().numpy())
+    assert_close("d input", grads["input"], tx.grad.numpy())
+    for i, t in enumerate(layers):
+        for k, p in t.named_parameters():
+            assert_close(f"d {k} of layer {i}", grads[k.replace("_l0", f"_l{i}")], p.grad.numpy())
+
+
+def test_dropout_seeded_train_and_eval(rng):
+    """Masks come from the module's seed (same seed, same outputs); eval()
+    turns dropout off (equal to a module without dropout); p=1 zeroes the
+    upper layers' input."""
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    a, b = make("gru", dropout=0.3, seed=5), make("gru", dropout=0.3, seed=5)
+    plain = make("gru", seed=5)
+    ya, yb = a(x)[0], b(x)[0]
+    np.testing.assert_array_equal(ya, yb)
+    assert not np.array_equal(ya, plain(x)[0])
+    assert not np.array_equal(a(x)[0], ya)             # a new mask each call
+    np.testing.assert_array_equal(a.eval()(x)[0], plain(x)[0])
+    assert a.train() is a and a.training
+    zero = make("gru", dropout=1.0, seed=5)
+    np.testing.assert_array_equal(zero(x)[0], zero(np.zeros_like(x))[0])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dropout=1.5), "dropout: expected a probability"),
+    (dict(dropout="0.1"), "dropout: expected a probability"),
+    (dict(bidirectional=True, target="host-cuda"), "bidirectional, dropout: run on CPU"),
+    (dict(dropout=0.2, target="host-cuda"), "bidirectional, dropout: run on CPU")])
+def test_layer_feature_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        halstm.LSTM(I, H, num_layers=2, **kw)
+
+
+def test_bidirectional_hx_shape_error():
+    m = make("lstm", bidirectional=True)
+    with pytest.raises(ValueError, match=r"h0: expected shape \(4, 3, 37\)"):
+        m(np.zeros((T, B, I), np.float32), (np.zeros((L, B, H), np.float32),) * 2)
