@@ -167,6 +167,32 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.filterwarnings("ignore:.*double precision")
+@pytest.mark.parametrize("cell, form", [("lstm", "padded"), ("gru", "packed")])
+def test_gradcheck(cell, form):
+    """torch.autograd.gradcheck through the autograd function: the input,
+    hx and every bias against central differences (fp32 kernels: eps 1e-3,
+    tolerances to match; the weights are held to torch.nn's gradients by
+    test_matches_torch)."""
+    m = PEERS[cell][0](I, H, num_layers=2, bidirectional=True)
+    names = [k for k, _ in m.named_parameters()]
+    biases = [k for k in names if k.startswith("bias")]
+    x = torch.randn(3, 2, I, requires_grad=True)
+    hx = [torch.randn(4, 2, H, requires_grad=True) for _ in range(2 if cell == "lstm" else 1)]
+    params = dict(m.named_parameters())
+
+    def f(x, *rest):
+        hs, bs = rest[:len(hx)], rest[len(hx):]
+        inp = x
+        if form == "packed":
+            inp = torch.nn.utils.rnn.pack_padded_sequence(x, [2, 3], enforce_sorted=False)
+        y, hn = torch.func.functional_call(m, params | dict(zip(biases, bs)),
+                                           (inp, tuple(hs) if cell == "lstm" else hs[0]))
+        return (y.data if form == "packed" else y,) + _finals(hn)
+    inputs = (x, *hx, *(params[k].detach().clone().requires_grad_() for k in biases))
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-3, atol=1e-3, rtol=1e-2)
+
+
 def test_dropout_between_layers():
     m = hnn.LSTM(I, H, num_layers=2, dropout=0.5)
     ref = torch.nn.LSTM(I, H, num_layers=2, dropout=0.5)
