@@ -26,7 +26,7 @@ from ..cell_options import cell_file_option, cell_options
 from . import checkpoint as ckpt_mod
 from . import data, outputs, signals
 from .charlm import CharLM
-from .config import LR_SCHEDULES, OPTIMIZERS, RESUMABLE, Config
+from .config import ENGINES, LR_SCHEDULES, OPTIMIZERS, RESUMABLE, Config
 from .data import Corpus, CorpusError
 from .optim import NonFiniteError
 from .sample import generate
@@ -97,6 +97,9 @@ def _option(name: str) -> str:
 @click.option("--target", default=_DEFAULTS.target, show_default=True,
               help="Halide target of the kernels.")
 @click.option("--schedule", default=None, help="Kernel schedule (default: the target's).")
+@click.option("--engine", type=click.Choice(ENGINES), default=_DEFAULTS.engine, show_default=True,
+              help="halstm: halstm's kernels throughout; torch: halstm.torch layers with "
+                   "torch's autograd, head and optimizer (needs PyTorch).")
 @click.option("--out", type=PATH, default=None,
               help="Checkpoint to write  [default: charlm.npz, or the --resume file]")
 @click.option("--resume", type=PATH, default=None, help="Continue from this checkpoint.")

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from .. import cells
 
 OPTIMIZERS = ("adam", "sgd")
+ENGINES = ("halstm", "torch")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 # Fields that define the network and the data layout a checkpoint's arrays
@@ -16,7 +17,8 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 ARCHITECTURE = ("cell", "hidden_size", "layers")
 # Fields a resumed run may change: they change neither array shapes nor what
 # the run has done so far (more steps, other evaluation cadence, other device).
-RESUMABLE = ("steps", "eval_every", "save_every", "save_minutes", "target", "schedule")
+RESUMABLE = ("steps", "eval_every", "save_every", "save_minutes", "target", "schedule",
+             "engine")
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Config:
     seed: int = 0
     target: str = "host"             # Halide target of the kernels (not part of the model)
     schedule: str | None = None      # kernel schedule name; None: the target's default
+    engine: str = "halstm"           # halstm: own head and optimizer kernels; torch:
+                                     # halstm.torch layers, torch head, autograd, torch.optim
 
     def __post_init__(self):
         self.validate()
@@ -74,6 +78,7 @@ class Config:
 
         choice("cell", cells.names())
         choice("optimizer", OPTIMIZERS)
+        choice("engine", ENGINES)
         choice("lr_schedule", LR_SCHEDULES)
         for name in ("hidden_size", "layers", "seq_len", "batch_size", "steps", "eval_batch_size"):
             positive_int(name)

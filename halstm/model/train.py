@@ -71,9 +71,19 @@ class Trainer:
     def __init__(self, config: Config, corpus: Corpus):
         config.validate()
         self.config, self.corpus, self.vocab = config, corpus, corpus.vocab
-        self.model = CharLM.from_config(config, len(self.vocab))
-        self.params = self.model.parameters()
-        self.optimizer = optim.make(config, self.params, self.model.kernels)
+        if config.engine == "torch":
+            try:
+                from . import torch_engine
+            except ImportError as e:
+                raise ValueError(f"engine: 'torch' needs PyTorch (pip install "
+                                 f"'halstm[torch]'): {e}") from None
+            self.model = torch_engine.TorchCharLM.from_config(config, len(self.vocab))
+            self.params = self.model.parameters()
+            self.optimizer = torch_engine.TorchOptimizer(config, self.params)
+        else:
+            self.model = CharLM.from_config(config, len(self.vocab))
+            self.params = self.model.parameters()
+            self.optimizer = optim.make(config, self.params, self.model.kernels)
         self.streams = Streams(corpus.train, config.seq_len, config.batch_size,
                                np.random.default_rng([config.seed, 1]))
         self.state = self.model.zero_state(config.batch_size)
@@ -366,7 +376,9 @@ class Trainer:
 
 
 def _host(a) -> np.ndarray:
-    """A numpy copy of a DeviceArray; numpy arrays as they are."""
+    """A numpy copy of a DeviceArray or a torch tensor; numpy arrays as they are."""
+    if hasattr(a, "detach"):                      # torch (engine "torch")
+        return a.detach().cpu().numpy().copy()
     return a if isinstance(a, np.ndarray) else np.array(a, np.float32)
 
 
