@@ -19,6 +19,7 @@ sequences longer than t.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -74,12 +75,15 @@ _mems: dict = {}
 _lock = threading.Lock()
 
 
-def _spec(cell: str, K: int, H: int, schedule: str | None) -> str:
-    return f"{cell}|{K}|{H}|{schedule or ''}"
+def _spec(cell: str, K: int, H: int, schedule: str | None, lane: int = 0) -> str:
+    """A layer's kernels as a string (what the custom operators take).
+    lane: which instance of the library (its own workspaces), so that two
+    layers of one size can run at once on two streams."""
+    return f"{cell}|{K}|{H}|{schedule or ''}|{lane}"
 
 
 def _unspec(spec: str):
-    cell, K, H, schedule = spec.split("|")
+    cell, K, H, schedule, _ = spec.split("|")
     return cell, int(K), int(H), schedule or None
 
 
@@ -110,6 +114,21 @@ def _to(a: Tensor, device) -> Tensor:
     if torch.device(device).type != "cuda":
         return a.to(device)
     return a.pin_memory().to(device, non_blocking=True)
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """The stream a bidirectional layer's reverse direction runs on while
+    the forward direction runs on the current one: CUDA, eager only (None
+    elsewhere)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    with _lock:
+        if device not in _side_streams:
+            _side_streams[device] = torch.cuda.Stream(device)
+        return _side_streams[device]
 
 
 def _stream(device: torch.device):
@@ -404,18 +423,30 @@ class _Recurrent(torch.nn.Module):
         finals = [[] for _ in self._states]
         if lengths is not None:    # where each row's final state is: states[:, length, row]
             ends = (_to(lengths, x.device), torch.arange(B, device=x.device))
+        side = _side_stream(x.device) if D == 2 else None
         for layer in range(L):
             outs = []
+            if side is not None:     # the reverse direction runs beside, on its own stream
+                main = torch.cuda.current_stream(x.device)
+                side.wait_stream(main)
             for d, sfx in enumerate(("", "_reverse")[:D]):
-                w_ih, b_ih, w_hh, b_hh, vec = self._weights(layer, sfx, zero)
-                inp = x if d == 0 else self._reverse(x, rev)
-                spec = _spec(self.cell, inp.shape[-1], H, self.schedule)
-                states = _run_layer(inp, w_ih, b_ih, w_hh, b_hh, vec,
-                                    [s[layer * D + d] for s in init], batch_sizes, spec, save)
-                y = states[0, 1:]
-                outs.append(y if d == 0 else self._reverse(y, rev))
-                for s in range(len(self._states)):
-                    finals[s].append(states[s, T] if lengths is None else states[s][ends])
+                beside = side is not None and d == 1
+                with torch.cuda.stream(side) if beside else contextlib.nullcontext():
+                    w_ih, b_ih, w_hh, b_hh, vec = self._weights(layer, sfx, zero)
+                    inp = x if d == 0 else self._reverse(x, rev)
+                    spec = _spec(self.cell, inp.shape[-1], H, self.schedule, lane=int(beside))
+                    states = _run_layer(inp, w_ih, b_ih, w_hh, b_hh, vec,
+                                        [s[layer * D + d] for s in init], batch_sizes, spec,
+                                        save)
+                    y = states[0, 1:]
+                    outs.append(y if d == 0 else self._reverse(y, rev))
+                    for s in range(len(self._states)):
+                        finals[s].append(states[s, T] if lengths is None else states[s][ends])
+            if side is not None:     # main reads what side made; side read x
+                main.wait_stream(side)
+                x.record_stream(side)
+                for a in (states, outs[1]):
+                    a.record_stream(main)
             x = outs[0] if D == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer < L - 1:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
