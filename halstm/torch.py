@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
+import warnings
 
 import torch
 from torch import Tensor
 from torch.nn.utils import rnn as rnn_utils
 
-from . import aot, cells
+from . import aot, cells, memory
 from .runtime import Library, row_lengths
 
-__all__ = ["LSTM", "GRU", "RNN", "Recurrent", "LSTMCell", "GRUCell", "RNNCell"]
+__all__ = ["LSTM", "GRU", "RNN", "Recurrent", "LSTMCell", "GRUCell", "RNNCell",
+           "PerformanceWarning"]
+
+
+class PerformanceWarning(UserWarning):
+    """A setting that makes halstm's kernels run slower than they can."""
 
 
 # ---- the kernels, keyed by what they are compiled for ----------------------
@@ -43,10 +50,19 @@ class _Tensors:
         self.device, self.kind = device, f"torch:{device}"
 
     def empty(self, shape):
+        if self.device.type == "cpu":
+            # numpy's memory (memory.empty): numpy asks the kernel for huge
+            # pages for large arrays, torch's CPU allocator does not, and
+            # a layer's fresh outputs then cost a page fault every 4 KiB
+            # inside the kernels' threads (charrnn_512x2, 16-core Xeon:
+            # 350k faults a forward+backward)
+            return torch.from_numpy(memory.empty(shape))
         return torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def zeros(self, shape):
-        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+        a = self.empty(shape)
+        a.zero_()
+        return a
 
     @staticmethod
     def zero(a):
@@ -98,6 +114,8 @@ def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, 
         target = "host"
     else:
         raise ValueError(f"input: expected a CPU or CUDA tensor, got one on {device}")
+    if target == "host":
+        _warn_spinning_threads()
     key = (spec, direction, target)
     with _lock:
         if key not in _libs:
@@ -105,6 +123,24 @@ def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, 
         if device not in _mems:
             _mems[device] = _Tensors(device)
         return _libs[key], _mems[device]
+
+
+_warned = False
+
+
+def _warn_spinning_threads() -> None:
+    """Once: torch's OpenMP threads, waiting actively (libgomp's default),
+    spin after each torch op on the cores halstm's CPU kernels run on."""
+    global _warned
+    if _warned or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" \
+            or torch.get_num_threads() < 2:
+        return
+    _warned = True
+    warnings.warn("halstm.torch on the CPU: torch's OpenMP threads spin after each torch op "
+                  "and take the cores halstm's kernels need (forward+backward measured up to "
+                  "2x slower; docs/torch.md). Start Python with OMP_WAIT_POLICY=PASSIVE, or "
+                  "call torch.set_num_threads(1) if the model's torch ops are small.",
+                  PerformanceWarning, stacklevel=2)
 
 
 def _to(a: Tensor, device) -> Tensor:

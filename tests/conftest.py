@@ -7,6 +7,11 @@ import os
 import numpy as np
 import pytest
 
+# torch (where the tests use it) waits passively for work, so that its idle
+# OpenMP threads leave the cores to halstm's kernels (docs/torch.md); set
+# before any test module imports torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):

@@ -193,6 +193,25 @@ def test_gradcheck(cell, form):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-3, atol=1e-3, rtol=1e-2)
 
 
+def test_warns_once_of_actively_waiting_threads(monkeypatch):
+    """On the CPU without OMP_WAIT_POLICY=PASSIVE and with torch threads
+    to spin, the first call warns (PerformanceWarning), later ones not."""
+    import warnings
+    monkeypatch.setattr(hnn, "_warned", False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    m, x = hnn.LSTM(I, H), torch.randn(2, 1, I)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(x)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    with pytest.warns(hnn.PerformanceWarning, match="OMP_WAIT_POLICY=PASSIVE"):
+        m(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(x)
+
+
 def test_dropout_between_layers():
     m = hnn.LSTM(I, H, num_layers=2, dropout=0.5)
     ref = torch.nn.LSTM(I, H, num_layers=2, dropout=0.5)
