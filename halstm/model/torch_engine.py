@@ -6,14 +6,24 @@ differs is everything around them. A checkpoint of one engine resumes in
 the other (the optimizer state is stored in halstm.model.optim's form).
 
 Needs PyTorch (pip install halstm[torch]). The device follows the target:
-a CUDA target trains on cuda:0, any other on the CPU.
+a CUDA target trains on cuda:0, any other on the CPU. Importing this
+module before torch sets OMP_WAIT_POLICY=PASSIVE (unless set).
 """
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import numpy as np
-import torch
+
+# torch's OpenMP threads spin after each op, on the cores halstm's CPU
+# kernels want (halstm.torch warns of it; docs/torch.md has the figures):
+# this process waits passively, unless torch is loaded already (libgomp
+# reads the setting once) or the user chose otherwise.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 from ..torch import Recurrent
 from .charlm import CharLM
