@@ -9,7 +9,8 @@ process (medians of alternating rounds; ratios to torch.nn in the same run).
 Variants per shape: kernels (halstm.LSTM with numpy / CUDA arrays),
 halstm.torch, torch.nn; packed: lengths uniform in 1..T (seeded), the
 batch as a PackedSequence, through halstm.torch and torch.nn; bidirectional
-halstm.torch and torch.nn. Each halstm.torch variant's output is checked
+halstm.torch and torch.nn; proj_size H/2 through halstm.torch and
+torch.nn. Each halstm.torch variant's output is checked
 against torch.nn's before timing.
 """
 import argparse
@@ -31,8 +32,9 @@ def _check(name, got, want, tol=1e-3):
         raise SystemExit(f"{name}: output differs from torch.nn's by {err:.2e} (> {tol})")
 
 
-def variants(s, device, seed=0):
-    """name -> a function running forward+backward once."""
+def variants(s, device, seed=0, only=""):
+    """name -> a function running forward+backward once (the names that
+    contain `only`)."""
     I, H, B, T, L = s["I"], s["H"], s["B"], s["T"], s["L"]
     torch.manual_seed(seed)
     ref = torch.nn.LSTM(I, H, L).to(device)
@@ -50,6 +52,11 @@ def variants(s, device, seed=0):
     bi_ref = torch.nn.LSTM(I, H, L, bidirectional=True).to(device)
     bi = hnn.LSTM(I, H, L, bidirectional=True).to(device)
     bi.load_state_dict(bi_ref.state_dict())
+    P = H // 2                     # proj_size: h = W_hr m of H/2 units
+    pj_ref = torch.nn.LSTM(I, H, L, proj_size=P).to(device)
+    pj = hnn.LSTM(I, H, L, proj_size=P).to(device)
+    pj.load_state_dict(pj_ref.state_dict())
+    dyp = torch.randn(T, B, P, device=device)
     xk = x if device == "cuda" else x.numpy()
     dyk = dy if device == "cuda" else dy.numpy()
 
@@ -69,11 +76,16 @@ def variants(s, device, seed=0):
              "halstm.torch packed": module(mine, packed, dpk),
              "torch.nn packed": module(ref, packed, dpk),
              "halstm.torch bidir": module(bi, x, torch.cat([dy, dy], -1)),
-             "torch.nn bidir": module(bi_ref, x, torch.cat([dy, dy], -1))}
+             "torch.nn bidir": module(bi_ref, x, torch.cat([dy, dy], -1)),
+             "halstm.torch proj": module(pj, x, dyp), "torch.nn proj": module(pj_ref, x, dyp)}
+    calls = {k: v for k, v in calls.items() if only in k}
     with torch.no_grad():
-        _check("halstm.torch", mine(x)[0], ref(x)[0])
-        _check("halstm.torch packed", mine(packed)[0].data, ref(packed)[0].data)
-        _check("halstm.torch bidir", bi(x)[0], bi_ref(x)[0])
+        for name, m, r, inp in (("halstm.torch", mine, ref, x), ("halstm.torch packed", mine,
+                                ref, packed), ("halstm.torch bidir", bi, bi_ref, x),
+                                ("halstm.torch proj", pj, pj_ref, x)):
+            if name in calls:
+                y, want = m(inp)[0], r(inp)[0]
+                _check(name, getattr(y, "data", y), getattr(want, "data", want))
     return calls, lengths
 
 
@@ -84,6 +96,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the medians here")
+    ap.add_argument("--only", default="", help="the variants whose name contains this")
     a = ap.parse_args()
     shapes = benchmark.shapes()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
@@ -94,18 +107,19 @@ def main():
     print(f"# {machine}; torch {torch.__version__}; forward+backward, median ms "
           f"of {a.rounds - a.warmup} alternating rounds")
     for name in a.shapes.split(","):
-        calls, lengths = variants(shapes[name], a.device)
+        calls, lengths = variants(shapes[name], a.device, only=a.only)
         med = {k: v * 1e3 for k, v in alternating(calls, a.rounds, a.warmup, sync).items()}
         out["shapes"][name] = {"ms": med, "lengths_mean": float(lengths.float().mean())}
         print(f"\n## {name} {shapes[name]}")
         for k, v in med.items():
             print(f"  {k:22s} {v:9.3f} ms")
-        r = {"halstm.torch / kernels": med["halstm.torch"] / med["kernels"],
-             "halstm.torch / torch.nn": med["halstm.torch"] / med["torch.nn"],
-             "packed / padded (halstm.torch)": med["halstm.torch packed"] / med["halstm.torch"],
-             "packed: halstm.torch / torch.nn": med["halstm.torch packed"]
-             / med["torch.nn packed"],
-             "bidir: halstm.torch / torch.nn": med["halstm.torch bidir"] / med["torch.nn bidir"]}
+        pairs = {"halstm.torch / kernels": ("halstm.torch", "kernels"),
+                 "halstm.torch / torch.nn": ("halstm.torch", "torch.nn"),
+                 "packed / padded (halstm.torch)": ("halstm.torch packed", "halstm.torch"),
+                 "packed: halstm.torch / torch.nn": ("halstm.torch packed", "torch.nn packed"),
+                 "bidir: halstm.torch / torch.nn": ("halstm.torch bidir", "torch.nn bidir"),
+                 "proj: halstm.torch / torch.nn": ("halstm.torch proj", "torch.nn proj")}
+        r = {k: med[a] / med[b] for k, (a, b) in pairs.items() if a in med and b in med}
         out["shapes"][name]["ratios"] = r
         for k, v in r.items():
             print(f"  {k:34s} {v:6.3f}")

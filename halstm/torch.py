@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn.utils import rnn as rnn_utils
 
 from . import aot, cells, memory
+from .reference import torch_ops
 from .runtime import Library, row_lengths
 
 __all__ = ["LSTM", "GRU", "RNN", "Recurrent", "LSTMCell", "GRUCell", "RNNCell",
@@ -152,6 +153,13 @@ def _to(a: Tensor, device) -> Tensor:
     return a.pin_memory().to(device, non_blocking=True)
 
 
+_TorchOps = torch_ops(torch)     # the cell language's operations on tensors
+_step_functions: dict = {}       # cell -> its step on tensors (made before torch.compile traces)
+
+
+def _make_step_function(cell: str) -> None:
+    if cell not in _step_functions:
+        _step_functions[cell] = cells.definition(cell).step_function(_TorchOps)
 _side_streams: dict = {}
 
 
@@ -238,8 +246,9 @@ def _(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx)
 
 def _grads(ctx, dstates, backward):
     """The gradients of a layer's inputs from those of its states (NS, T+1,
-    B, H): y is states[0, 1:] and the final states are states[:, T] (or at
-    each row's length), so every gradient lands in dstates. h's final
+    B, H): y is states[0, 1:], the final states are states[:, T] (or at
+    each row's length) and states[:, 0] is the initial state, so every
+    gradient lands in dstates. h's final
     gradient is part of dy at the row's last step; the other states' are
     read where each row ends. Returns (dx or None, dw_ih, db_ih, dw_hh,
     db_hh, dvec or None, dinit (NS, B, H))."""
@@ -259,7 +268,7 @@ def _grads(ctx, dstates, backward):
         x, w_ih, w_hh, vec, saved, states, dstates[0, 1:], dfinal, batch_sizes, ctx.spec,
         need_dx)
     return (dx if need_dx else None, dw_ih, db_ih, dw_hh, db_hh,
-            dvec if vec is not None else None, dinit)
+            dvec if vec is not None else None, dinit + dstates[:, 0])   # (states[:, 0] is init)
 
 
 def _setup_context(ctx, inputs, output):
@@ -338,31 +347,39 @@ class _Recurrent(torch.nn.Module):
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) \
                 or not 0 <= dropout <= 1:
             raise ValueError(f"dropout: expected a probability in [0, 1], got {dropout!r}")
-        if proj_size:
-            raise NotImplementedError(f"proj_size={proj_size}: halstm does not run projected "
-                                      f"LSTMs yet (proj_size=0 only)")
+        if not isinstance(proj_size, int) or isinstance(proj_size, bool) \
+                or not 0 <= proj_size < hidden_size:
+            raise ValueError(f"proj_size: expected an int in [0, hidden_size={hidden_size}), "
+                             f"got {proj_size!r}")
         if dtype not in (None, torch.float32):
             raise TypeError(f"dtype: halstm's kernels run float32, got {dtype}")
         self.cell = cells.check(cell)
         d = cells.definition(cell)
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         self.bias, self.batch_first, self.dropout = bool(bias), bool(batch_first), float(dropout)
-        self.bidirectional, self.proj_size, self.schedule = bool(bidirectional), 0, schedule
+        self.bidirectional, self.proj_size, self.schedule = bool(bidirectional), proj_size, schedule
+        if proj_size and d.d_prev["h"] is not None:
+            raise ValueError(f"proj_size: cell {cell!r} reads h in its step itself, not only "
+                             f"through W_hh h; a projection needs a cell that does not")
         self._states = tuple(d.states)
+        _make_step_function(self.cell)
         self._vector_specs = [v for v in d.vectors if self.bias or not v.bias]
         self._all_vectors = d.vectors
         self._matrix_bias = d.matrix_bias
         G, H, D = len(d.gates), hidden_size, 2 if bidirectional else 1
+        R = proj_size or H                  # the size of h: the output per direction
         self._gates = G
         self._flat_weights_names = []
         for layer in range(num_layers):
-            K = input_size if layer == 0 else H * D
+            K = input_size if layer == 0 else R * D
             for sfx in ("", "_reverse")[:D]:
-                shapes = {"weight_ih": (G * H, K), "weight_hh": (G * H, H)}
+                shapes = {"weight_ih": (G * H, K), "weight_hh": (G * H, R)}
                 if self.bias and self._matrix_bias:
                     shapes |= {"bias_ih": (G * H,), "bias_hh": (G * H,)}
                 for v in self._vector_specs:
                     shapes[v.name] = ((G if v.per_gate else 1) * H,)
+                if proj_size:
+                    shapes["weight_hr"] = (R, H)
                 for base, shape in shapes.items():
                     name = f"{base}_l{layer}{sfx}"
                     self.register_parameter(name, torch.nn.Parameter(
@@ -380,6 +397,10 @@ class _Recurrent(torch.nn.Module):
                 init = inits.get(name.split("_l")[0], "uniform")
                 p = getattr(self, name)
                 p.uniform_(-bound, bound) if init == "uniform" else p.fill_(init)
+
+    def __setstate__(self, state) -> None:     # (torch.load, copy.deepcopy)
+        super().__setstate__(state)
+        _make_step_function(self.cell)
 
     def flatten_parameters(self) -> None:
         """torch.nn.RNNBase's: nothing to do (the kernels take the
@@ -400,26 +421,61 @@ class _Recurrent(torch.nn.Module):
         if self.num_layers != 1:
             s += f", num_layers={self.num_layers}"
         for k, default in (("bias", True), ("batch_first", False), ("dropout", 0.0),
-                           ("bidirectional", False)):
+                           ("bidirectional", False), ("proj_size", 0)):
             if getattr(self, k) != default:
                 s += f", {k}={getattr(self, k)}"
         return s
 
     # ---- one layer's parameters ------------------------------------------
     def _weights(self, layer: int, sfx: str, zero: Tensor):
+        """w_ih, b_ih, w_hh, b_hh, vectors {name: (H,) or (G*H,)} (None
+        without), w_hr (None without a projection)."""
         def get(name):
             return getattr(self, f"{name}_l{layer}{sfx}", None)
         b_ih, b_hh = get("bias_ih"), get("bias_hh")
-        vec = None
-        if self._all_vectors:   # one (V, H) array: channels in declaration order
-            H, rows = self.hidden_size, []
-            for v in self._all_vectors:
-                n = self._gates if v.per_gate else 1
-                a = get(v.name)
-                rows.append(zero.new_zeros((n, H)) if a is None else a.view(n, H))
-            vec = torch.cat(rows)
+        vectors = None
+        if self._all_vectors:      # a bias left out (bias=False) is zeros
+            H = self.hidden_size
+            vectors = {v.name: zero.new_zeros(((self._gates if v.per_gate else 1) * H,))
+                       if get(v.name) is None else get(v.name) for v in self._all_vectors}
         return (get("weight_ih"), zero if b_ih is None else b_ih, get("weight_hh"),
-                zero if b_hh is None else b_hh, vec)
+                zero if b_hh is None else b_hh, vectors, get("weight_hr"))
+
+    def _direction(self, x, init, batch_sizes, weights, spec, save, given):
+        """One layer, one direction over x (T, B, K): (y (T, B, R), states
+        after each step (NS, T, B, H)).
+
+        With a projection (h = W_hr m, R units), the kernels run the cell
+        on m: W_hh h = (W_hh W_hr) m, so the recurrent weight is W_hh W_hr
+        (G*H, H), and y = W_hr m over all steps is one product after the
+        time loop. A given h_0 has no m: step 0 then runs here, in torch
+        (given: hx was passed; without, m_0 = 0 stands for h_0 = 0)."""
+        w_ih, b_ih, w_hh, b_hh, vectors, w_hr = weights
+        vec = None if vectors is None else torch.cat(
+            [a.view(-1, self.hidden_size) for a in vectors.values()])
+        if w_hr is None:
+            states = _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)
+            return states[0, 1:], states[:, 1:]
+        w_m = w_hh @ w_hr
+        if not given:
+            m0 = init[0].new_zeros((init[0].shape[0], self.hidden_size))
+            seq = _run_layer(x, w_ih, b_ih, w_m, b_hh, vec, [m0, *init[1:]], batch_sizes,
+                             spec, save)[:, 1:]
+        else:
+            step = _step_functions[self.cell]
+            first = step(x[0] @ w_ih.T + b_ih, init[0] @ w_hh.T + b_hh, init, vectors)
+            seq = torch.stack(first)[:, None]                     # (NS, 1, B, H)
+            if len(x) > 1:    # steps 1.. in the kernels, the rows longer than 1 step:
+                n = len(seq[0, 0]) if batch_sizes is None else int(batch_sizes[1])
+                rest = _run_layer(x[1:, :n], w_ih, b_ih, w_m, b_hh, vec,   # (its states[:, 0]
+                                  [a[:n] for a in first],                  # is step 0's)
+                                  None if batch_sizes is None else batch_sizes[1:], spec, save)
+                if n < len(seq[0, 0]):      # the rows that ended after step 0
+                    ended = torch.cat([seq[:, :, n:], seq.new_zeros(
+                        (len(seq), len(x) - 1, len(seq[0, 0]) - n, self.hidden_size))], 1)
+                    rest = torch.cat([rest, ended], 2)
+                seq = rest
+        return seq[0] @ w_hr.T, seq
 
     # ---- the call ---------------------------------------------------------
     def _run(self, input, hx):
@@ -457,8 +513,8 @@ class _Recurrent(torch.nn.Module):
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
-        if lengths is not None:    # where each row's final state is: states[:, length, row]
-            ends = (_to(lengths, x.device), torch.arange(B, device=x.device))
+        if lengths is not None:    # where each row's final state is: seq[:, length - 1, row]
+            ends = (_to(lengths - 1, x.device), torch.arange(B, device=x.device))
         side = _side_stream(x.device) if D == 2 else None
         for layer in range(L):
             outs = []
@@ -468,20 +524,18 @@ class _Recurrent(torch.nn.Module):
             for d, sfx in enumerate(("", "_reverse")[:D]):
                 beside = side is not None and d == 1
                 with torch.cuda.stream(side) if beside else contextlib.nullcontext():
-                    w_ih, b_ih, w_hh, b_hh, vec = self._weights(layer, sfx, zero)
                     inp = x if d == 0 else self._reverse(x, rev)
                     spec = _spec(self.cell, inp.shape[-1], H, self.schedule, lane=int(beside))
-                    states = _run_layer(inp, w_ih, b_ih, w_hh, b_hh, vec,
-                                        [s[layer * D + d] for s in init], batch_sizes, spec,
-                                        save)
-                    y = states[0, 1:]
+                    y, seq = self._direction(inp, [s[layer * D + d] for s in init], batch_sizes,
+                                             self._weights(layer, sfx, zero), spec, save,
+                                             hx is not None)
                     outs.append(y if d == 0 else self._reverse(y, rev))
-                    for s in range(len(self._states)):
-                        finals[s].append(states[s, T] if lengths is None else states[s][ends])
+                    for s, a in enumerate([y, *seq[1:]]):   # (h: y at the end, projected)
+                        finals[s].append(a[T - 1] if lengths is None else a[ends])
             if side is not None:     # main reads what side made; side read x
                 main.wait_stream(side)
                 x.record_stream(side)
-                for a in (states, outs[1]):
+                for a in (seq, outs[1]):
                     a.record_stream(main)
             x = outs[0] if D == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer < L - 1:
@@ -525,8 +579,9 @@ class _Recurrent(torch.nn.Module):
         """Per state an (L*D, B, H) tensor: the caller's, or zeros."""
         LD, H = self.num_layers * self._directions, self.hidden_size
         n = len(self._states)
+        size = {s: self.proj_size or H if s == "h" else H for s in self._states}
         if hx is None:
-            return [x.new_zeros((LD, B, H)) for _ in range(n)]
+            return [x.new_zeros((LD, B, size[s])) for s in self._states]
         given = (hx,) if n == 1 else hx
         if n > 1 and (not isinstance(hx, (tuple, list)) or len(hx) != n):
             raise TypeError(f"hx: expected None or a tuple of {n} tensors "
@@ -534,7 +589,7 @@ class _Recurrent(torch.nn.Module):
                             f"{type(hx).__name__}")
         out = []
         for s, a in zip(self._states, given):
-            want = (LD, H) if unbatched else (LD, B, H)
+            want = (LD, size[s]) if unbatched else (LD, B, size[s])
             if not isinstance(a, Tensor) or tuple(a.shape) != want:
                 raise ValueError(f"hx: expected {s}_0 of shape {want}, got "
                                  f"{tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__}")
@@ -596,19 +651,20 @@ class Recurrent(_Recurrent):
     as a stack of layers with torch.nn.RNNBase's options. Parameters
     weight_ih_l{k}, weight_hh_l{k}, bias_ih_l{k}, bias_hh_l{k} (not for a
     cell defined with matrix_bias=False) and the cell's vector parameters
-    <name>_l{k} (with _reverse for the reverse direction). A call returns
+    <name>_l{k} (with _reverse for the reverse direction); with proj_size,
+    weight_hr_l{k} (a cell that reads h only through W_hh h). A call returns
     output, h_n for a one-state cell, else output, (h_n, s2_n, ...)."""
 
     def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
-                 batch_first=False, dropout=0.0, bidirectional=False, device=None, dtype=None,
-                 schedule=None):
+                 batch_first=False, dropout=0.0, bidirectional=False, proj_size=0, device=None,
+                 dtype=None, schedule=None):
         if isinstance(cell, cells.Definition):
             cell = cells.register(cell)
         if not isinstance(cell, str):
             raise TypeError(f"cell: expected a cell name or definition, got "
                             f"{type(cell).__name__}")
         super().__init__(cell, input_size, hidden_size, num_layers, bias, batch_first,
-                         dropout, bidirectional, 0, device, dtype, schedule)
+                         dropout, bidirectional, proj_size, device, dtype, schedule)
 
     def forward(self, input, hx=None):
         out, finals = self._run(input, hx)

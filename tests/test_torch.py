@@ -17,23 +17,30 @@ PEERS = {"lstm": (hnn.LSTM, torch.nn.LSTM, {}), "gru": (hnn.GRU, torch.nn.GRU, {
          "rnn_tanh": (hnn.RNN, torch.nn.RNN, {}),
          "rnn_relu": (hnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"})}
 
-# cell, layers, bidirectional, batch_first, hx given, input form, T, B
+# cell, layers, bidirectional, batch_first, hx given, input form, T, B, proj_size
 CASES = [
-    ("lstm", 1, False, False, False, "padded", 7, 3),
-    ("lstm", 2, True, True, True, "packed", 7, 5),
-    ("lstm", 3, False, True, True, "unbatched", 1, 1),
-    ("lstm", 2, True, False, False, "padded", 1, 1),
-    ("lstm", 1, True, False, True, "packed", 7, 4),
-    ("gru", 2, False, False, True, "packed", 7, 5),
-    ("gru", 1, True, True, False, "padded", 5, 1),
-    ("rnn_tanh", 2, True, False, True, "padded", 4, 3),
-    ("rnn_relu", 1, False, True, False, "packed", 7, 4),
+    ("lstm", 1, False, False, False, "padded", 7, 3, 0),
+    ("lstm", 2, True, True, True, "packed", 7, 5, 0),
+    ("lstm", 3, False, True, True, "unbatched", 1, 1, 0),
+    ("lstm", 2, True, False, False, "padded", 1, 1, 0),
+    ("lstm", 1, True, False, True, "packed", 7, 4, 0),
+    ("gru", 2, False, False, True, "packed", 7, 5, 0),
+    ("gru", 1, True, True, False, "padded", 5, 1, 0),
+    ("rnn_tanh", 2, True, False, True, "padded", 4, 3, 0),
+    ("rnn_relu", 1, False, True, False, "packed", 7, 4, 0),
+    # proj_size 13 = I: the layers above the first reuse the first's kernels
+    ("lstm", 2, False, False, True, "padded", 7, 3, I),
+    ("lstm", 2, True, True, True, "packed", 7, 5, I),
+    ("lstm", 1, False, True, False, "packed", 7, 4, I),
+    ("lstm", 3, True, False, True, "unbatched", 1, 1, I),
+    ("lstm", 1, True, False, False, "padded", 1, 1, I),
 ]
 LENGTHS = {5: [3, 7, 1, 5, 5], 4: [2, 7, 7, 4]}   # unsorted, by batch size (T = 7)
 
 
-def _pair(cell, layers, bidirectional, batch_first, seed=0):
+def _pair(cell, layers, bidirectional, batch_first, seed=0, proj_size=0):
     mine, theirs, kw = PEERS[cell]
+    kw = kw | ({"proj_size": proj_size} if proj_size else {})
     torch.manual_seed(seed)
     ref = theirs(I, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
                  **kw)
@@ -58,9 +65,9 @@ def _run(module, x, hx, form, lengths):
     return out, _finals(hn), loss
 
 
-@pytest.mark.parametrize("cell,layers,bidir,batch_first,given,form,T,B", CASES)
-def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B):
-    m, ref = _pair(cell, layers, bidir, batch_first)
+@pytest.mark.parametrize("cell,layers,bidir,batch_first,given,form,T,B,proj", CASES)
+def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B, proj):
+    m, ref = _pair(cell, layers, bidir, batch_first, proj_size=proj)
     D = 2 if bidir else 1
     g = torch.Generator().manual_seed(1)
     shape = (T, I) if form == "unbatched" else ((B, T, I) if batch_first else (T, B, I))
@@ -68,9 +75,9 @@ def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B):
     lengths = torch.tensor(LENGTHS.get(B, [T] * B)) if form == "packed" else None
     hx = None
     if given:
-        hshape = (layers * D, H) if form == "unbatched" else (layers * D, B, H)
-        hx = tuple(torch.randn(hshape, generator=g, requires_grad=True)
-                   for _ in range(2 if cell == "lstm" else 1))
+        sizes = (proj or H, H)[:2 if cell == "lstm" else 1]          # h, c
+        hx = tuple(torch.randn((layers * D, n) if form == "unbatched" else (layers * D, B, n),
+                               generator=g, requires_grad=True) for n in sizes)
     results = []
     for module in (m, ref):
         xi = x.clone().requires_grad_()
@@ -91,14 +98,15 @@ def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B):
         assert_close(f"d {k}", grads[k], want_grads[k])
 
 
-def test_state_dict_both_ways():
-    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True)
-    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True)
+@pytest.mark.parametrize("proj", [0, 5])
+def test_state_dict_both_ways(proj):
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=proj)
+    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=proj)
     assert list(m.state_dict()) == list(ref.state_dict())
     for k, v in m.state_dict().items():
         assert v.shape == ref.state_dict()[k].shape, k
     m.load_state_dict(ref.state_dict())
-    back = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True)
+    back = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=proj)
     back.load_state_dict(m.state_dict())
     for k, v in back.state_dict().items():
         assert torch.equal(v, ref.state_dict()[k]), k
@@ -134,12 +142,14 @@ def test_training_follows_torch():
     assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
 
 
-def test_compile_fullgraph_matches_eager():
-    m = hnn.LSTM(I, H, num_layers=2)
+@pytest.mark.parametrize("proj", [0, I])
+def test_compile_fullgraph_matches_eager(proj):
+    m = hnn.LSTM(I, H, num_layers=2, proj_size=proj)
     x = torch.randn(7, 3, I)
+    hx = (torch.randn(2, 3, proj or H), torch.randn(2, 3, H)) if proj else None
 
     def step(model):
-        y, (h, c) = model(x)
+        y, (h, c) = model(x, hx)
         loss = (y * y).sum() + h.sum() + c.sum()
         loss.backward()
         return y.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -279,8 +289,10 @@ def test_errors_name_the_argument():
         m(torch.randn(4, 2, I), (torch.zeros(1, 3, H), torch.zeros(1, 3, H)))
     with pytest.raises(TypeError, match="hx: expected None or a tuple of 2"):
         m(torch.randn(4, 2, I), torch.zeros(1, 2, H))
-    with pytest.raises(NotImplementedError, match="proj_size"):
-        hnn.LSTM(I, H, proj_size=5)
+    with pytest.raises(ValueError, match=r"proj_size: expected an int in \[0, hidden_size=37\)"):
+        hnn.LSTM(I, H, proj_size=H)
+    with pytest.raises(ValueError, match="proj_size: cell 'gru' reads h in its step"):
+        hnn.Recurrent("gru", I, H, proj_size=5)
     with pytest.raises(ValueError, match="dropout"):
         hnn.LSTM(I, H, dropout=2)
     with pytest.raises(TypeError, match="parameter weight_ih_l0: .*float64"):

@@ -47,6 +47,30 @@ def test_cuda_matches_torch(cell, layers, bidir, packed, i, h, T, B):
         assert_close(f"result {k}", a.cpu(), b.cpu(), rtol=2e-4)
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_cuda_projection_matches_torch(given):
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=I)
+    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=I).cuda()
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 5, I)
+    lengths = torch.tensor([7, 2, 5, 1, 7])
+    hx = (torch.randn(4, 5, I), torch.randn(4, 5, H)) if given else None
+    got, want = [], []
+    for module, into in ((m, got), (ref, want)):
+        dev = next(module.parameters()).device
+        xi = x.to(dev).requires_grad_()
+        hi = None if hx is None else tuple(a.to(dev).requires_grad_() for a in hx)
+        inp = torch.nn.utils.rnn.pack_padded_sequence(xi, lengths, enforce_sorted=False)
+        y, hn = module(inp, hi)
+        w = torch.linspace(-1, 1, y.data.numel(), device=dev).reshape(y.data.shape)
+        ((y.data * w).sum() + sum((a * a).sum() for a in hn)).backward()
+        into += [y.data.detach(), *[a.detach() for a in hn], xi.grad]
+        into += [p.grad for p in module.parameters()] + ([a.grad for a in hi] if hi else [])
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert_close(f"result {k}", a.cpu(), b.cpu(), rtol=2e-4)
+
+
 def test_runs_on_the_current_stream():
     m = hnn.LSTM(I, H, num_layers=2).cuda()
     x = torch.randn(7, 3, I, device="cuda")
