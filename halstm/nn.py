@@ -18,8 +18,9 @@ one download per call); a DeviceArray or a CUDA DLPack array (PyTorch,
 CuPy) in, DeviceArrays out, with no host round trip.
 
 bidirectional=True, dropout=p (between layers, in training mode: train() /
-eval(); masks from numpy's generator seeded by `seed`) and lengths= (a
-length per sequence) run on CPU targets; on a GPU, halstm.torch has them.
+eval(); masks from numpy's generator seeded by `seed`), lengths= (a
+length per sequence) and proj_size=P (LSTM: h = W_hr m of P units, see
+halstm.projected) run on CPU targets; on a GPU, halstm.torch has them.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import aot, cuda
-from . import memory
+from . import memory, projected
 from .runtime import Library, step_batch_sizes
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
@@ -93,7 +94,8 @@ class _RNN:
     cell = ""
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
-                 dropout=0.0, bidirectional=False, target="host", schedule=None, seed=None):
+                 dropout=0.0, bidirectional=False, target="host", schedule=None, seed=None,
+                 proj_size=0):
         self.input_size = _positive_int("input_size", input_size)
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.num_layers = _positive_int("num_layers", num_layers)
@@ -106,11 +108,16 @@ class _RNN:
         self.training = True
         self.target, self.schedule = target, schedule
         aot.Spec(self.cell, self.input_size, self.hidden_size, "fwd", target, schedule)
+        if (isinstance(proj_size, bool) or not isinstance(proj_size, (int, np.integer))
+                or not 0 <= proj_size < self.hidden_size):
+            raise ValueError(f"proj_size: expected an int in [0, hidden_size="
+                             f"{self.hidden_size}), got {proj_size!r}")
+        self.proj_size = int(proj_size)
         self.on_gpu = "cuda" in str(target).split("-")
         if self.on_gpu:
-            if self.bidirectional or self.dropout:
-                raise ValueError(f"bidirectional, dropout: run on CPU targets in this API (got "
-                                 f"target {target!r}); on a GPU use halstm.torch")
+            if self.bidirectional or self.dropout or self.proj_size:
+                raise ValueError(f"bidirectional, dropout, proj_size: run on CPU targets in "
+                                 f"this API (got target {target!r}); on a GPU use halstm.torch")
             try:
                 cuda.driver()
             except cuda.CudaError as e:
@@ -119,6 +126,13 @@ class _RNN:
         G, H = self.n_gates, self.hidden_size
         from . import cells
         d = cells.definition(self.cell)
+        if self.proj_size and d.d_prev["h"] is not None:
+            raise ValueError(f"proj_size: cell {self.cell!r} reads h in its step itself, not "
+                             f"only through W_hh h; a projection needs a cell that does not")
+        if self.proj_size and not d.dxp_is_dhg:   # (step 0 adds W_hh h_0 to the input's)
+            raise ValueError(f"proj_size: cell {self.cell!r} reads its input and recurrent "
+                             f"products apart, not only as their sum; halstm.torch projects "
+                             f"such a cell")
         self._matrix_bias = d.matrix_bias
         # the vector parameters by base name: (channels, init); the kernels
         # take them as one (V, H) array, in declaration order
@@ -167,19 +181,26 @@ class _RNN:
         """A parameter's suffix: layer `layer`, direction d (1: reverse)."""
         return f"_l{layer}" + ("_reverse" if d else "")
 
+    @property
+    def _h_size(self) -> int:
+        """Units of h, the output of a direction: proj_size, else hidden_size."""
+        return self.proj_size or self.hidden_size
+
     def _input_size(self, layer) -> int:
-        return self.input_size if layer == 0 else self.num_directions * self.hidden_size
+        return self.input_size if layer == 0 else self.num_directions * self._h_size
 
     def _param_shapes(self, layer) -> dict:
-        G, H, K = self.n_gates, self.hidden_size, self._input_size(layer)
+        G, H, K, R = self.n_gates, self.hidden_size, self._input_size(layer), self._h_size
         shapes = {}
         for d in range(self.num_directions):
             x = self._suffix(layer, d)
-            shapes |= {f"weight_ih{x}": (G * H, K), f"weight_hh{x}": (G * H, H)}
+            shapes |= {f"weight_ih{x}": (G * H, K), f"weight_hh{x}": (G * H, R)}
             if self.bias and self._matrix_bias:
                 shapes |= {f"bias_ih{x}": (G * H,), f"bias_hh{x}": (G * H,)}
             for name, (channels, _) in self._vectors.items():
                 shapes[f"{name}{x}"] = (channels * H,)
+            if self.proj_size:
+                shapes[f"weight_hr{x}"] = (R, H)
         return shapes
 
     def _array(self, a):
@@ -223,8 +244,9 @@ class _RNN:
         self._version += 1
 
     # ---- kernels ----------------------------------------------------------
-    def _lib(self, layer: int, direction: str, onehot: bool = False) -> Library:
-        K = self._input_size(layer)
+    def _lib(self, layer: int, direction: str, onehot: bool = False, extra: int = 0) -> Library:
+        """The library of `layer`'s input size (plus `extra` inputs)."""
+        K = self._input_size(layer) + extra
         key = (K, direction) + (("onehot",) if onehot else ())
         with self._libs_lock:
             if key not in self._libs:
@@ -238,7 +260,7 @@ class _RNN:
         (gather, grads_ids: CPU targets, schedules.ONEHOT); elsewhere integer
         input is expanded to one-hot rows."""
         from halstm import schedules
-        return (not self.on_gpu and
+        return (not self.on_gpu and not self.proj_size and
                 schedules.resolve(self.target, self.schedule) in schedules.ONEHOT)
 
     def compile(self, backward: bool = True) -> "_RNN":
@@ -254,6 +276,10 @@ class _RNN:
         b_ih = p.get(f"bias_ih{x}", self._zero_bias)
         b_hh = p.get(f"bias_hh{x}", self._zero_bias)
         return p[f"weight_ih{x}"], b_ih, p[f"weight_hh{x}"], b_hh
+
+    def _layer_proj(self, layer, d=0):
+        """The layer's W_hr (proj_size, H)."""
+        return self._params[f"weight_hr{self._suffix(layer, d)}"]
 
     def _layer_vec(self, layer, d=0):
         """The layer's vector parameters as the kernels take them: one (V, H)
@@ -355,9 +381,10 @@ class _RNN:
 
     def _initial(self, name, a, B, unbatched):
         """A caller's initial state (or state gradient) as an (L*D, B, H)
-        array (D directions; row layer*D + d), or None for None (zeros: the
-        library fills them in)."""
-        LD, H = self.num_layers * self.num_directions, self.hidden_size
+        array (D directions; row layer*D + d; h: (L*D, B, proj_size) with
+        a projection), or None for None (zeros: the library fills them in)."""
+        LD = self.num_layers * self.num_directions
+        H = self._h_size if name in ("h0", "dh_n") else self.hidden_size
         if a is None:
             return None
         a = _float_array(name, a)
@@ -406,16 +433,27 @@ class _RNN:
             init = [None if a is None else np.ascontiguousarray(a[:, order]) for a in init]
         D, L, save = self.num_directions, self.num_layers, is_grad_enabled()
         tape, masks, inp = [], [], x                 # tape[layer * D + d]
+        ends = []                                    # [layer * D + d][state]: (B, H) or None
         for layer in range(L):
             ys = []
             for d in range(D):
                 inp_d = inp if d == 0 else _reverse_time(inp, ns)
-                w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer, d)
-                states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
-                    inp_d, w_ih, b_ih, w_hh, b_hh, [_layer(s, layer * D + d) for s in init],
-                    save=save, vec=self._layer_vec(layer, d), batch_sizes=bs)
-                tape.append((inp_d, states, saved))
-                y = states[0][1:]                    # this direction's h over time (T, B, H)
+                init_d = [_layer(s, layer * D + d) for s in init]
+                if self.proj_size:
+                    y, end, t = projected.forward(
+                        self._lib(layer, "fwd", extra=self.proj_size), self._lib(layer, "fwd"),
+                        inp_d, self._layer_weights(layer, d), self._layer_proj(layer, d),
+                        init_d, self._layer_vec(layer, d), save, bs)
+                    tape.append(t)
+                    ends.append(end)
+                else:
+                    w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer, d)
+                    states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
+                        inp_d, w_ih, b_ih, w_hh, b_hh, init_d, save=save,
+                        vec=self._layer_vec(layer, d), batch_sizes=bs)
+                    tape.append((inp_d, states, saved))
+                    ends.append(None)
+                    y = states[0][1:]                # this direction's h over time (T, B, H)
                 ys.append(y if d == 0 else _reverse_time(y, ns))
             inp = ys[0] if D == 1 else np.concatenate(ys, axis=2)   # (T, B, D*H)
             if self.dropout and self.training and layer < L - 1:
@@ -424,15 +462,18 @@ class _RNN:
         self._tape = (tape, unbatched, ids, rows, masks)
         finals = []
         for s in range(len(init)):
-            if len(tape) == 1 and not save and rows is None:   # no backward reads them: a view
+            units = self._h_size if s == 0 else self.hidden_size
+            if self.proj_size:
+                f = np.stack([e[s] for e in ends])
+            elif len(tape) == 1 and not save and rows is None:   # no backward reads them: a view
                 f = tape[0][1][s][-1:]
             else:
-                f = self._mem.empty((L * D, B, self.hidden_size))
+                f = self._mem.empty((L * D, B, units))
                 for i, t in enumerate(tape):
                     f[i] = t[1][s][-1] if rows is None else t[1][s][ns, np.arange(B)]
             if rows is not None:
                 f = np.ascontiguousarray(f[:, rows[1]])
-            f = f.reshape(L * D, self.hidden_size) if unbatched else f
+            f = f.reshape(L * D, units) if unbatched else f
             finals.append(self._result(f, host))
         if rows is not None:
             return self._seq_out(np.ascontiguousarray(inp[:, rows[1]]), host, False), finals
@@ -443,11 +484,12 @@ class _RNN:
             raise RuntimeError("backward: call the module forward first (no forward pass "
                                "recorded since construction or load_state_dict)")
         tape, unbatched, ids, rows, masks = self._tape
-        if tape[0][2] is None:
+        if (tape[0].first[1] if self.proj_size else tape[0][2]) is None:
             raise RuntimeError("backward: the last forward ran under halstm.no_grad(), which "
                                "keeps nothing for backward; run it outside no_grad()")
-        D, L, H = self.num_directions, self.num_layers, self.hidden_size
-        T, B = tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1]
+        D, L, H = self.num_directions, self.num_layers, self._h_size
+        T, B = (tape[0].x.shape[:2] if self.proj_size else
+                (tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1]))
         shape = (T, D * H) if unbatched else ((B, T, D * H) if self.batch_first else (T, B, D * H))
         dy = _float_array("dy", dy)
         host = isinstance(dy, np.ndarray)
@@ -462,21 +504,30 @@ class _RNN:
         # one layer and direction: the library's own state gradients are the
         # result (no copy)
         grads = {}
-        dinit = [None if L * D == 1 else self._mem.empty((L * D, B, H)) for _ in dfinal]
+        sizes = [H] + [self.hidden_size] * (len(dfinal) - 1)    # h's units, the others'
+        dinit = [None if L * D == 1 else self._mem.empty((L * D, B, n)) for n in sizes]
         for layer in reversed(range(L)):
             dx = None                                       # (T, B, K) summed over directions
             for d in range(D):
-                inp, states, saved = tape[layer * D + d]
                 dy_d = dy if D == 1 else np.ascontiguousarray(dy[:, :, d * H:(d + 1) * H])
                 if d:
                     dy_d = _reverse_time(dy_d, ns)
-                w_ih, _, w_hh, _ = self._layer_weights(layer, d)
-                g = self._lib(layer, "bwd", ids and layer == 0).backward(
-                    inp, w_ih, w_hh, saved, states, dy_d,
-                    [_layer(a, layer * D + d) for a in dfinal],
-                    need_dx=input_grad or layer > 0, vec=self._layer_vec(layer, d),
-                    batch_sizes=bs)
+                dfinal_d = [_layer(a, layer * D + d) for a in dfinal]
                 sfx = self._suffix(layer, d)
+                if self.proj_size:
+                    g = projected.backward(
+                        self._lib(layer, "bwd", extra=self.proj_size), self._lib(layer, "bwd"),
+                        tape[layer * D + d], self._layer_weights(layer, d),
+                        self._layer_proj(layer, d), dy_d, dfinal_d, self._layer_vec(layer, d),
+                        bs, need_dx=input_grad or layer > 0)
+                    grads[f"weight_hr{sfx}"] = g["dw_hr"]
+                else:
+                    inp, states, saved = tape[layer * D + d]
+                    w_ih, _, w_hh, _ = self._layer_weights(layer, d)
+                    g = self._lib(layer, "bwd", ids and layer == 0).backward(
+                        inp, w_ih, w_hh, saved, states, dy_d, dfinal_d,
+                        need_dx=input_grad or layer > 0, vec=self._layer_vec(layer, d),
+                        batch_sizes=bs)
                 grads[f"weight_ih{sfx}"], grads[f"weight_hh{sfx}"] = g["dw_ih"], g["dw_hh"]
                 if self.bias and self._matrix_bias:
                     grads[f"bias_ih{sfx}"], grads[f"bias_hh{sfx}"] = g["db_ih"], g["db_hh"]
@@ -484,7 +535,7 @@ class _RNN:
                     grads |= self._vector_grads(layer, d, g["dvec"])
                 for i, s in enumerate(self._state_names[:len(dinit)]):
                     if L * D == 1:
-                        dinit[i] = g[f"d{s}0"].reshape(1, B, H)
+                        dinit[i] = g[f"d{s}0"].reshape(1, B, sizes[i])
                     else:
                         dinit[i][layer * D + d] = g[f"d{s}0"]
                 if "dx" in g:
@@ -497,8 +548,8 @@ class _RNN:
             dy = None if dy is None else np.ascontiguousarray(dy[:, rows[1]])
         if input_grad and not ids:
             grads["input"] = self._seq_out(dy, host)
-        for d, s in zip(dinit, self._state_names):
-            grads[f"{s}0"] = self._result(d.reshape(L * D, H) if unbatched else d, host)
+        for d, s, n in zip(dinit, self._state_names, sizes):
+            grads[f"{s}0"] = self._result(d.reshape(L * D, n) if unbatched else d, host)
         return grads
 
 
@@ -514,7 +565,9 @@ def _reverse_time(a, lengths):
 
 
 class LSTM(_RNN):
-    """Multi-layer LSTM with torch.nn.LSTM's semantics, parameters and layout."""
+    """Multi-layer LSTM with torch.nn.LSTM's semantics, parameters and
+    layout; proj_size=P (CPU targets): h = W_hr m of P units, weight_hr_l{k}
+    (P, H), as torch.nn.LSTM(proj_size=P)."""
 
     cell, n_gates, _state_names = "lstm", 4, ("h", "c")
 
@@ -590,7 +643,7 @@ class Recurrent(_RNN):
 
     def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
                  batch_first=False, dropout=0.0, bidirectional=False, target="host",
-                 schedule=None, seed=None):
+                 schedule=None, seed=None, proj_size=0):
         from . import cells
         if isinstance(cell, cells.Definition):
             cell = cells.register(cell)
@@ -601,7 +654,7 @@ class Recurrent(_RNN):
         self.cell, self.n_gates = cell, len(desc["gates"])
         self._state_names = tuple(desc["states"])
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
-                         bidirectional, target, schedule, seed)
+                         bidirectional, target, schedule, seed, proj_size)
 
     def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None, or per state an

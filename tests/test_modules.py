@@ -610,6 +610,40 @@ def test_bidirectional_matches_torch(cell, lengths, batch_first, rng):
         assert_close(f"d {k}", g, want[k])
 
 
+@pytest.mark.parametrize("bidirectional, lengths, given, batch_first, steps, batch", [
+    (False, None, True, False, T, B), (True, [3, 7, 1], True, True, T, B),
+    (False, [3, 7, 1], False, False, T, B), (True, None, True, False, 1, 1)])
+def test_projection_matches_torch(bidirectional, lengths, given, batch_first, steps, batch, rng):
+    """proj_size=I: two layers against torch.nn.LSTM(proj_size=I) with the
+    same state dict, every gradient (h0's too when hx is not given: torch's
+    at zeros)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    D, P = 1 + bidirectional, I
+    tm = torch.nn.LSTM(I, H, num_layers=L, bidirectional=bidirectional, batch_first=batch_first,
+                       proj_size=P)
+    m = make("lstm", bidirectional=bidirectional, batch_first=batch_first, proj_size=P)
+    assert list(m.state_dict()) == list(tm.state_dict())
+    m.load_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    x = rng.standard_normal((batch, steps, I) if batch_first else (steps, batch, I))
+    x = x.astype(np.float32)
+    hx = [rng.standard_normal((D * L, batch, n)).astype(np.float32) * given for n in (P, H)]
+    dy = rng.standard_normal(x.shape[:2] + (D * P,)).astype(np.float32)
+    dfinal = [rng.standard_normal((D * L, batch, n)).astype(np.float32) for n in (P, H)]
+    if lengths is not None:
+        pad = np.arange(steps)[None, :] >= np.array(lengths)[:, None]        # (B, T)
+        dy[pad if batch_first else pad.T] = 0
+    y, finals = call(m, "lstm", x, hx if given else None, lengths=lengths)
+    grads = backward(m, "lstm", dy, dfinal)
+    ty, tfinals, want = _torch_reference(tm, "lstm", x, hx, dy, dfinal, lengths, batch_first)
+    assert_close("y", y, ty)
+    for s, f, tf in zip(STATES["lstm"], finals, tfinals):
+        assert_close(f"{s}_n", f, tf)
+    assert set(grads) == set(want)
+    for k, g in grads.items():
+        assert_close(f"d {k}", g, want[k])
+
+
 def test_dropout_applies_the_module_masks(rng, monkeypatch):
     """In training mode each layer's output but the last is multiplied by a
     mask (here fixed) on the way up and on the way down: equal to torch
@@ -657,8 +691,10 @@ def test_dropout_seeded_train_and_eval(rng):
 @pytest.mark.parametrize("kw, match", [
     (dict(dropout=1.5), "dropout: expected a probability"),
     (dict(dropout="0.1"), "dropout: expected a probability"),
-    (dict(bidirectional=True, target="host-cuda"), "bidirectional, dropout: run on CPU"),
-    (dict(dropout=0.2, target="host-cuda"), "bidirectional, dropout: run on CPU")])
+    (dict(bidirectional=True, target="host-cuda"), "bidirectional, dropout, proj_size: run on CPU"),
+    (dict(dropout=0.2, target="host-cuda"), "bidirectional, dropout, proj_size: run on CPU"),
+    (dict(proj_size=4, target="host-cuda"), "bidirectional, dropout, proj_size: run on CPU"),
+    (dict(proj_size=H), r"proj_size: expected an int in \[0, hidden_size=37\)")])
 def test_layer_feature_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         halstm.LSTM(I, H, num_layers=2, **kw)
@@ -668,3 +704,11 @@ def test_bidirectional_hx_shape_error():
     m = make("lstm", bidirectional=True)
     with pytest.raises(ValueError, match=r"h0: expected shape \(4, 3, 37\)"):
         m(np.zeros((T, B, I), np.float32), (np.zeros((L, B, H), np.float32),) * 2)
+
+
+def test_projection_cell_errors():
+    with pytest.raises(ValueError, match="proj_size: cell 'gru' reads h in its step"):
+        halstm.Recurrent("gru", I, H, proj_size=4)
+    with pytest.raises(ValueError, match="proj_size: cell 'layernorm_lstm' reads its input and "
+                                         "recurrent products apart"):
+        halstm.Recurrent("layernorm_lstm", I, H, proj_size=4)

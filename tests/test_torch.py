@@ -238,26 +238,77 @@ def test_dropout_between_layers():
     assert_close("eval output", m(x)[0].detach(), ref(x)[0].detach())
 
 
-def test_vector_cell_matches_numpy_module():
-    """A cell with vector parameters (layer norm) through halstm.torch
-    equals the numpy module (checked against the float64 reference in
-    test_cells.py), forward and gradients."""
-    m = hnn.Recurrent("layernorm_lstm", I, H)
-    ref = halstm.Recurrent("layernorm_lstm", I, H)
+@pytest.mark.parametrize("cell, proj", [("layernorm_lstm", 0), ("peephole_lstm", I)])
+def test_vector_cell_matches_numpy_module(cell, proj):
+    """A cell with vector parameters through halstm.torch equals the numpy
+    module (checked against the float64 reference in test_cells.py),
+    forward and gradients; projected with a given hx, through each API's
+    own projection code."""
+    m = hnn.Recurrent(cell, I, H, proj_size=proj)
+    ref = halstm.Recurrent(cell, I, H, proj_size=proj)
     with torch.no_grad():
         for p in m.parameters():
             p.uniform_(-0.5, 0.5)
     ref.load_state_dict({k: v.detach().numpy() for k, v in m.state_dict().items()})
     x = torch.randn(7, 3, I, requires_grad=True)
-    y, (h, c) = m(x)
+    hx = (torch.randn(1, 3, proj or H, requires_grad=True),
+          torch.randn(1, 3, H, requires_grad=True)) if proj else None
+    y, (h, c) = m(x, hx)
     (y.sum() + h.sum()).backward()
-    want_y, (want_h, _) = ref(x.detach().numpy())
+    want_y, (want_h, _) = ref(x.detach().numpy(),
+                              None if hx is None else tuple(a.detach().numpy() for a in hx))
     dy = np.ones(want_y.shape, np.float32)
     want = ref.backward(dy, np.ones_like(want_h))
     assert_close("output", y.detach(), want_y)
     assert_close("d input", x.grad, want["input"])
     for n, p in m.named_parameters():
         assert_close(f"d {n}", p.grad, want[n])
+    if hx is not None:
+        assert_close("d h0", hx[0].grad, want["h0"])
+        assert_close("d c0", hx[1].grad, want["c0"])
+
+
+def test_projected_layernorm_lstm_matches_its_steps():
+    """A layer-norm LSTM with a projection (no peer ships one) against its
+    steps composed in torch: the cell's step on tensors, h = W_hr m, one
+    step at a time, autograd through both; hx given, two layers."""
+    from halstm import cells
+    from halstm.reference import torch_ops
+    step = cells.definition("layernorm_lstm").step_function(torch_ops(torch))
+    m = hnn.Recurrent("layernorm_lstm", I, H, num_layers=2, proj_size=I)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.uniform_(-0.5, 0.5)
+    x = torch.randn(7, 3, I)
+    hx = (torch.randn(2, 3, I), torch.randn(2, 3, H))
+
+    def by_steps():
+        inp, hs, cs = x, [], []
+        for k in range(2):
+            w = {n[:-3]: p for n, p in m.named_parameters() if n.endswith(f"_l{k}")}
+            vec = {v: w[v] for v in ("bias", "ln_ih_weight", "ln_hh_weight", "ln_c_weight",
+                                     "ln_c_bias")}
+            h, c, ys = hx[0][k], hx[1][k], []
+            for t in range(len(inp)):
+                m_t, c = step(inp[t] @ w["weight_ih"].T, h @ w["weight_hh"].T, [h, c], vec)
+                h = m_t @ w["weight_hr"].T
+                ys.append(h)
+            inp = torch.stack(ys)
+            hs.append(h)
+            cs.append(c)
+        return inp, torch.stack(hs), torch.stack(cs)
+    def mine():
+        y, (h, c) = m(x, hx)
+        return y, h, c
+    results = []
+    for run in (mine, by_steps):
+        m.zero_grad()
+        y, h, c = run()
+        (y.sum() + (h * h).sum() + c.sum()).backward()
+        results.append([y.detach(), h.detach(), c.detach()] + [p.grad.clone()
+                                                               for p in m.parameters()])
+    for k, (a, b) in enumerate(zip(*results)):
+        assert_close(f"result {k}", a, b)
 
 
 def test_module_conveniences():
