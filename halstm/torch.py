@@ -24,7 +24,9 @@ import math
 import os
 import threading
 import warnings
+from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils import rnn as rnn_utils
@@ -83,8 +85,8 @@ class _Tensors:
         return a[..., :w].contiguous()
 
     def scatter_rows(self, dst, slot, src):
-        rows = torch.arange(len(slot), device=self.device)
-        dst[_to(torch.from_numpy(slot), self.device), rows, :src.shape[-1]] = src
+        dst[_ints(slot, self.device), _ints(np.arange(len(slot)), self.device),
+            :src.shape[-1]] = src
 
 
 _libs: dict = {}
@@ -151,6 +153,34 @@ def _to(a: Tensor, device) -> Tensor:
     if torch.device(device).type != "cuda":
         return a.to(device)
     return a.pin_memory().to(device, non_blocking=True)
+
+
+_INTS_KEPT = 64
+_ints_kept: OrderedDict = OrderedDict()
+
+
+def _ints(a, device) -> Tensor:
+    """Small integers (a packed batch's index arrays, numpy) as an int64
+    tensor on `device`. On a GPU each content is uploaded once and kept
+    (the last _INTS_KEPT; read-only): a packed batch's indices recur
+    between its forward and backward and from call to call, and each
+    upload costs the host tens of microseconds (pinning, copy, launch)."""
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.from_numpy(a)
+    key = (device, a.shape, a.tobytes())
+    with _lock:
+        t = _ints_kept.get(key)
+        if t is not None:
+            _ints_kept.move_to_end(key)
+            return t
+    t = _to(torch.from_numpy(a), device)
+    with _lock:
+        _ints_kept[key] = t
+        while len(_ints_kept) > _INTS_KEPT:
+            _ints_kept.popitem(last=False)
+    return t
 
 
 _TorchOps = torch_ops(torch)     # the cell language's operations on tensors
@@ -259,8 +289,8 @@ def _grads(ctx, dstates, backward):
     if batch_sizes is None:
         ends = [dstates[s, T] for s in range(1, len(dstates))]
     else:
-        lengths = _to(torch.from_numpy(row_lengths(batch_sizes.numpy(), B)), dstates.device)
-        rows = torch.arange(B, device=dstates.device)
+        lengths = _ints(row_lengths(batch_sizes.numpy(), B), dstates.device)
+        rows = _ints(np.arange(B), dstates.device)
         ends = [dstates[s][lengths, rows] for s in range(1, len(dstates))]
     dfinal = [torch.zeros_like(dstates[0, 0])] + ends
     need_dx = ctx.needs_input_grad[0]
@@ -487,7 +517,7 @@ class _Recurrent(torch.nn.Module):
             T, B = len(bs), int(bs[0])
             where = self._packed_rows(bs, rows.device)
             x = rows.new_zeros((T, B, rows.shape[-1])).index_put(where, rows)
-            lengths = torch.from_numpy(row_lengths(bs.numpy(), B))
+            lengths = row_lengths(bs.numpy(), B)
             batch_sizes, unbatched = bs.to(torch.int32), False
             order = input.sorted_indices
         else:
@@ -514,7 +544,7 @@ class _Recurrent(torch.nn.Module):
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
         if lengths is not None:    # where each row's final state is: seq[:, length - 1, row]
-            ends = (_to(lengths - 1, x.device), torch.arange(B, device=x.device))
+            ends = (_ints(lengths - 1, x.device), _ints(np.arange(B), x.device))
         side = _side_stream(x.device) if D == 2 else None
         for layer in range(L):
             outs = []
@@ -555,9 +585,10 @@ class _Recurrent(torch.nn.Module):
     def _packed_rows(batch_sizes, device):
         """(t, b) of each row of a packed sequence's data: data[n] is
         padded[t[n], b[n]] (torch's pad_packed_sequence copies step by step)."""
-        t = torch.repeat_interleave(torch.arange(len(batch_sizes)), batch_sizes)
-        first = torch.cumsum(batch_sizes, 0) - batch_sizes
-        return _to(t, device), _to(torch.arange(len(t)) - first[t], device)
+        bs = batch_sizes.numpy()
+        t = np.repeat(np.arange(len(bs)), bs)
+        first = np.cumsum(bs) - bs
+        return _ints(t, device), _ints(np.arange(len(t)) - first[t], device)
 
     @staticmethod
     def _reverse_index(T, B, lengths, device):
@@ -565,9 +596,9 @@ class _Recurrent(torch.nn.Module):
         (padding stays in place), or None: reverse all T steps."""
         if lengths is None:
             return None
-        t = torch.arange(T)[:, None]
-        n = lengths[None, :].to(torch.int64)
-        return _to(torch.where(t < n, n - 1 - t, t), device)
+        t = np.arange(T)[:, None]
+        n = lengths[None, :]
+        return _ints(np.where(t < n, n - 1 - t, t), device)
 
     @staticmethod
     def _reverse(a: Tensor, rev) -> Tensor:
