@@ -351,7 +351,7 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
         manifest |= {"library": LIBRARY, "sha256": cache.file_sha256(out / LIBRARY)}
     else:
         manifest |= {"library": None, "loadable_here": False,
-                     "driver_build": f"c++ -O2 -std=c++17 -I. "
+                     "driver_build": "c++ -O2 -std=c++17 -I. "
                      + " ".join(map(shlex.quote, driver.flags(layer)))
                      + f" {driver.MAIN} " + " ".join(f"{k}.a" for k in plan.kinds) + " runtime.a"
                      " (add -shared -fPIC -o libhalstm.so for a shared library)"}
