@@ -89,6 +89,8 @@ class Spec:
     target: str = "host"
     schedule: str | None = None   # None: the target family's default (resolved here)
     onehot: bool = False          # input: one-hot rows given as class indices (CPU targets)
+    knobs: tuple | None = None    # the schedule's knobs as ((name, value), ...); None: tuned
+    #                               for this machine by `halstm tune` (halstm.tuning), else defaults
 
     def __post_init__(self):
         cells.check(self.cell)
@@ -105,12 +107,43 @@ class Spec:
         from halstm import cuda, schedules   # named in full: one cache key per meaning
         object.__setattr__(self, "target", cuda.host_target(self.target))
         object.__setattr__(self, "schedule", schedules.resolve(self.target, self.schedule))
+        knobs = self.knobs
+        if knobs is None:
+            from halstm import tuning
+            knobs = tuning.stored(self)
+        object.__setattr__(self, "knobs", _checked_knobs(self, knobs))
 
     def describe(self) -> str:
+        knobs = ", ".join(f"{k}={v}" for k, v in self.knobs)
         return (f"cell {self.cell} ({self.direction}, "
                 f"{'one-hot indices of ' if self.onehot else ''}input {self.input_size}, hidden "
                 f"{self.hidden_size}), target {self.target}, schedule "
-                f"{self.schedule or 'default'}")
+                f"{self.schedule or 'default'}" + (f" ({knobs})" if knobs else ""))
+
+
+def schedule_knobs(schedule: str) -> dict:
+    """The knobs of a schedule: name -> schedules.knobs.Knob (direction it
+    acts on, default, candidate values); {} for a schedule without."""
+    from halstm.schedules.knobs import KNOBS
+    return dict(KNOBS.get(schedule, {}))
+
+
+def _checked_knobs(spec: Spec, knobs) -> tuple:
+    """knobs (a mapping or pairs) as sorted pairs: the ones that act on
+    spec's direction and differ from their defaults (so that a default
+    value is the same library as none); an unknown name or a value that
+    is not a positive int raises ValueError."""
+    have = schedule_knobs(spec.schedule)
+    out = {}
+    for name, value in (knobs.items() if isinstance(knobs, dict) else knobs):
+        if name not in have:
+            raise ValueError(f"knobs: schedule {spec.schedule!r} has no knob {name!r}; it has "
+                             f"{sorted(have) or 'none'}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"knobs: {name} expects a positive int, got {value!r}")
+        if have[name].direction == spec.direction and value != have[name].default:
+            out[name] = value
+    return tuple(sorted(out.items()))
 
 
 def code_files() -> list[Path]:
@@ -293,6 +326,7 @@ def _compile_pipelines(spec: Spec, plan: _Plan, out: Path, emit) -> tuple[list, 
     try:
         for kind in plan.kinds:
             p = pipeline.build(cell, kind, spec.input_size, spec.hidden_size, plan.layout)
+            p.knobs = dict(spec.knobs)
             getattr(plan.module, kind)(p, plan.target)
             pipes.append(p)
             files = {getattr(hl.OutputFileType, e): str(out / f"{kind}{EMIT[e]}") for e in emit}
@@ -346,6 +380,7 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
         "pipelines": [f"halstm_{k}" for k in plan.kinds],
         "emitted": sorted(emit),
         "schedule_notes": [n for p in pipes for n in p.notes],
+        "knobs": dict(spec.knobs),
     }
     if plan.link:
         manifest |= {"library": LIBRARY, "sha256": cache.file_sha256(out / LIBRARY)}

@@ -1,7 +1,8 @@
-"""The `halstm` command line: targets, compile, inspect, bench, train, sample."""
+"""The `halstm` command line: targets, compile, inspect, bench, tune, train, sample."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import click
@@ -251,6 +252,65 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     for path in (csv_path, json_path, plot_path):
         if path:
             click.echo(f"wrote {path}", err=True)
+
+
+@main.command()
+@cell_options
+@click.option("--shape", default=None,
+              help="A shape of the shared set (halstm bench's names): its layers' sizes, B, T.")
+@click.option("--sizes", default=None, metavar="I,H,B,T[,L]",
+              help="Or the sizes: input, hidden, batch, steps, layers (default 1).")
+@_target_option
+@click.option("--schedule", default=None, help="Schedule name (default: the target's best).")
+@click.option("--knob", "knob_names", multiple=True,
+              help="Tune this knob only (repeatable; default: every knob of the schedule).")
+@click.option("--budget", type=float, default=300.0, show_default=True,
+              help="Seconds for the whole search; values not reached are reported skipped.")
+@click.option("--rounds", type=int, default=7, show_default=True, callback=_positive,
+              help="Alternating timing rounds per direction (the first two left out).")
+@click.option("--report", is_flag=True, help="Print what was tuned on this machine and exit.")
+def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, report):
+    """Measure the schedule's knobs on this machine for a model's layers
+    and keep the fastest (in the kernel cache's tuning.json); compile, the
+    modules and the char LM then use them. Every value is checked against
+    the default's results before it is timed, and kept only where it beats
+    the default."""
+    from . import tuning
+    from .benchmark import shapes as shared
+    if report:
+        for line in tuning.report_lines(target):
+            click.echo(line)
+        return
+    if (shape is None) == (sizes is None):
+        raise click.UsageError("give --shape NAME or --sizes I,H,B,T[,L] (one of them)")
+    if shape is not None:
+        if shape not in shared():
+            raise click.BadParameter(f"expected one of {sorted(shared())}, got {shape!r}",
+                                     param_hint="--shape")
+        s = shared()[shape]
+    else:
+        try:
+            v = [int(a) for a in sizes.split(",")]
+            if len(v) not in (4, 5) or min(v) < 1:
+                raise ValueError
+        except ValueError:
+            raise click.BadParameter(f"expected 4 or 5 positive ints I,H,B,T[,L], got "
+                                     f"{sizes!r}", param_hint="--sizes") from None
+        s = dict(zip("IHBTL", v + [1]))
+    layers = [s["I"]] + ([s["H"]] if s["L"] > 1 else [])     # the layers' distinct input sizes
+    start = time.perf_counter()
+    for k, K in enumerate(layers):
+        left = budget - (time.perf_counter() - start)
+        try:
+            found = tuning.tune(cell, K, s["H"], s["B"], s["T"], target, schedule,
+                                list(knob_names) or None, left / (len(layers) - k), rounds)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        except aot.CompileError as e:
+            raise click.ClickException(str(e)) from None
+        for layer, e in found.items():
+            kept = ", ".join(f"{a}={b}" for a, b in e["knobs"].items()) or "defaults"
+            click.echo(f"{layer}: {kept} (default {e['default_ms']} ms, best {e['best_ms']} ms)")
 
 
 def _register_model_commands():

@@ -93,6 +93,7 @@ class Pipe(Stages):
     shapes: dict = field(default_factory=dict)   # input/output name -> extents (None: runtime)
     notes: list = field(default_factory=list)    # the schedule's shape-dependent choices (manifest)
     reductions: list = field(default_factory=list)  # the cell's Funcs over b (sums over units)
+    knobs: dict = field(default_factory=dict)    # the schedule's knob values other than its defaults
 
     @property
     def G(self) -> int:

@@ -13,6 +13,9 @@ import math
 import halide as hl
 
 from ..layout import Layout, StepSplit
+from .knobs import KNOBS as _KNOBS
+
+KNOBS = _KNOBS["cpu"]      # what `halstm tune` searches; a tuned value is p.knobs[name]
 
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
@@ -212,7 +215,7 @@ PROJ_ROWS = 6
 # Rows in chunks of 32 tiles (192 rows) outside the panel loop, so that a
 # chunk of x stays in L2 while every weight panel passes
 # (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_CHUNK).
-PROJ_CHUNK = 32
+PROJ_CHUNK = KNOBS["proj_chunk"].default       # 32
 
 
 def proj(p, target):
@@ -225,7 +228,7 @@ def proj(p, target):
     rows = out.output_buffer().dim(2).extent()
     nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
     for stage, f in ((out.specialize(rows >= PROJ_ROWS), PROJ_ROWS), (out, 1)):
-        stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, PROJ_CHUNK, GUARD)
+        stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, knob(p, "proj_chunk"), GUARD)
         stage.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate).unroll(ni)
         stage.fuse(jo, nc, jo).parallel(jo)
     acc.compute_at(out, no)
@@ -391,7 +394,12 @@ def grads_ids(p, target):
 # gradient's unit tiles covers: each unit tile's dxp panel stays in L2 and
 # is read from memory once per 4 input panels
 # (bench/RESULTS.md, "Schedule decisions": cpu.DW_PANELS).
-DW_PANELS = 4
+DW_PANELS = KNOBS["dw_panels"].default        # 4; tuned per machine (schedules/knobs.py)
+
+
+def knob(p, name: str):
+    """A knob's value for pipe p: tuned (halstm tune), else its default."""
+    return p.knobs.get(name, KNOBS[name].default)
 
 
 def grads(p, target, ids=False):
@@ -437,7 +445,7 @@ def grads(p, target, ids=False):
             # dxp panel is then read from memory once per DW_PANELS input
             # panels (kept in L2), not once per panel
             vo, voo, voi = (hl.Var(vec.name() + n) for n in ("o", "oo", "oi"))
-            out.split(vo, voo, voi, DW_PANELS, GUARD).reorder(voi, jo, gate)
+            out.split(vo, voo, voi, knob(p, "dw_panels"), GUARD).reorder(voi, jo, gate)
             acc.compute_at(out, voi)
             out.fuse(jo, gate, jo).parallel(jo)
             continue

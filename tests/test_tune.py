@@ -1,0 +1,79 @@
+"""halstm tune: knobs checked and timed against the default, kept per
+machine in the cache's tuning.json, and used by aot.Spec without being
+asked. Runs in a cache of its own, so that no other test builds with a
+tuned knob."""
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import halstm
+from halstm import aot, tuning
+from halstm.cli import main
+from helpers import H, I, assert_close
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HALSTM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
+    report = tuning.tune("lstm", I, H, 3, 7, names=["dw_panels"], budget=300, rounds=3,
+                         progress=False)
+    (layer, entry), = report.items()                    # dw_panels acts on backward only
+    assert layer == tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
+    assert [t["knobs"] for t in entry["tried"]] == [{"dw_panels": v} for v in (1, 2, 8)]
+    assert all(t["correct"] and t["ms"] > 0 for t in entry["tried"])
+    if entry["knobs"]:
+        assert entry["best_ms"] < (1 - tuning.MIN_GAIN) * entry["default_ms"]
+    stored = json.loads((own_cache / tuning.FILE).read_text())
+    assert stored[tuning.machine_key("host")][layer]["knobs"] == entry["knobs"]
+    lines = tuning.report_lines()
+    assert lines[0] == f"machine: {tuning.machine_key('host')}"
+    assert any("dw_panels=8: " in line and " ms" in line for line in lines)
+
+
+def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
+    """A kept value is in the Spec of its layer and direction (not the
+    other's), changes the cache key, and its library computes the same
+    gradients as the default's."""
+    layer = tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
+    default_key = aot.cache_key(aot.Spec("lstm", I, H, "bwd"))
+    x = rng.standard_normal((7, 3, I)).astype(np.float32)
+    dy = rng.standard_normal((7, 3, H)).astype(np.float32)
+    m = halstm.LSTM(I, H, seed=1)
+    m(x)
+    want = m.backward(dy)
+    tuning.store({layer: {"knobs": {"dw_panels": 2}, "B": 3, "T": 7, "rounds": 3,
+                          "default_ms": 1.0, "best_ms": 0.9, "tried": [], "when": "now"}}, "host")
+    assert aot.Spec("lstm", I, H, "bwd").knobs == (("dw_panels", 2),)
+    assert aot.Spec("lstm", I, H, "fwd").knobs == ()
+    assert aot.Spec("lstm", I, H, "bwd", knobs=()).knobs == ()       # explicit: defaults
+    assert aot.cache_key(aot.Spec("lstm", I, H, "bwd")) != default_key
+    tuned = halstm.LSTM(I, H, seed=1)
+    tuned(x)
+    got = tuned.backward(dy)
+    for k in want:
+        assert_close(f"d {k}", got[k], want[k])
+    _, manifest = aot.library(aot.Spec("lstm", I, H, "bwd"))
+    assert manifest["knobs"] == {"dw_panels": 2}
+
+
+def test_knob_errors(own_cache):
+    with pytest.raises(ValueError, match="knobs: schedule 'cpu' has no knob 'tile'"):
+        aot.Spec("lstm", I, H, "bwd", knobs={"tile": 2})
+    with pytest.raises(ValueError, match="knobs: dw_panels expects a positive int, got 0"):
+        aot.Spec("lstm", I, H, "bwd", knobs={"dw_panels": 0})
+    # a default value is the default library
+    assert aot.Spec("lstm", I, H, "bwd", knobs={"dw_panels": 4}).knobs == ()
+    r = CliRunner().invoke(main, ["tune"])
+    assert r.exit_code == 2 and "give --shape NAME or --sizes" in r.output
+    r = CliRunner().invoke(main, ["tune", "--sizes", "13,37,3"])
+    assert r.exit_code == 2 and "--sizes" in r.output and "4 or 5 positive ints" in r.output
+    r = CliRunner().invoke(main, ["tune", "--sizes", "13,37,3,7", "--knob", "tile"])
+    assert r.exit_code == 2 and "has no knob 'tile'" in r.output
+    r = CliRunner().invoke(main, ["tune", "--report"])
+    assert r.exit_code == 0 and "nothing tuned for" in r.output
