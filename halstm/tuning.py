@@ -55,7 +55,7 @@ def load() -> dict:
     path = _path()
     try:
         mtime = path.stat().st_mtime_ns
-    except FileNotFoundError:
+    except OSError:           # none, or an unusable cache (cache.root says which, when used)
         return {}
     hit = _read.get(str(path))
     if hit is None or hit[0] != mtime:
