@@ -266,7 +266,7 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
               help="Tune this knob only (repeatable; default: every knob of the schedule).")
 @click.option("--budget", type=float, default=300.0, show_default=True,
               help="Seconds for the whole search; values not reached are reported skipped.")
-@click.option("--rounds", type=int, default=7, show_default=True, callback=_positive,
+@click.option("--rounds", type=int, default=11, show_default=True, callback=_positive,
               help="Alternating timing rounds per direction (the first two left out).")
 @click.option("--report", is_flag=True, help="Print what was tuned on this machine and exit.")
 def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, report):
@@ -310,7 +310,9 @@ def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, repor
             raise click.ClickException(str(e)) from None
         for layer, e in found.items():
             kept = ", ".join(f"{a}={b}" for a, b in e["knobs"].items()) or "defaults"
-            click.echo(f"{layer}: {kept} (default {e['default_ms']} ms, best {e['best_ms']} ms)")
+            steps = "; ".join(f"{st['knob']} {st['base_ms']} ms -> kept {st['kept']}"
+                              for st in e["by_knob"])
+            click.echo(f"{layer}: {kept} ({steps})")
 
 
 def _register_model_commands():

@@ -349,7 +349,7 @@ def step_bwd(p, target):
     # whole tiles (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd tiles).
     batch = p.param("saved").dim(2).extent()
     half = max(1, p.Hp // p.P // 2)
-    fit = max(1, DH_PANEL_BYTES // (p.G * p.H * p.P * 4))
+    fit = max(1, (knob(p, "dh_panel_kib") << 10) // (p.G * p.H * p.P * 4))
     wide = _panels(p.Hp, p.P, min(4, half, fit))
     rows = 4 if wide >= 4 else 8
     narrow = _panels(p.Hp, p.P, min(8, half))
@@ -362,7 +362,7 @@ def step_bwd(p, target):
         _pointwise(p.stage("dprev_" + s), vw)
 
 
-DH_PANEL_BYTES = 512 << 10
+DH_PANEL_BYTES = KNOBS["dh_panel_kib"].default << 10    # 512 KiB; tuned per machine
 
 
 def gather(p, target):

@@ -11,8 +11,9 @@ class Knob(NamedTuple):
     candidates: tuple     # the values tune tries
 
 
-# cpu: DW_PANELS and PROJ_CHUNK (schedules/cpu.py). Which value is fastest
-# depends on the machine: DW_PANELS 4 was fastest on the AMD VM, 1 on the
-# Intel VM (bench/RESULTS.md, "Tuned knobs").
+# cpu: DW_PANELS, PROJ_CHUNK and DH_PANEL_BYTES (in KiB) (schedules/cpu.py).
+# Which value is fastest depends on the machine: DW_PANELS 4 was fastest on
+# the AMD VM, 1 on the Intel VM (bench/RESULTS.md, "Tuned knobs").
 KNOBS = {"cpu": {"dw_panels": Knob("bwd", 4, (1, 2, 4, 8)),
-                 "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64))}}
+                 "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64)),
+                 "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048))}}

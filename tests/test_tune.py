@@ -25,15 +25,31 @@ def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
                          progress=False)
     (layer, entry), = report.items()                    # dw_panels acts on backward only
     assert layer == tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
-    assert [t["knobs"] for t in entry["tried"]] == [{"dw_panels": v} for v in (1, 2, 8)]
-    assert all(t["correct"] and t["ms"] > 0 for t in entry["tried"])
-    if entry["knobs"]:
-        assert entry["best_ms"] < (1 - tuning.MIN_GAIN) * entry["default_ms"]
+    (step,) = entry["by_knob"]
+    assert step["knob"] == "dw_panels" and step["base"] == {}
+    assert [t["value"] for t in step["tried"]] == [1, 2, 8]
+    assert all(t["correct"] and t["ms"] > 0 for t in step["tried"])
+    if step["kept"] != 4:                               # (4: the default)
+        won = next(t for t in step["tried"] if t["value"] == step["kept"])
+        assert won["ms"] < (1 - tuning.MIN_GAIN) * step["base_ms"]
     stored = json.loads((own_cache / tuning.FILE).read_text())
     assert stored[tuning.machine_key("host")][layer]["knobs"] == entry["knobs"]
     lines = tuning.report_lines()
     assert lines[0] == f"machine: {tuning.machine_key('host')}"
     assert any("dw_panels=8: " in line and " ms" in line for line in lines)
+
+
+def test_tune_starts_from_what_is_kept(own_cache):
+    """Tuning one knob keeps another's kept value and measures against it."""
+    layer = tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
+    tuning.store({layer: {"knobs": {"dw_panels": 2}, "B": 3, "T": 7, "rounds": 3,
+                          "by_knob": [], "when": "now"}}, "host")
+    report = tuning.tune("lstm", I, H, 3, 7, names=["dh_panel_kib"], budget=300, rounds=3,
+                         progress=False)
+    (step,) = report[layer]["by_knob"]
+    assert step["base"] == {"dw_panels": 2}
+    assert report[layer]["knobs"]["dw_panels"] == 2
+    assert ("dw_panels", 2) in aot.Spec("lstm", I, H, "bwd").knobs
 
 
 def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
@@ -48,7 +64,7 @@ def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
     m(x)
     want = m.backward(dy)
     tuning.store({layer: {"knobs": {"dw_panels": 2}, "B": 3, "T": 7, "rounds": 3,
-                          "default_ms": 1.0, "best_ms": 0.9, "tried": [], "when": "now"}}, "host")
+                          "by_knob": [], "when": "now"}}, "host")
     assert aot.Spec("lstm", I, H, "bwd").knobs == (("dw_panels", 2),)
     assert aot.Spec("lstm", I, H, "fwd").knobs == ()
     assert aot.Spec("lstm", I, H, "bwd", knobs=()).knobs == ()       # explicit: defaults
