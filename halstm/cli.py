@@ -181,6 +181,8 @@ def inspect(folder, as_json):
         click.echo(f"  pipelines: {', '.join(m['pipelines'])}")
         for note in m.get("schedule_notes", []):      # the schedule's shape-dependent choices
             click.echo(f"  schedule: {note}")
+        if m.get("knobs"):                             # values halstm tune kept here
+            click.echo("  knobs: " + ", ".join(f"{k}={v}" for k, v in m["knobs"].items()))
         for entry, args in m["entry_points"].items():
             click.echo(f"  {entry}(" + ", ".join(args) + ")")
         if m.get("driver_build"):

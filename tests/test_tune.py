@@ -76,6 +76,11 @@ def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
         assert_close(f"d {k}", got[k], want[k])
     _, manifest = aot.library(aot.Spec("lstm", I, H, "bwd"))
     assert manifest["knobs"] == {"dw_panels": 2}
+    out = own_cache.parent / "model"
+    r = CliRunner().invoke(main, ["compile", "-i", str(I), "-H", str(H), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0 and r.output.count("knobs: dw_panels=2") == 1, r.output
 
 
 def test_knob_errors(own_cache):
