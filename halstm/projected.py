@@ -19,12 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .runtime import row_lengths
+
 
 @dataclass
 class Tape:
     """What backward reads of one layer and direction."""
     x: np.ndarray            # (T, B, K) the layer's input
     x0: np.ndarray           # (1, B, K+P) [x_0, h_0]
+    w0: np.ndarray           # (G*H, K+P) [W_ih | W_hh], step 0's input weight
+    w_m: np.ndarray          # (G*H, H) W_hh W_hr, the recurrent weight
+    m: np.ndarray            # (T, B, H) m after each step, zero past a row's length
     first: tuple             # step 0's (states (NS, 2, B, H), saved)
     rest: tuple | None       # steps 1..: (states (NS, T, n, H), saved), or None (T = 1)
     n: int                   # rows longer than one step
@@ -44,8 +49,9 @@ def forward(lib0, lib, x, weights, w_hr, init, vec, save, bs):
     w_m = _c(w_hh @ w_hr)                                       # (G*H, H)
     h0 = np.zeros((B, P), np.float32) if init[0] is None else init[0]
     x0 = _c(np.concatenate([x[:1], h0[None]], axis=2))          # (1, B, K+P)
-    first = lib0.forward(x0, _c(np.concatenate([w_ih, w_hh], axis=1)), b_ih, w_m, b_hh,
-                         [np.zeros((B, H), np.float32), *init[1:]], save=save, vec=vec)
+    w0 = _c(np.concatenate([w_ih, w_hh], axis=1))               # (G*H, K+P)
+    first = lib0.forward(x0, w0, b_ih, w_m, b_hh, [np.zeros((B, H), np.float32), *init[1:]],
+                         save=save, vec=vec)
     n = B if bs is None or T == 1 else int(bs[1])
     rest = None
     if T > 1:
@@ -61,7 +67,7 @@ def forward(lib0, lib, x, weights, w_hr, init, vec, save, bs):
         if rest is not None:
             f[:n] = rest[0][s][end[0][:n], np.arange(n)]
         finals.append(f)
-    return y, finals, Tape(x, x0, first, rest, n)
+    return y, finals, Tape(x, x0, w0, w_m, m, first, rest, n)
 
 
 def _m(first, rest, n, T, B, H):
@@ -75,7 +81,7 @@ def _m(first, rest, n, T, B, H):
 
 def _ends(T, B, bs):
     """(step index, row) of each row's last step."""
-    lengths = np.full(B, T) if bs is None else (np.asarray(bs)[None, :] > np.arange(B)[:, None]).sum(1)
+    lengths = np.full(B, T) if bs is None else row_lengths(bs, B)
     return lengths - 1, np.arange(B)
 
 
@@ -85,15 +91,13 @@ def backward(lib0, lib, tape, weights, w_hr, dy, dfinal, vec, bs, need_dx):
     (dx (T, B, K) with need_dx, dw_ih, db_ih, dw_hh (G*H, P), db_hh, dvec,
     d<state>0 with dh0 (B, P)) and dw_hr (P, H)."""
     w_ih, _, w_hh, _ = weights
-    x, first, rest, n = tape.x, tape.first, tape.rest, tape.n
+    x, first, rest, n, w_m = tape.x, tape.first, tape.rest, tape.n, tape.w_m
     (T, B, K), (P, H) = x.shape, w_hr.shape
     NS = len(first[0])
-    w_m = _c(w_hh @ w_hr)
     dy = np.array(dy, np.float32)                               # y's total gradient
     if dfinal[0] is not None:
         dy[_ends(T, B, bs)] += dfinal[0]
-    m = _m(first, rest, n, T, B, H)
-    dw_hr = dy.reshape(-1, P).T @ m.reshape(-1, H)              # y = m W_hr^T
+    dw_hr = dy.reshape(-1, P).T @ tape.m.reshape(-1, H)         # y = m W_hr^T
     dm = dy @ w_hr                                              # (T, B, H)
     dnext = [None] + [None if a is None else _c(a) for a in dfinal[1:]]
     dx = np.zeros((T, B, K), np.float32) if need_dx else None
@@ -108,8 +112,8 @@ def backward(lib0, lib, tape, weights, w_hr, dy, dfinal, vec, bs, need_dx):
         dm[0, :n] += g["dh0"]
         dnext = [None] + [_merge(g[f"d{s}0"], a, n, B, H) for s, a in
                           zip(lib.states[1:], dnext[1:])]
-    g0 = lib0.backward(tape.x0, _c(np.concatenate([w_ih, w_hh], axis=1)), w_m, first[1],
-                       first[0], _c(dm[:1]), dnext, need_dx=True, vec=vec)
+    g0 = lib0.backward(tape.x0, tape.w0, w_m, first[1], first[0], _c(dm[:1]), dnext,
+                       need_dx=True, vec=vec)
     if need_dx:
         dx[0] = g0["dx"][0, :, :K]
     dw_m = g0["dw_hh"] + (0 if g is None else g["dw_hh"])       # W_m = W_hh W_hr
