@@ -511,8 +511,7 @@ def write_json(results, path) -> None:
     except ImportError:  # pragma: no cover
         pass
     from . import tuning      # the knobs `halstm tune` kept on this machine, in effect here
-    meta["tuning"] = {k: v for k, v in tuning.load().items() if k.startswith(
-        tuning.machine_key("host").split(" | halide")[0])}
+    meta["tuning"] = tuning.this_machine()
     with open(path, "w") as f:
         rows = [row | {"times_ms": [round(t, 4) for t in r.times_ms],
                        "rounds_ms": [round(t, 4) for t in r.rounds_ms]}

@@ -276,7 +276,7 @@ def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, repor
     and keep the fastest (in the kernel cache's tuning.json); compile, the
     modules and the char LM then use them. Every value is checked against
     the default's results before it is timed, and kept only where it beats
-    the default."""
+    the current choice."""
     from . import tuning
     from .benchmark import shapes as shared
     if report:
@@ -286,10 +286,11 @@ def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, repor
     if (shape is None) == (sizes is None):
         raise click.UsageError("give --shape NAME or --sizes I,H,B,T[,L] (one of them)")
     if shape is not None:
-        if shape not in shared():
-            raise click.BadParameter(f"expected one of {sorted(shared())}, got {shape!r}",
+        known = shared()
+        if shape not in known:
+            raise click.BadParameter(f"expected one of {sorted(known)}, got {shape!r}",
                                      param_hint="--shape")
-        s = shared()[shape]
+        s = known[shape]
     else:
         try:
             v = [int(a) for a in sizes.split(",")]

@@ -488,8 +488,7 @@ class _RNN:
             raise RuntimeError("backward: the last forward ran under halstm.no_grad(), which "
                                "keeps nothing for backward; run it outside no_grad()")
         D, L, H = self.num_directions, self.num_layers, self._h_size
-        T, B = (tape[0].x.shape[:2] if self.proj_size else
-                (tape[-1][1][0].shape[0] - 1, tape[0][0].shape[1]))
+        T, B = (tape[0].x if self.proj_size else tape[0][0]).shape[:2]   # (the first input)
         shape = (T, D * H) if unbatched else ((B, T, D * H) if self.batch_first else (T, B, D * H))
         dy = _float_array("dy", dy)
         host = isinstance(dy, np.ndarray)

@@ -190,6 +190,8 @@ _step_functions: dict = {}       # cell -> its step on tensors (made before torc
 def _make_step_function(cell: str) -> None:
     if cell not in _step_functions:
         _step_functions[cell] = cells.definition(cell).step_function(_TorchOps)
+
+
 _side_streams: dict = {}
 
 

@@ -69,6 +69,14 @@ def load() -> dict:
     return hit[1]
 
 
+def this_machine() -> dict:
+    """What is kept for this machine, its CPU and (where tuned) CUDA
+    targets: {machine key: {layer key: entry}}."""
+    data = load()
+    keys = {machine_key("host"), machine_key("host-cuda")}
+    return {k: v for k, v in data.items() if k in keys}
+
+
 def stored(spec) -> dict:
     """The knobs kept for spec's layer on this machine ({}: the defaults)."""
     data = load()
@@ -140,9 +148,14 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     data = _layer_data(spec0, B, T, seed)
     NS, vec, x = data["states"], data["vec"], data["x"]
 
+    libs_made: dict = {}
+
     def lib_for(direction, knobs):
-        return Library(*aot.library(aot.Spec(cell, K, H, direction, target, schedule,
-                                             knobs=knobs)))
+        spec = aot.Spec(cell, K, H, direction, target, schedule, knobs=knobs)
+        key = (direction, spec.knobs)
+        if key not in libs_made:
+            libs_made[key] = Library(*aot.library(spec))
+        return libs_made[key]
     fwd0 = lib_for("fwd", ())
     states, saved = fwd0.forward(x, data["w_ih"], data["b_ih"], data["w_hh"], data["b_hh"],
                                  [None] * NS, vec=vec)
