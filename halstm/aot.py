@@ -298,11 +298,15 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
     try:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
-        if cells.definition(spec.cell).reduces:
+        d = cells.definition(spec.cell)
+        if d.reduces:
             # a step that reduces over units needs every unit of its products
-            # first: no ranges of units on the driver's threads, no backward
-            # step that finishes the product and the pointwise part in one
-            layout = layout.without("split", "fused_bwd_below")
+            # first: no ranges of units on the driver's threads (the schedule
+            # may keep ranges of rows), no backward step that finishes the
+            # product and the pointwise part in one
+            reducing = getattr(module, "reducing_layout", None)
+            layout = (reducing(layout, spec.direction, len(d.gates), spec.hidden_size)
+                      if reducing else layout.without("split", "fused_bwd_below"))
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
         if missing or (spec.onehot and cuda):

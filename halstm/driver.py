@@ -57,7 +57,8 @@ class Layer:
             d |= {"HALSTM_SPLIT": 1, "HALSTM_SPLIT_MACS": lay.split.macs,
                   "HALSTM_SPLIT_QUANTUM": self.split_quantum, "HALSTM_SPLIT_ROWS": lay.split.rows,
                   "HALSTM_SPLIT_CALL_MACS": lay.split.call_macs,
-                  "HALSTM_SPLIT_BATCH_BYTES": self.split_batch_bytes}
+                  "HALSTM_SPLIT_BATCH_BYTES": self.split_batch_bytes,
+                  "HALSTM_SPLIT_ROWS_ONLY": int(lay.split.rows_only)}
         if lay.xp_panels:
             d["HALSTM_XP_PANELS"] = 1
         if self.fused_bwd:

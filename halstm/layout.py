@@ -17,6 +17,8 @@ class StepSplit:
     macs: int         # a thread per this many multiply-adds of a step ...
     call_macs: int    # ... where the whole time loop has at least this many
     rows: int         # batch rows a thread takes at least, where it takes rows
+    rows_only: bool = False   # ranges of rows or one thread, never of units (a step
+                              # that reduces over units needs them all)
 
 
 @dataclass(frozen=True)

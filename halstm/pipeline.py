@@ -93,6 +93,7 @@ class Pipe(Stages):
     shapes: dict = field(default_factory=dict)   # input/output name -> extents (None: runtime)
     notes: list = field(default_factory=list)    # the schedule's shape-dependent choices (manifest)
     reductions: list = field(default_factory=list)  # the cell's Funcs over b (sums over units)
+    stagings: list = field(default_factory=list)    # its Funcs over (unit, b) (cells.lowering)
     knobs: dict = field(default_factory=dict)    # the schedule's knob values other than its defaults
 
     @property
@@ -348,7 +349,7 @@ def _step(p: Pipe, save: bool = True) -> None:
                          lambda: w(gate, r.x) * prev_in["h"][r.x, b])
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
-    p.reductions = list(cell.reductions)
+    p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)])
@@ -379,6 +380,10 @@ def _unit_range(p: Pipe, bufs) -> None:
     whole extent along units)."""
     panel0, panels = hl.Param(hl.Int(32), "panel0"), hl.Param(hl.Int(32), "panels")
     p.inputs += [panel0, panels]
+    if p.cell.reduces:   # ranges of rows only (aot: layout split rows_only): every unit,
+        for q, extent in bufs:  # known statically (unit reads clamped at H then vectorize)
+            q.dim(0).set_bounds(0, extent)
+        return
     start = p.P * panel0
     for q, extent in bufs:
         q.dim(0).set_bounds(start, hl.min(p.P * panels, extent - start))
@@ -450,7 +455,7 @@ def _step_bwd(p: Pipe) -> None:
                                           {s: _clamp(q, (1,)) for s, q in prev.items()},
                                           {s: _clamp(q, (1,)) for s, q in new.items()},
                                           dnew, vec_in, H, j, b)
-    p.reductions = list(cell.reductions)
+    p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     outs = {"dxp_out": _output(dxp)}
     if not cell.dxp_is_dhg:
         outs["dhg_out"] = _output(dhg)

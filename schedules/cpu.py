@@ -9,6 +9,7 @@ split with GuardWithIf; the pipeline clamps batch reads, so a tile may
 overrun B.
 """
 import math
+from dataclasses import replace
 
 import halide as hl
 
@@ -48,6 +49,27 @@ def layout(target: hl.Target) -> Layout:
     wide = target.has_feature(hl.TargetFeature.AVX512)
     return Layout(panel=P, dw_cols=(4 if wide else 2) * P, dw_rows=6, xp_panels=True,
                   split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS))
+
+
+def reducing_layout(layout: Layout, direction: str, G: int, H: int) -> Layout:
+    """The layout of a cell whose step reduces over the units: every unit
+    of a row's products comes before its pointwise work, so the driver's
+    threads never take ranges of units. They take ranges of batch rows
+    (split rows_only; each thread reads all of W_hh every step) backward,
+    and forward where W_hh is at most ROWS_FWD_BYTES; else the step
+    runs whole on Halide's pool, its product over unit panels, then its
+    rows (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    layout = layout.without("fused_bwd_below")
+    if layout.split is None or (direction == "fwd" and G * H * H * 4 > ROWS_FWD_BYTES):
+        return layout.without("split")
+    return replace(layout, split=replace(layout.split, rows_only=True))
+
+
+# Ranges of rows forward up to this size of W_hh (see SPLIT_ROWS). Past it,
+# a reducing step on 8 threads that each read all of W_hh (4 MB, 16 MB)
+# took 1.5-2.1x the time of Halide's pool on the 16-core Xeon
+# (charrnn_512x2, deepbench_1024; bench/RESULTS.md, "cpu.step rows").
+ROWS_FWD_BYTES = 512 << 10
 
 
 def _vw(target, extent: int) -> int:
@@ -259,23 +281,38 @@ def _row_sums(p, at, at_var, vw):
         partial.update().vectorize(u)
 
 
+def _row_stagings(p, at, at_var, vw):
+    """The cell's costly unit values read by its sums and elsewhere (Funcs
+    over (unit, b)): every unit of a batch row at loop at_var of `at`,
+    vectorized, so that the sums and the cell read them instead of
+    computing them again (bench/RESULTS.md, "Schedule decisions": cpu.step
+    rows)."""
+    for f in p.stagings:
+        f.compute_at(at, at_var).vectorize(f.args()[0], vw, GUARD)
+
+
 def _step_rows(p, target):
     """A step that reduces over the units: the recurrent product for every
-    unit first (register tiles, in parallel over unit panels), then per
-    batch row (in parallel) the reductions and the cell, units vectorized
-    (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    unit first (register tiles), then per batch row the reductions and the
+    cell, units vectorized. One thread where the driver splits the steps
+    (by rows: layout split rows_only); else in parallel, over unit panels
+    and then rows (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
     v, P = p.vars, p.P
     j, b = v["j"], v["b"]
     out, hg, acc, act = p.stage("out"), p.stage("hg"), p.stage("hg_acc"), p.stage("saved")
     hg.compute_root()
     batch = p.param("h_prev").dim(1).extent()
-    _tile(hg, acc, j, P, [(b, ROWS, GUARD)], [p.rdoms["k"].x], par="jo", extent=batch,
-          small=(batch < ROWS, _panels(p.Hp, P, 2) if p.H % P == 0 else 1, "jo"))
+    par = None if p.split_steps else "jo"
+    _tile(hg, acc, j, P, [(b, ROWS, GUARD)], [p.rdoms["k"].x], par=par, extent=batch,
+          small=(batch < ROWS, _panels(p.Hp, P, 2) if p.H % P == 0 else 1, par))
     acc.unroll(v["gate"])
     acc.update().unroll(v["gate"])
     jo, ji = hl.Var("jo"), hl.Var("ji")
-    out.split(j, jo, ji, P, GUARD).vectorize(ji).parallel(b)
+    out.split(j, jo, ji, P, GUARD).vectorize(ji)
+    if not p.split_steps:
+        out.parallel(b)
     _row_sums(p, out, b, P)
+    _row_stagings(p, out, b, P)
     act.compute_at(out, jo).vectorize(j, P, GUARD).unroll(act.args()[1])
 
 
@@ -301,7 +338,7 @@ def step(p, target):
     _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
           small=(batch < rows, small_panels, None))
     p.split_quantum = small_panels     # the driver's ranges: whole tiles
-    p.split_batch_bytes = 512 << 10    # ranges of rows below (see SPLIT_ROWS)
+    p.split_batch_bytes = ROWS_FWD_BYTES   # ranges of rows below (see SPLIT_ROWS)
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
     if not aligned:                    # whole panels at the guarded edge too
         for f in (acc, act):
@@ -316,30 +353,43 @@ step_infer = step
 
 
 def step_bwd(p, target):
-    """One thread (the driver runs ranges of units on its threads,
+    """One thread (the driver runs ranges of units or rows on its threads,
     split_steps): the pointwise backward for every unit (the product reads
-    them all), then dh_prev = W_hh^T dhg for this thread's units. Without
-    split_steps (a cell that reduces over units), Halide's threads: one
-    parallel loop over rows for the pointwise part and its sums, then unit
-    panels of the product (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    them all), then dh_prev = W_hh^T dhg for this thread's units. A cell
+    that reduces over units: one loop over rows for the pointwise part and
+    its sums (in parallel without split_steps), outputs other than the
+    product's operand computed in it rather than copied, then the product
+    (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
     v, H = p.vars, p.H
     k, b = v["k"], v["b"]
     vw = _vw(target, H)
-    names = ("dxp",) if p.cell.dxp_is_dhg else ("dxp", "dhg")
-    names += ("dvec",) if p.V else ()
+    product_in = "dxp" if p.cell.dxp_is_dhg else "dhg"     # what dh_prev reads
+    names = (product_in,) + tuple(n for n in ("dxp", "dvec" if p.V else None)
+                                  if n and n != product_in)
     own = not p.split_steps
+    rows = own or p.reductions     # one loop over rows for the whole pointwise part
     first = None
     for name in names:
-        f = _pointwise(p.stage(name).compute_root(), vw)
-        _pointwise(p.stage(name + "_out"), vw)
-        if own and first is None:
-            first = f.parallel(b)
-        elif own:           # one parallel loop over rows for the whole pointwise part
-            f.parallel(b).compute_with(first, b)
-    if own and p.reductions:
+        copy = _pointwise(p.stage(name + "_out"), vw)
+        if rows and name != product_in:   # an output only: computed in the loop, no copy
+            f = copy
+        else:
+            f = _pointwise(p.stage(name).compute_root(), vw)
+            if own:
+                copy.parallel(b)
+        if own:
+            f.parallel(b)
+        if rows and first is None:
+            first = f
+        elif rows:
+            f.compute_with(first, b)
+    if p.reductions:
         for s in p.cell.states[1:]:
-            p.stage("dprev_" + s).parallel(b).compute_with(first, b)
+            d = p.stage("dprev_" + s).compute_with(first, b)
+            if own:
+                d.parallel(b)
         _row_sums(p, first, b, vw)   # each row's sums inside its iteration
+        _row_stagings(p, first, b, vw)
     r = p.rdoms["jg"]
     # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
     # panels of W_hh^T (G*H*P floats each) would not fit in half an L2

@@ -415,7 +415,8 @@ def _row_block(p, out, j, b, along=()):
     batch row: the block's threads take the units (a loop over them past
     ROW_THREADS), each sum runs on all of them (strided units, coalesced
     reads; rfactor), then on a warp's lanes, then one thread, every stage
-    of the row in turn (shared memory between them). along: more pointwise
+    of the row in turn (shared memory between them); the cell's stagings
+    (costly values the sums read) once each, before them. along: more pointwise
     outputs computed in the same loops (compute_with)."""
     threads = min(ROW_THREADS, -(-p.H // LANES) * LANES)
     jo, ji = hl.Var(out.name() + "_jo"), hl.Var(out.name() + "_ji")
@@ -439,6 +440,10 @@ def _row_block(p, out, j, b, along=()):
             stage.update().gpu_threads(t)
         roo, roi = hl.RVar(r.name() + "oo"), hl.RVar(r.name() + "oi")
         part.update().split(ro, roo, roi, 4, GUARD).unroll(roi)
+    for f in p.stagings:    # costly unit values the sums read: once a row, in shared memory
+        u = f.args()[0]
+        uo, ui = hl.Var(f.name() + "_uo"), hl.Var(f.name() + "_ui")
+        f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo).gpu_threads(ui)
 
 
 # Threads of a block that runs a batch row of a step that reduces over

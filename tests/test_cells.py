@@ -60,6 +60,44 @@ def test_builtin_language_cell_matches_its_numpy_step(cell, size):
     check_against_step(cell, reference.STEPS[cell], size)
 
 
+def test_staged_values_are_the_costly_ones_read_by_a_sum_and_elsewhere():
+    """layer_norm(c') reads c' (from the sigmoid of f and i and the tanh of
+    g) in two sums and in the cell: those three activations are computed
+    once a row; o's, read once, and a cell without sums stage nothing."""
+    from halstm.cells.language import _topo
+    d = cells.definition("layernorm_lstm")
+    nodes = {id(n): n for n in _topo([*d.saved_nodes, *d.new.values()])}
+    staged = sorted((nodes[i].op, d.saved[d.saved_nodes.index(nodes[i])]) for i in d.staged_fwd)
+    assert staged == [("sigmoid", "f"), ("sigmoid", "i"), ("tanh", "g")]
+    assert not cells.definition("lstm").staged_fwd and not cells.definition("gru").staged_fwd
+
+
+@pytest.mark.parametrize("hidden, split", [(37, {"fwd": 3, "bwd": 3}),
+                                           (192, {"fwd": 0, "bwd": 3})])
+def test_reducing_steps_split_over_rows(hidden, split, monkeypatch):
+    """A step that reduces over the units needs all of them: three threads
+    asked for, 27 batch rows run as three ranges of rows backward, and
+    forward where W_hh is at most 512 KB (a larger one's forward runs on
+    Halide's pool: no driver split, 0), with the results of one thread."""
+    m = _randomized(halstm.Recurrent("layernorm_lstm", I, hidden, seed=0), 1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((60, 27, I)).astype(np.float32)
+    dy = rng.standard_normal((60, 27, hidden)).astype(np.float32)
+    runs = {}
+    for threads in (1, 3):
+        monkeypatch.setenv("HL_NUM_THREADS", str(threads))
+        y, finals = m(x)
+        runs[threads] = (y, *finals), m.backward(dy)
+        ran = {lib.manifest["direction"]: lib.step_threads() for lib in m._libs.values()}
+        assert ran == {d: min(n, threads) for d, n in split.items()}
+    (outs1, grads1), (outs3, grads3) = runs[1], runs[3]
+    for name, a, b in zip(("y", "h_n", "c_n"), outs3, outs1):
+        assert_close(name, a, b, rtol=1e-6)
+    assert set(grads3) == set(grads1)
+    for k in grads1:
+        assert_close(k, grads3[k], grads1[k], rtol=1e-5)
+
+
 def test_cell_without_bias():
     m = check_against_step("cifg_lstm", reference.STEPS["cifg_lstm"], bias=False)
     assert not any(k.startswith("bias") for k in m.state_dict())

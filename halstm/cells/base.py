@@ -58,6 +58,7 @@ class Cell:
     channels: tuple = ()          # vector parameter channels (name, gate or None); V = len
     reduces: bool = False         # the step reduces over the units (see reductions)
     reductions: list = []         # Funcs over b of the last forward/backward built
+    stagings: list = []           # its Funcs over (unit, b) computed once per row, if placed
 
     def forward(self, xp, hg, prev, vec, H, j, b):
         """xp, hg: Func(j, gate, b); prev: {state: Func(j, b)}; vec:

@@ -230,6 +230,30 @@ def _rows(nodes) -> set:
     return rows
 
 
+STAGED_OPS = ACTIVATIONS + ("sqrt", "/")
+
+
+def staged(roots, rows) -> set:
+    """ids of the costly unit values (activations, square roots, divisions)
+    that are read at more than one unit: by a sum over the units and at
+    the output unit, or by two sums (a layer norm of a value computed from
+    activations reads it three times). Lowering computes each once per
+    batch row, as a Func over the units, where Halide would recompute it
+    in every loop that reads it. Read in one place, a value stays inline."""
+    where: dict = {id(r): {"out"} for r in roots}
+    out = set()
+    for n in reversed(_topo(roots)):          # parents before children
+        places = where.get(id(n))
+        if not places:                        # (below a forward value)
+            continue
+        if n.op in STAGED_OPS and id(n) not in rows and len(places) > 1:
+            out.add(id(n))
+        inner = {id(n)} if n.op in REDUCTIONS or id(n) in out else places
+        for c in () if n.op == "val" else n.args:     # (a forward value: lowered apart)
+            where.setdefault(id(c), set()).update(inner)
+    return out
+
+
 def _vector_specs(cell, vectors) -> tuple:
     specs = tuple(vectors.values()) if isinstance(vectors, dict) else tuple(vectors)
     for v in specs:
@@ -415,6 +439,10 @@ class Definition:
         if not self.saved_nodes:       # the layout holds at least one channel: h' itself
             self.saved_nodes = [self.new["h"]]
         self.saved = _saved_names(self.saved_nodes, self.rows)
+        self.staged_fwd = staged([*self.saved_nodes, *self.new.values()], self.rows)
+        adjoints = [d for d in (*self.d_x.values(), *self.d_r.values(), *self.d_prev.values(),
+                                *self.d_vec) if d is not None]
+        self.staged_bwd = staged(adjoints, _rows(_topo(adjoints)))
 
     @property
     def reduces(self) -> bool:

@@ -4,7 +4,10 @@ Halide Funcs (pointwise Exprs, inlined unless a schedule names a stage).
 A row value that reduces (mean, usum) becomes a Func over the batch row,
 sum over an RDom of the units of its operands lowered at the RDom's unit;
 the Funcs made are listed in `reductions`, children first, for the
-schedules to place (a Func with an update cannot be inlined)."""
+schedules to place (a Func with an update cannot be inlined). A costly
+unit value read by a sum and elsewhere (language.staged) becomes a Func
+over (unit, row), listed in `stagings`: inlined unless a schedule
+computes it once per row."""
 from __future__ import annotations
 
 import itertools
@@ -33,9 +36,12 @@ class _Lowering:
     RVar) and batch row b. known(node, u) gives an Expr for a node read
     from a buffer or Func (None: compute it from its children)."""
 
-    def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict):
+    def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict,
+                 staged=frozenset(), stagings=None):
         self.name, self.H, self.b, self.known = name, H, b, known
         self.reductions, self.rows = reductions, rows    # shared: one Func per row node
+        self.staged = staged                 # ids of the nodes lowered as Funcs (unit, row)
+        self.stagings = {} if stagings is None else stagings   # shared: id -> Func
         self.memo: dict = {}
 
     def __call__(self, node: Sym, u):
@@ -56,11 +62,26 @@ class _Lowering:
             return hl.f32(self.H)
         if op in ("mean", "usum"):
             return self._row(node)[self.b]
+        if id(node) in self.staged:
+            return self._staged(node)[u, self.b]
+        return self._computed(node, u)
+
+    def _computed(self, node: Sym, u):
+        op = node.op
         if op in _UNARY:
             return _UNARY[op](self(node.args[0], u))
         if op in _BINARY:
             return _BINARY[op](*(self(a, u) for a in node.args))
         raise AssertionError(f"no value for {node!r}")
+
+    def _staged(self, node: Sym) -> hl.Func:
+        f = self.stagings.get(id(node))
+        if f is None:
+            f = hl.Func(f"{self.name}_{node.op}{next(_serial)}")
+            u = hl.Var("u")
+            f[u, self.b] = self._computed(node, u)
+            self.stagings[id(node)] = f
+        return f
 
     def _row(self, node: Sym) -> hl.Func:
         """The reduction at node as a Func over b: the sum over the units of
@@ -70,7 +91,8 @@ class _Lowering:
             return f
         k = next(_serial)      # (names unique in a pipeline: nested sums are made first)
         r = hl.RDom([(0, self.H)], f"r_u{k}")
-        at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows)
+        at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows,
+                         self.staged, self.stagings)
         args, scale = node.args, 1.0 / (len(node.args) * self.H) if node.op == "mean" else 1.0
         if len(args) == 1 and args[0].op == "neg":
             # sum(-t) as -sum(t): Halide simplifies f + (0 - t) to f - t, whose
@@ -99,6 +121,7 @@ class DefinedCell(Cell):
         self.saved, self.dxp_is_dhg = d.saved, d.dxp_is_dhg
         self.channels, self.reduces = d.channels, d.reduces
         self.reductions: list = []     # the reduction Funcs of the last forward or backward
+        self.stagings: list = []       # its Funcs over (unit, row) (_Lowering)
 
     def _leaf(self, xp, hg, prev, vec, b):
         gate = {g: k for k, g in enumerate(self.gates)}
@@ -118,8 +141,8 @@ class DefinedCell(Cell):
 
     def forward(self, xp, hg, prev, vec, H, j, b):
         d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
-        self.reductions, rows = [], {}
-        direct = _Lowering(d.name, H, b, leaf, self.reductions, rows)
+        self.reductions, rows, stagings = [], {}, {}
+        direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings)
         saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.saved_nodes], j, b)
         slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
 
@@ -127,11 +150,12 @@ class DefinedCell(Cell):
             if id(n) in slot and u.name() == j.name():
                 return saved[u, slot[id(n)], b]
             return leaf(n, u)
-        lower = _Lowering(d.name, H, b, known, self.reductions, rows)
+        lower = _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings)
         new = {}
         for s in self.states:
             new[s] = hl.Func(f"{d.name}_{s}")
             new[s][j, b] = lower(d.new[s], j)
+        self.stagings = list(stagings.values())
         return saved, new
 
     def backward(self, saved, prev, new, dnew, vec, H, j, b):
@@ -148,7 +172,7 @@ class DefinedCell(Cell):
             if n.op in ("x", "r"):
                 raise AssertionError(f"{n!r} is needed but not saved")
             return leaf(n, u)
-        self.reductions, rows = [], {}
+        self.reductions, rows, self.stagings = [], {}, []
         values = _Lowering(d.name + "_val", H, b, value, self.reductions, {})
 
         def known(n, u):

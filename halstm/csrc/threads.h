@@ -100,16 +100,20 @@ View part_of(View v, const Part &part, int units, int rows) {
 // range of rows and runs without meeting the others (barrier NULL).
 // Otherwise each takes a range of whole quanta of unit panels
 // (HALSTM_SPLIT_QUANTUM panels: the step tiles span that many at most)
-// and they meet at a barrier after every step. Barrier NULL when one
+// and they meet at a barrier after every step; with HALSTM_SPLIT_ROWS_ONLY
+// (a step that reduces over units) rows whatever W_hh's size, else one
+// thread. Barrier NULL when one
 // thread runs it all. Returns the first nonzero code; a worker's error
 // message is copied into this thread's.
 template <class F>
 int run_split(double macs, int T, int B, F body) {
     const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
     static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
-    const bool by_rows = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES &&
+    const bool by_rows = (HALSTM_SPLIT_ROWS_ONLY ||
+                          (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES) &&
                          B >= 2 * HALSTM_SPLIT_ROWS;
-    const int units = by_rows ? B / HALSTM_SPLIT_ROWS : groups;
+    // (rows only: a step that reduces over units runs whole on one thread)
+    const int units = by_rows ? B / HALSTM_SPLIT_ROWS : HALSTM_SPLIT_ROWS_ONLY ? 1 : groups;
     int n = threads_available();
     double worth = macs / HALSTM_SPLIT_MACS;
     if (worth < n) n = worth < 1 ? 1 : (int)worth;
