@@ -389,7 +389,6 @@ def step_bwd(p, target):
             if own:
                 d.parallel(b)
         _row_sums(p, first, b, vw)   # each row's sums inside its iteration
-        _row_stagings(p, first, b, vw)
     r = p.rdoms["jg"]
     # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
     # panels of W_hh^T (G*H*P floats each) would not fit in half an L2

@@ -440,11 +440,18 @@ def _row_block(p, out, j, b, along=()):
             stage.update().gpu_threads(t)
         roo, roi = hl.RVar(r.name() + "oo"), hl.RVar(r.name() + "oi")
         part.update().split(ro, roo, roi, 4, GUARD).unroll(roi)
-    for f in p.stagings:    # costly unit values the sums read: once a row, in shared memory
+    # costly unit values the sums read: once a row, in shared memory, where
+    # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader)
+    stagings = p.stagings if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES else []
+    for f in stagings:
         u = f.args()[0]
         uo, ui = hl.Var(f.name() + "_uo"), hl.Var(f.name() + "_ui")
         f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo).gpu_threads(ui)
 
+
+# Shared memory a row block may give the cell's stagings: half of the
+# 48 KiB a block gets without opting in to more.
+STAGED_SHARED_BYTES = 24 << 10
 
 # Threads of a block that runs a batch row of a step that reduces over
 # units: 512 x 128 registers fill an SM's register file

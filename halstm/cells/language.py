@@ -243,13 +243,11 @@ def staged(roots, rows) -> set:
     where: dict = {id(r): {"out"} for r in roots}
     out = set()
     for n in reversed(_topo(roots)):          # parents before children
-        places = where.get(id(n))
-        if not places:                        # (below a forward value)
-            continue
+        places = where[id(n)]
         if n.op in STAGED_OPS and id(n) not in rows and len(places) > 1:
             out.add(id(n))
         inner = {id(n)} if n.op in REDUCTIONS or id(n) in out else places
-        for c in () if n.op == "val" else n.args:     # (a forward value: lowered apart)
+        for c in n.args:
             where.setdefault(id(c), set()).update(inner)
     return out
 
@@ -439,10 +437,9 @@ class Definition:
         if not self.saved_nodes:       # the layout holds at least one channel: h' itself
             self.saved_nodes = [self.new["h"]]
         self.saved = _saved_names(self.saved_nodes, self.rows)
+        # (backward: the layer-norm LSTM's values read at several places are
+        # divisions, which staged as well took no less time on the CPU)
         self.staged_fwd = staged([*self.saved_nodes, *self.new.values()], self.rows)
-        adjoints = [d for d in (*self.d_x.values(), *self.d_r.values(), *self.d_prev.values(),
-                                *self.d_vec) if d is not None]
-        self.staged_bwd = staged(adjoints, _rows(_topo(adjoints)))
 
     @property
     def reduces(self) -> bool:
