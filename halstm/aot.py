@@ -130,10 +130,13 @@ def schedule_knobs(schedule: str) -> dict:
 
 def _checked_knobs(spec: Spec, knobs) -> tuple:
     """knobs (a mapping or pairs) as sorted pairs: the ones that act on
-    spec's direction and differ from their defaults (so that a default
-    value is the same library as none); an unknown name or a value that
-    is not a positive int raises ValueError."""
+    spec's direction (and cell: a knob for steps that reduce over units)
+    and differ from their defaults (so that a default value is the same
+    library as none); an unknown name or a value that is not a positive
+    int raises ValueError."""
     have = schedule_knobs(spec.schedule)
+    reduces = cells.definition(spec.cell).reduces if any(k.reducing for k in have.values()) \
+        else False
     out = {}
     for name, value in (knobs.items() if isinstance(knobs, dict) else knobs):
         if name not in have:
@@ -141,7 +144,8 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
                              f"{sorted(have) or 'none'}")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"knobs: {name} expects a positive int, got {value!r}")
-        if have[name].direction == spec.direction and value != have[name].default:
+        if (have[name].direction == spec.direction and value != have[name].default
+                and (reduces or not have[name].reducing)):
             out[name] = value
     return tuple(sorted(out.items()))
 
@@ -305,7 +309,8 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
             # may keep ranges of rows), no backward step that finishes the
             # product and the pointwise part in one
             reducing = getattr(module, "reducing_layout", None)
-            layout = (reducing(layout, spec.direction, len(d.gates), spec.hidden_size)
+            layout = (reducing(layout, spec.direction, len(d.gates), spec.hidden_size,
+                               dict(spec.knobs))
                       if reducing else layout.without("split", "fused_bwd_below"))
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]

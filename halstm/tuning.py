@@ -144,7 +144,13 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     if unknown:
         raise ValueError(f"knob: schedule {spec0.schedule!r} has no knob {unknown[0]!r}; it has "
                          f"{sorted(have) or 'none'}")
-    wanted = [n for n in have if names is None or n in names]
+    from . import cells
+    reduces = cells.definition(cell).reduces
+    for n in names or ():
+        if have[n].reducing and not reduces:
+            raise ValueError(f"knob: {n} acts on cells that reduce over units; {cell!r} does not")
+    wanted = [n for n in have if (names is None or n in names)
+              and (reduces or not have[n].reducing)]
     data = _layer_data(spec0, B, T, seed)
     NS, vec, x = data["states"], data["vec"], data["x"]
 

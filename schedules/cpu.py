@@ -51,24 +51,24 @@ def layout(target: hl.Target) -> Layout:
                   split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS))
 
 
-def reducing_layout(layout: Layout, direction: str, G: int, H: int) -> Layout:
+def reducing_layout(layout: Layout, direction: str, G: int, H: int, knobs=None) -> Layout:
     """The layout of a cell whose step reduces over the units: every unit
     of a row's products comes before its pointwise work, so the driver's
     threads never take ranges of units. They take ranges of batch rows
     (split rows_only; each thread reads all of W_hh every step) backward,
-    and forward where W_hh is at most ROWS_FWD_BYTES; else the step
-    runs whole on Halide's pool, its product over unit panels, then its
-    rows (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    and forward where W_hh is at most the knob rows_fwd_kib (default 512
+    KiB: on 16 cores, 8 threads that each read a 4 or 16 MB W_hh took
+    1.5-2.1x the time of Halide's pool); else the step runs whole on
+    Halide's pool, its product over unit panels, then its rows
+    (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    limit = (knobs or {}).get("rows_fwd_kib", KNOBS["rows_fwd_kib"].default) << 10
     layout = layout.without("fused_bwd_below")
-    if layout.split is None or (direction == "fwd" and G * H * H * 4 > ROWS_FWD_BYTES):
+    if layout.split is None or (direction == "fwd" and G * H * H * 4 > limit):
         return layout.without("split")
     return replace(layout, split=replace(layout.split, rows_only=True))
 
 
-# Ranges of rows forward up to this size of W_hh (see SPLIT_ROWS). Past it,
-# a reducing step on 8 threads that each read all of W_hh (4 MB, 16 MB)
-# took 1.5-2.1x the time of Halide's pool on the 16-core Xeon
-# (charrnn_512x2, deepbench_1024; bench/RESULTS.md, "cpu.step rows").
+# The LSTM's ranges of rows forward up to this size of W_hh (see SPLIT_ROWS).
 ROWS_FWD_BYTES = 512 << 10
 
 

@@ -9,11 +9,15 @@ class Knob(NamedTuple):
     direction: str        # the layer direction whose pipelines it acts on
     default: int          # the schedule's constant
     candidates: tuple     # the values tune tries
+    reducing: bool = False    # acts only on cells whose step reduces over units
 
 
-# cpu: DW_PANELS, PROJ_CHUNK and DH_PANEL_BYTES (in KiB) (schedules/cpu.py).
+# cpu: DW_PANELS, PROJ_CHUNK, DH_PANEL_BYTES and, for a cell that reduces
+# over units, ROWS_FWD_BYTES (in KiB: 1 never, 1 GiB always) (schedules/cpu.py).
 # Which value is fastest depends on the machine: DW_PANELS 4 was fastest on
-# the AMD VM, 1 on the Intel VM (bench/RESULTS.md, "Tuned knobs").
+# the AMD VM, 1 on the Intel VM (bench/RESULTS.md, "Tuned knobs"); ranges
+# of rows forward past 512 KiB of W_hh lost on 16 cores ("cpu.step rows").
 KNOBS = {"cpu": {"dw_panels": Knob("bwd", 4, (1, 2, 4, 8)),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64)),
-                 "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048))}}
+                 "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048)),
+                 "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)}}

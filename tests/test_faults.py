@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import halstm
-from halstm import aot, cache, compiled, manifest
+from halstm import aot, cache, manifest
 from halstm.runtime import Library
 from helpers import B, I, T, make, run_cli
 

@@ -175,6 +175,23 @@ def test_gradients_match_the_float64_reference(cell):
         assert_close(k, g, ref_grads[k])
 
 
+def test_vector_parameters_start_at_their_declared_values():
+    """The char LM draws the matrices and their biases from its seed, as
+    torch does; a layer norm's gains start at 1 and its shifts and bias at
+    0, as the cell declares (not uniform like a matrix)."""
+    model = CharLM(16, "layernorm_lstm", hidden_size=8, layers=2, seed=3)
+    p = model.rnn.state_dict()
+    for k in range(2):
+        for name in ("ln_ih_weight", "ln_hh_weight", "ln_c_weight"):
+            assert np.all(p[f"{name}_l{k}"] == 1), name
+        for name in ("ln_c_bias", "bias"):
+            assert np.all(p[f"{name}_l{k}"] == 0), name
+        w = p[f"weight_hh_l{k}"]
+        assert np.abs(w).max() <= 1 / np.sqrt(8) and np.unique(w).size == w.size
+    same = CharLM(16, "layernorm_lstm", hidden_size=8, layers=2, seed=3).rnn.state_dict()
+    assert all(np.array_equal(p[k], same[k]) for k in p)
+
+
 def test_reference_model_gradient_is_the_finite_difference_of_its_loss():
     """Validates the float64 oracle above (head and cross-entropy included)."""
     model = CharLM(16, "lstm", hidden_size=16, layers=2, seed=4)

@@ -182,11 +182,12 @@ def _cuda_pipe(cell, kind, K, H):
 def test_fused_backward_step_below_h512_on_the_cuda_schedule(schedule):
     import halide as hl
     layout = schedules.for_target(CUDA_TARGET, schedule).layout(hl.Target(CUDA_TARGET))
-    for H, fused in ((37, True), (511, True), (512, False), (1024, False)):
-        kinds = aot.pipeline_kinds(aot.Spec("lstm", I, H, "bwd", CUDA_TARGET, schedule), layout)
+    for hidden, fused in ((37, True), (511, True), (512, False), (1024, False)):
+        kinds = aot.pipeline_kinds(aot.Spec("lstm", I, hidden, "bwd", CUDA_TARGET, schedule),
+                                   layout)
         want = "step_bwd_fused" if fused and schedule == "cuda" else "step_bwd"
-        assert kinds == (want, "grads"), (H, kinds)
-        assert aot.pipeline_kinds(aot.Spec("lstm", I, H, "fwd", CUDA_TARGET, schedule),
+        assert kinds == (want, "grads"), (hidden, kinds)
+        assert aot.pipeline_kinds(aot.Spec("lstm", I, hidden, "fwd", CUDA_TARGET, schedule),
                                   layout) == ("pack", "proj", "step", "step_infer")
     cpu = schedules.for_target("host", "cpu").layout(hl.Target("host"))
     assert aot.pipeline_kinds(aot.Spec("lstm", I, H, "bwd"), cpu) == ("pack_bwd", "step_bwd", "grads")
@@ -200,10 +201,10 @@ def test_fused_backward_step_below_h512_on_the_cuda_schedule(schedule):
 @pytest.mark.parametrize("kind,lanes_from", [("proj", 32), ("grads", 32), ("step", 512),
                                              ("step_infer", 512), ("step_bwd", 512)])
 def test_cuda_lanes_products_where_the_warps_fit(kind, lanes_from):
-    for H in (128, 528, 512, 1024):
-        _, notes, _ = _cuda_pipe("lstm", kind, 64, H)
-        lanes = H % 32 == 0 and H >= lanes_from
-        assert any("staged in chunks" in n for n in notes) == lanes, (H, notes)
+    for hidden in (128, 528, 512, 1024):
+        _, notes, _ = _cuda_pipe("lstm", kind, 64, hidden)
+        lanes = hidden % 32 == 0 and hidden >= lanes_from
+        assert any("staged in chunks" in n for n in notes) == lanes, (hidden, notes)
     _, notes, _ = _cuda_pipe("lstm", kind, 65, 128)     # K not a multiple of 32
     assert any("staged in chunks" in n for n in notes) == (kind == "grads"), notes
 
@@ -211,11 +212,11 @@ def test_cuda_lanes_products_where_the_warps_fit(kind, lanes_from):
 # The weight gradients are lanes products where they have 2048 tiles (4
 # input x 4 hidden units) or more, register tiles summed in parts elsewhere.
 def test_cuda_weight_gradients_as_lanes_products_from_2048_tiles():
-    for K, H, lanes in ((64, 1024, {"dw_hh"}), (1024, 1024, {"dw_ih", "dw_hh"}),
-                        (2048, 512, {"dw_ih"}), (512, 512, set()), (1000, 1000, set())):
-        _, notes, _ = _cuda_pipe("lstm", "grads", K, H)
+    for K, hidden, lanes in ((64, 1024, {"dw_hh"}), (1024, 1024, {"dw_ih", "dw_hh"}),
+                             (2048, 512, {"dw_ih"}), (512, 512, set()), (1000, 1000, set())):
+        _, notes, _ = _cuda_pipe("lstm", "grads", K, hidden)
         got = {n.split()[1] for n in notes if "as a lanes product" in n and " dw_" in n}
-        assert got == lanes, (K, H, notes)
+        assert got == lanes, (K, hidden, notes)
 
 
 # Lowered for a CUDA target (no GPU needed): a lanes product's kernel uses

@@ -43,7 +43,8 @@ def parameter_shapes(vocab_size: int, cell: str, hidden_size: int, layers: int) 
 class CharLM:
     """vocab_size one-hot inputs, `layers` recurrent layers of `hidden_size`
     units, a linear head over the vocabulary. Initialised as PyTorch does
-    (every weight and bias uniform in +-1/sqrt(hidden_size)) from `seed`.
+    (every matrix and its bias uniform in +-1/sqrt(hidden_size)) from
+    `seed`; a cell's vector parameters start at their declared values.
     kernels: run the head (and, through Trainer, the optimizer) as Halide
     pipelines (model/kernels.py) rather than numpy; always on a CUDA
     target, off by default on a CPU target (numpy's BLAS head is faster
@@ -71,7 +72,13 @@ class CharLM:
         def uniform(shape):
             return rng.uniform(-bound, bound, shape).astype(np.float32)
 
-        self.rnn.load_state_dict({k: uniform(v.shape) for k, v in self.rnn.state_dict().items()})
+        # the matrices, their biases and vectors declared "uniform" are drawn
+        # from seed; other vector parameters keep their declared values
+        # (a layer norm's gains 1, its shifts 0)
+        drawn = {"weight_ih", "weight_hh", "bias_ih", "bias_hh"} | {
+            v.name for v in cells.definition(cell).vectors if v.init == "uniform"}
+        self.rnn.load_state_dict({k: uniform(v.shape) if k.rsplit("_l", 1)[0] in drawn else v
+                                  for k, v in self.rnn.state_dict().items()})
         self.head = {"weight": uniform((self.V, self.H)), "bias": uniform((self.V,))}
         self.kernels = None
         if self.on_gpu or kernels:
