@@ -13,7 +13,8 @@ class Knob(NamedTuple):
 
 
 # cpu: DW_PANELS, PROJ_CHUNK, DH_PANEL_BYTES and, for a cell that reduces
-# over units, ROWS_FWD_BYTES (in KiB: 1 never, 1 GiB always) (schedules/cpu.py).
+# over units, the W_hh size up to which its forward takes ranges of batch
+# rows (in KiB: 1 never, 1 GiB always; cpu.reducing_layout).
 # Which value is fastest depends on the machine: DW_PANELS 4 was fastest on
 # the AMD VM, 1 on the Intel VM (bench/RESULTS.md, "Tuned knobs"); ranges
 # of rows forward past 512 KiB of W_hh lost on 16 cores ("cpu.step rows").
