@@ -83,6 +83,7 @@ class Pipe(Stages):
     split_steps: bool = False    # the driver runs a step's units in ranges (see _unit_range)
     xp_panels: bool = False      # xp stored in panels of P units (see _xp_out)
     raw_bwd: bool = False        # the backward reads w_ih, w_hh as given (see _bwd_weight)
+    split_rows_only: bool = False  # split_steps in ranges of rows only: every unit (layout)
     split_quantum: int = 1       # (set by the schedule) panels the driver's ranges are made of
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     inputs: list = field(default_factory=list)   # ImageParams, argument order
@@ -198,7 +199,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     p = Pipe(kind, cell, K, H, layout.panel, layout.dw_cols, layout.dw_rows,
              layout.read_outputs, layout.split is not None, layout.xp_panels,
-             layout.raw_bwd_weights)
+             layout.raw_bwd_weights,
+             split_rows_only=layout.split is not None and layout.split.rows_only)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -380,8 +382,8 @@ def _unit_range(p: Pipe, bufs) -> None:
     whole extent along units)."""
     panel0, panels = hl.Param(hl.Int(32), "panel0"), hl.Param(hl.Int(32), "panels")
     p.inputs += [panel0, panels]
-    if p.cell.reduces:   # ranges of rows only (aot: layout split rows_only): every unit,
-        for q, extent in bufs:  # known statically (unit reads clamped at H then vectorize)
+    if p.split_rows_only:   # every unit, known statically (clamped unit reads vectorize)
+        for q, extent in bufs:
             q.dim(0).set_bounds(0, extent)
         return
     start = p.P * panel0
