@@ -63,22 +63,18 @@ class CharLM:
             raise ValueError("kernels: a CUDA target runs the head and optimizer as kernels; "
                              "kernels=False fits CPU targets only")
         self.V, self.H, self.L, self.cell = int(vocab_size), int(hidden_size), int(layers), cell
+        # the module's own initialisation from seed (matrices and their
+        # biases uniform, a cell's vectors as declared: a layer norm's gains
+        # 1), then the head from the same generator
         self.rnn = Recurrent(cell, self.V, self.H, num_layers=self.L, target=target,
-                             schedule=schedule)
+                             schedule=schedule, seed=seed)
         self.n_states = len(self.rnn._state_names)
-        rng = np.random.default_rng(seed)
+        rng = self.rnn._rng
         bound = 1.0 / np.sqrt(self.H)
 
         def uniform(shape):
             return rng.uniform(-bound, bound, shape).astype(np.float32)
 
-        # the matrices, their biases and vectors declared "uniform" are drawn
-        # from seed; other vector parameters keep their declared values
-        # (a layer norm's gains 1, its shifts 0)
-        drawn = {"weight_ih", "weight_hh", "bias_ih", "bias_hh"} | {
-            v.name for v in cells.definition(cell).vectors if v.init == "uniform"}
-        self.rnn.load_state_dict({k: uniform(v.shape) if k.rsplit("_l", 1)[0] in drawn else v
-                                  for k, v in self.rnn.state_dict().items()})
         self.head = {"weight": uniform((self.V, self.H)), "bias": uniform((self.V,))}
         self.kernels = None
         if self.on_gpu or kernels:
