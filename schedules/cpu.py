@@ -234,15 +234,14 @@ def pack_bwd(p, target):
 # AVX-512's 32 vector registers
 # (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_ROWS).
 PROJ_ROWS = 6
-# Rows in chunks of 32 tiles (192 rows) outside the panel loop, so that a
-# chunk of x stays in L2 while every weight panel passes
-# (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_CHUNK).
-PROJ_CHUNK = KNOBS["proj_chunk"].default       # 32
+# Rows in chunks of knob proj_chunk tiles (default 32: 192 rows) outside
+# the panel loop, so that a chunk of x stays in L2 while every weight panel
+# passes (bench/RESULTS.md, "Schedule decisions": cpu.proj_chunk).
 
 
 def proj(p, target):
     """Tiles of PROJ_ROWS rows x every gate of one panel (xp_panels: the
-    tile is one contiguous run of xp), rows in chunks of PROJ_CHUNK tiles;
+    tile is one contiguous run of xp), rows in chunks of proj_chunk tiles;
     one parallel loop over (chunk, panel) pairs, chunk-major."""
     out, acc = p.stage("xp"), p.stage("xp_acc")
     ji, gate, n, jo = out.args()
@@ -392,7 +391,7 @@ def step_bwd(p, target):
     r = p.rdoms["jg"]
     # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
     # panels of W_hh^T (G*H*P floats each) would not fit in half an L2
-    # (DH_PANEL_BYTES; they are read once per row tile); below that many
+    # (knob dh_panel_kib, 512 KiB; they are read once per row tile); below that many
     # rows, 8 panels x 1 row (one row is FMA latency-bound). Tiles span
     # panels that divide Hp / P and leave the driver at least two ranges of
     # whole tiles (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd tiles).
@@ -409,9 +408,6 @@ def step_bwd(p, target):
     p.split_batch_bytes = 1 << 20      # ranges of rows below (see SPLIT_ROWS)
     for s in p.cell.states[1:]:
         _pointwise(p.stage("dprev_" + s), vw)
-
-
-DH_PANEL_BYTES = KNOBS["dh_panel_kib"].default << 10    # 512 KiB; tuned per machine
 
 
 def gather(p, target):
@@ -437,13 +433,6 @@ def grads_ids(p, target):
     acc.compute_root().vectorize(j, vw, tail).parallel(gate)
     acc.update().reorder(j, rn.x, gate).vectorize(j, vw, tail).parallel(gate)
     out.parallel(gate)
-
-
-# Input panels (dw_cols units each) that one pass over the weight
-# gradient's unit tiles covers: each unit tile's dxp panel stays in L2 and
-# is read from memory once per 4 input panels
-# (bench/RESULTS.md, "Schedule decisions": cpu.DW_PANELS).
-DW_PANELS = KNOBS["dw_panels"].default        # 4; tuned per machine (schedules/knobs.py)
 
 
 def knob(p, name: str):
@@ -490,9 +479,11 @@ def grads(p, target, ids=False):
             # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
             out, acc = p.stage(name), p.stage(name + "_acc")
             _tile(out, acc, vec, p.dw_cols, [(j, p.dw_rows, SHIFT)], [rn.x], vec_tail=SHIFT)
-            # DW_PANELS input panels per pass over the unit tiles: each tile's
-            # dxp panel is then read from memory once per DW_PANELS input
-            # panels (kept in L2), not once per panel
+            # knob dw_panels input panels (dw_cols units each; default 4)
+            # per pass over the unit tiles: each tile's dxp panel is then
+            # read from memory once per dw_panels input panels (kept in
+            # L2), not once per panel (bench/RESULTS.md, "Schedule
+            # decisions": cpu.dw_panels)
             vo, voo, voi = (hl.Var(vec.name() + n) for n in ("o", "oo", "oi"))
             out.split(vo, voo, voi, knob(p, "dw_panels"), GUARD).reorder(voi, jo, gate)
             acc.compute_at(out, voi)

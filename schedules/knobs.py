@@ -12,12 +12,14 @@ class Knob(NamedTuple):
     reducing: bool = False    # acts only on cells whose step reduces over units
 
 
-# cpu: DW_PANELS, PROJ_CHUNK, DH_PANEL_BYTES and, for a cell that reduces
-# over units, the W_hh size up to which its forward takes ranges of batch
-# rows (in KiB: 1 never, 1 GiB always; cpu.reducing_layout).
-# Which value is fastest depends on the machine: DW_PANELS 4 was fastest on
-# the AMD VM, 1 on the Intel VM (bench/RESULTS.md, "Tuned knobs"); ranges
-# of rows forward past 512 KiB of W_hh lost on 16 cores ("cpu.step rows").
+# cpu (schedules/cpu.py): input panels per pass over dW's unit tiles, the
+# projection's row chunk (tiles), the backward product's panel budget (KiB)
+# and, for a cell that reduces over units, the W_hh size up to which its
+# forward takes ranges of batch rows (in KiB: 1 never, 1 GiB always;
+# cpu.reducing_layout). Which value is fastest depends on the machine:
+# dw_panels 4 was fastest on the AMD VM, 1 on the Intel VM (bench/RESULTS.md,
+# "Tuned knobs"); ranges of rows forward past 512 KiB of W_hh lost on 16
+# cores and won on 2 ("cpu.step rows", "Tuned knobs").
 KNOBS = {"cpu": {"dw_panels": Knob("bwd", 4, (1, 2, 4, 8)),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64)),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048)),
