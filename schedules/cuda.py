@@ -440,6 +440,12 @@ def _row_block(p, out, j, b, along=()):
             stage.update().gpu_threads(t)
         roo, roi = hl.RVar(r.name() + "oo"), hl.RVar(r.name() + "oi")
         part.update().split(ro, roo, roi, 4, GUARD).unroll(roi)
+        # the short sums (threads / LANES a lane, LANES the last) unrolled:
+        # LLVM then keeps their shared-memory sums in registers and issues
+        # the loads together, where a loop stored the sum every iteration
+        lanes.update().reorder(r2o, w).unroll(r2o)
+        f.gpu_threads(b)      # (a thread loop of one: unrolled statements
+        f.update().reorder(f.rvars(0)[0], b).gpu_threads(b).unroll(f.rvars(0)[0])
     # costly unit values the sums read: once a row, in shared memory, where
     # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader)
     stagings = p.stagings if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES else []
