@@ -94,6 +94,7 @@ class Pipe(Stages):
     shapes: dict = field(default_factory=dict)   # input/output name -> extents (None: runtime)
     notes: list = field(default_factory=list)    # the schedule's shape-dependent choices (manifest)
     reductions: list = field(default_factory=list)  # the cell's Funcs over b (sums over units)
+    reduction_groups: list = field(default_factory=list)  # them by level (Cell.reduction_groups)
     stagings: list = field(default_factory=list)    # its Funcs over (unit, b) (cells.lowering)
     knobs: dict = field(default_factory=dict)    # the schedule's knob values other than its defaults
 
@@ -352,6 +353,7 @@ def _step(p: Pipe, save: bool = True) -> None:
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
+    p.reduction_groups = cell.reduction_groups()
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)])
@@ -458,6 +460,7 @@ def _step_bwd(p: Pipe) -> None:
                                           {s: _clamp(q, (1,)) for s, q in new.items()},
                                           dnew, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
+    p.reduction_groups = cell.reduction_groups()
     outs = {"dxp_out": _output(dxp)}
     if not cell.dxp_is_dhg:
         outs["dhg_out"] = _output(dhg)

@@ -425,27 +425,15 @@ def _row_block(p, out, j, b, along=()):
         f.gpu_blocks(b).gpu_threads(ji)
         if f is not out:
             f.compute_with(out, jo)
-    for f in p.reductions:
-        # every thread sums strided units (4 loads in flight), a warp's lanes
-        # sum the threads' sums in groups, one thread the lanes' sums
-        r = f.rvars(0)[0]
-        ro, ri, u = hl.RVar(r.name() + "o"), hl.RVar(r.name() + "i"), hl.Var(f.name() + "_u")
-        part = f.update().split(r, ro, ri, threads, GUARD).rfactor(ri, u)
-        r2 = f.rvars(0)[0]
-        r2o, r2i, w = hl.RVar(r2.name() + "o"), hl.RVar(r2.name() + "i"), hl.Var(f.name() + "_w")
-        lanes = f.update().split(r2, r2o, r2i, LANES, GUARD).rfactor(r2i, w)
-        f.compute_at(out, b)
-        for stage, t in ((part, u), (lanes, w)):
-            stage.compute_at(out, b).gpu_threads(t)
-            stage.update().gpu_threads(t)
-        roo, roi = hl.RVar(r.name() + "oo"), hl.RVar(r.name() + "oi")
-        part.update().split(ro, roo, roi, 4, GUARD).unroll(roi)
-        # the short sums (threads / LANES a lane, LANES the last) unrolled:
-        # LLVM then keeps their shared-memory sums in registers and issues
-        # the loads together, where a loop stored the sum every iteration
-        lanes.update().reorder(r2o, w).unroll(r2o)
-        f.gpu_threads(b)      # (a thread loop of one: unrolled statements
-        f.update().reorder(f.rvars(0)[0], b).gpu_threads(b).unroll(f.rvars(0)[0])
+    for group in p.reduction_groups:
+        # a group's sums read none of each other's results: each stage of
+        # theirs in one loop, one barrier after it (compute_with)
+        stages = [_row_sum(f, out, b, threads, group[0].name()) for f in group]
+        for other in stages[1:]:
+            for stage, lead in zip(other, stages[0]):
+                at = b if stage in group else ROW_T
+                stage.compute_with(lead, at)
+                stage.update().compute_with(lead.update(), at)
     # costly unit values the sums read: once a row, in shared memory, where
     # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader)
     stagings = p.stagings if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES else []
@@ -453,6 +441,39 @@ def _row_block(p, out, j, b, along=()):
         u = f.args()[0]
         uo, ui = hl.Var(f.name() + "_uo"), hl.Var(f.name() + "_ui")
         f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo).gpu_threads(ui)
+
+
+# the thread loop of _row_sum's first two stages: one name, so that
+# the stages of several sums can share loops (compute_with)
+ROW_T = hl.Var("row_t")
+
+
+def _row_sum(f, out, b, threads: int, tag: str):
+    """Schedule the sum f(b) over units for _row_block: every thread sums
+    strided units (4 loads in flight), a warp's lanes the threads' sums,
+    one thread the lanes' sums. Returns the three Funcs (the first two
+    with thread loop ROW_T, f with b; reduction loops named by tag)."""
+    r = f.rvars(0)[0]
+    ro, ri, u = hl.RVar(tag + "_ro"), hl.RVar(tag + "_ri"), ROW_T
+    part = f.update().split(r, ro, ri, threads, GUARD).rfactor(ri, u)
+    r2 = f.rvars(0)[0]
+    r2o, r2i, w = hl.RVar(tag + "_r2o"), hl.RVar(tag + "_r2i"), ROW_T
+    lanes = f.update().split(r2, r2o, r2i, LANES, GUARD).rfactor(r2i, w)
+    for stage in (part, lanes):
+        stage.compute_at(out, b).gpu_threads(ROW_T)
+        stage.update().gpu_threads(ROW_T)
+    roo, roi = hl.RVar(tag + "_roo"), hl.RVar(tag + "_roi")
+    part.update().split(ro, roo, roi, 4, GUARD).reorder(roi, roo, u).unroll(roi)
+    # the short sums (threads / LANES a lane, LANES the last) unrolled:
+    # LLVM then keeps their shared-memory sums in registers and issues the
+    # loads together, where a loop stored the sum every iteration. The
+    # last one runs in a thread loop of one: unrolled at block level,
+    # Halide would put a barrier after each of its statements.
+    lanes.update().reorder(r2o, w).unroll(r2o)
+    last = f.rvars(0)[0]
+    f.compute_at(out, b).gpu_threads(b)
+    f.update().reorder(last, b).gpu_threads(b).unroll(last)
+    return part, lanes, f
 
 
 # Shared memory a row block may give the cell's stagings: half of the

@@ -60,6 +60,11 @@ class Cell:
     reductions: list = []         # Funcs over b of the last forward/backward built
     stagings: list = []           # its Funcs over (unit, b) computed once per row, if placed
 
+    def reduction_groups(self) -> list[list]:
+        """reductions in groups whose sums read none of each other's
+        results, in an order that computes every group after those it reads."""
+        return [[f] for f in self.reductions]
+
     def forward(self, xp, hg, prev, vec, H, j, b):
         """xp, hg: Func(j, gate, b); prev: {state: Func(j, b)}; vec:
         Func(j, channel) of the vector parameters; H: units.

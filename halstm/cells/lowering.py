@@ -15,7 +15,7 @@ import itertools
 import halide as hl
 
 from .base import Cell, _is_nan, gate_func, sigmoid, tanh
-from .language import Definition, Sym
+from .language import Definition, Sym, _topo
 
 
 def _relu(v):
@@ -37,11 +37,13 @@ class _Lowering:
     from a buffer or Func (None: compute it from its children)."""
 
     def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict,
-                 staged=frozenset(), stagings=None):
+                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False):
         self.name, self.H, self.b, self.known = name, H, b, known
         self.reductions, self.rows = reductions, rows    # shared: one Func per row node
         self.staged = staged                 # ids of the nodes lowered as Funcs (unit, row)
         self.stagings = {} if stagings is None else stagings   # shared: id -> Func
+        self.levels = {} if levels is None else levels  # shared: reduction Func name -> level
+        self.stored = stored                 # whether a node is read from memory, not computed
         self.memo: dict = {}
 
     def __call__(self, node: Sym, u):
@@ -92,7 +94,7 @@ class _Lowering:
         k = next(_serial)      # (names unique in a pipeline: nested sums are made first)
         r = hl.RDom([(0, self.H)], f"r_u{k}")
         at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows,
-                         self.staged, self.stagings)
+                         self.staged, self.stagings, self.levels, self.stored)
         args, scale = node.args, 1.0 / (len(node.args) * self.H) if node.op == "mean" else 1.0
         if len(args) == 1 and args[0].op == "neg":
             # sum(-t) as -sum(t): Halide simplifies f + (0 - t) to f - t, whose
@@ -103,12 +105,24 @@ class _Lowering:
         f[self.b] = hl.f32(0)
         f[self.b] += total
         self.reductions.append(f)
+        self.levels[f.name()] = self._level(node)
         if scale != 1.0:
             out = hl.Func(f"{self.name}_{node.op}{k}_out")
             out[self.b] = f[self.b] * hl.f32(scale)
             f = out
         self.rows[id(node)] = f
         return f
+
+
+    def _level(self, node: Sym) -> int:
+        """1 + the most reductions over units that node's operands wait for
+        one after another (0 under a stored value): sums of one level read
+        none of each other's results."""
+        depth: dict = {}
+        for n in _topo([node]):
+            below = 0 if self.stored(n) else max((depth[id(c)] for c in n.args), default=0)
+            depth[id(n)] = below + (n.op in ("mean", "usum"))
+        return depth[id(node)]
 
 
 class DefinedCell(Cell):
@@ -121,7 +135,15 @@ class DefinedCell(Cell):
         self.saved, self.dxp_is_dhg = d.saved, d.dxp_is_dhg
         self.channels, self.reduces = d.channels, d.reduces
         self.reductions: list = []     # the reduction Funcs of the last forward or backward
+        self.levels: dict = {}         # their levels by name (_Lowering._level)
         self.stagings: list = []       # its Funcs over (unit, row) (_Lowering)
+
+    def reduction_groups(self) -> list[list]:
+        """reductions in groups by level (_Lowering._level), lowest first."""
+        groups: dict = {}
+        for f in self.reductions:
+            groups.setdefault(self.levels[f.name()], []).append(f)
+        return [groups[k] for k in sorted(groups)]
 
     def _leaf(self, xp, hg, prev, vec, b):
         gate = {g: k for k, g in enumerate(self.gates)}
@@ -141,8 +163,9 @@ class DefinedCell(Cell):
 
     def forward(self, xp, hg, prev, vec, H, j, b):
         d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
-        self.reductions, rows, stagings = [], {}, {}
-        direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings)
+        self.reductions, rows, stagings, self.levels = [], {}, {}, {}
+        direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings,
+                           self.levels)
         saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.saved_nodes], j, b)
         slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
 
@@ -150,7 +173,8 @@ class DefinedCell(Cell):
             if id(n) in slot and u.name() == j.name():
                 return saved[u, slot[id(n)], b]
             return leaf(n, u)
-        lower = _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings)
+        lower = _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings,
+                          self.levels)
         new = {}
         for s in self.states:
             new[s] = hl.Func(f"{d.name}_{s}")
@@ -172,8 +196,10 @@ class DefinedCell(Cell):
             if n.op in ("x", "r"):
                 raise AssertionError(f"{n!r} is needed but not saved")
             return leaf(n, u)
-        self.reductions, rows, self.stagings = [], {}, []
-        values = _Lowering(d.name + "_val", H, b, value, self.reductions, {})
+        self.reductions, rows, self.stagings, self.levels = [], {}, [], {}
+        stored = lambda n: id(n) in slot or id(n) in new_node   # noqa: E731
+        values = _Lowering(d.name + "_val", H, b, value, self.reductions, {},
+                           levels=self.levels, stored=stored)
 
         def known(n, u):
             if n.op == "val":
@@ -181,7 +207,8 @@ class DefinedCell(Cell):
             if n.op == "dnew":
                 return dnew[n.arg][u, b]
             return None
-        lower_at = _Lowering(d.name + "_adj", H, b, known, self.reductions, rows)
+        lower_at = _Lowering(d.name + "_adj", H, b, known, self.reductions, rows,
+                             levels=self.levels, stored=stored)
 
         def lower(adjoint):
             return hl.f32(0) if adjoint is None else lower_at(adjoint, j)
