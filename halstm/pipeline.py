@@ -413,6 +413,18 @@ def _pack_bwd(p: Pipe) -> None:
     p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
 
 
+class _Reads(dict):
+    """A dict that records the keys read (read)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
 def _step_bwd_inputs(p: Pipe, states) -> tuple:
     """The inputs of a backward step (step_bwd, step_bwd_fused): saved[t],
     the states before and after step t, dy[t], the incoming gradients of
@@ -455,10 +467,15 @@ def _step_bwd(p: Pipe) -> None:
         f[j, b] = dn[j, b] + (_clamp(dy, (1,))[j, b] if s == "h" else 0.0)
         dnew[s] = f
     vec, vec_in = _vec(p)
-    dxp, dhg, dprev, dvec = cell.backward(_clamp(saved, (2,)),
-                                          {s: _clamp(q, (1,)) for s, q in prev.items()},
-                                          {s: _clamp(q, (1,)) for s, q in new.items()},
-                                          dnew, vec_in, H, j, b)
+    # the pointwise part's inputs, as Funcs a schedule may place (those it reads)
+    prev_in = _Reads({s: _clamp(q, (1,)) for s, q in prev.items()})
+    new_in = _Reads({s: _clamp(q, (1,)) for s, q in new.items()})
+    dnew = _Reads(dnew)
+    saved_in = _clamp(saved, (2,))
+    dxp, dhg, dprev, dvec = cell.backward(saved_in, prev_in, new_in, dnew, vec_in, H, j, b)
+    inputs = {"saved_in": saved_in, **{f"{kind}_{s}": d[s] for kind, d in
+                                       (("prev_in", prev_in), ("new_in", new_in), ("dnew", dnew))
+                                       for s in sorted(d.read)}}
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     p.reduction_groups = cell.reduction_groups()
     outs = {"dxp_out": _output(dxp)}
@@ -480,7 +497,7 @@ def _step_bwd(p: Pipe) -> None:
                 + [dy] + [dnext[s] for s in cell.states] + [w_hh] + vec)
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, **outs,
-                **{"dprev_" + s: dprev[s] for s in cell.states}}
+                **{"dprev_" + s: dprev[s] for s in cell.states}, **inputs}
     if dvec is not None:
         p.stages["dvec"] = dvec
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])

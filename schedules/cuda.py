@@ -420,11 +420,13 @@ def _row_block(p, out, j, b, along=()):
     outputs computed in the same loops (compute_with)."""
     threads = min(ROW_THREADS, -(-p.H // LANES) * LANES)
     jo, ji = hl.Var(out.name() + "_jo"), hl.Var(out.name() + "_ji")
-    for f in (out, *along):
-        f.split(j, jo, ji, threads, GUARD).reorder(ji, *f.args()[1:-1], jo, b)
+    for f in (out, *along):    # a thread stores every gate (channel) of its unit
+        f.split(j, jo, ji, threads, GUARD).reorder(*f.args()[1:-1], ji, jo, b)
         f.gpu_blocks(b).gpu_threads(ji)
+        for g in f.args()[1:-1]:
+            f.unroll(g)
         if f is not out:
-            f.compute_with(out, jo)
+            f.compute_with(out, ji)
     for group in p.reduction_groups:
         # a group's sums read none of each other's results: each stage of
         # theirs in one loop, one barrier after it (compute_with)
@@ -475,6 +477,38 @@ def _row_sum(f, out, b, threads: int, tag: str):
     f.update().reorder(last, b).gpu_threads(b).unroll(last)
     return part, lanes, f
 
+
+def _row_inputs(p, out, b):
+    """The backward row block's inputs (the saved values, the states and
+    their gradients) loaded once into shared memory, where the sums and the
+    outputs read them, instead of from global memory in every stage: as
+    many as fit in ROW_INPUT_BYTES, the saved values first."""
+    names = ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
+                            for s in p.cell.states if f"{kind}_{s}" in p.stages]
+    threads = min(ROW_THREADS, -(-p.H // LANES) * LANES)
+    left, first = ROW_INPUT_BYTES, {}
+    jo, ji = hl.Var("inputs_jo"), hl.Var("inputs_ji")
+    for name in names:
+        f = p.stage(name)
+        size = p.H * 4 * (len(p.cell.saved) if name == "saved_in" else 1)
+        if size > left:
+            continue
+        left -= size
+        j, inner = f.args()[0], f.args()[1:-1]     # (unit, [channel,] row)
+        f.compute_at(out, b).split(j, jo, ji, threads, GUARD).reorder(*inner, ji, jo)
+        f.gpu_threads(ji)
+        for c in inner:
+            f.unroll(c)
+        # loaded in one loop with the others of their row variable's name
+        # (compute_with), one barrier after it
+        lead = first.setdefault(f.args()[-1].name(), f)
+        if lead is not f:
+            f.compute_with(lead, ji)
+
+
+# Shared memory the backward row block may give its inputs (_row_inputs),
+# beside its sums' partial sums: 48 KiB a block without opting in to more.
+ROW_INPUT_BYTES = 32 << 10
 
 # Shared memory a row block may give the cell's stagings: half of the
 # 48 KiB a block gets without opting in to more.
@@ -532,6 +566,7 @@ def step_bwd(p, target):
         ([p.stage("dvec_out")] if p.V else [])
     if p.reductions:      # a block a batch row, its sums first (_row_block)
         _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
+        _row_inputs(p, p.stage("dxp_out"), v["b"])
     else:
         pointwise = _grid(p.stage("dxp_out"))
         for f in others:

@@ -31,19 +31,36 @@ _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a
 _serial = itertools.count()
 
 
+def _sign(node: Sym) -> tuple[bool, Sym]:
+    """(whether node is the negation of t, t): the signs of a product's or
+    quotient's factors taken out (-a * b as -(a * b))."""
+    if node.op == "neg":
+        negated, inner = _sign(node.args[0])
+        return not negated, inner
+    if node.op in ("*", "/"):
+        (n0, a), (n1, b) = _sign(node.args[0]), \
+            (_sign(node.args[1]) if node.op == "*" else (False, node.args[1]))
+        if n0 or n1:
+            return n0 != n1, Sym(node.op, (a, b))
+    return False, node
+
+
 class _Lowering:
     """Exprs of a Definition's nodes at unit u (a Var, or a reduction's
     RVar) and batch row b. known(node, u) gives an Expr for a node read
     from a buffer or Func (None: compute it from its children)."""
 
     def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict,
-                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False):
+                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False,
+                 row_nodes=frozenset()):
         self.name, self.H, self.b, self.known = name, H, b, known
         self.reductions, self.rows = reductions, rows    # shared: one Func per row node
         self.staged = staged                 # ids of the nodes lowered as Funcs (unit, row)
         self.stagings = {} if stagings is None else stagings   # shared: id -> Func
         self.levels = {} if levels is None else levels  # shared: reduction Func name -> level
         self.stored = stored                 # whether a node is read from memory, not computed
+        self.row_nodes = row_nodes           # ids of the step's row values (Definition.rows)
+        self.per_row: dict = {}
         self.memo: dict = {}
 
     def __call__(self, node: Sym, u):
@@ -70,6 +87,10 @@ class _Lowering:
 
     def _computed(self, node: Sym, u):
         op = node.op
+        if op == "/" and self._per_row(node.args[1]) and not self._per_row(node.args[0]):
+            # a unit value over a row value (layer norm's scale): times the
+            # reciprocal, which the unit loop computes once
+            return self(node.args[0], u) * (1.0 / self(node.args[1], u))
         if op in _UNARY:
             return _UNARY[op](self(node.args[0], u))
         if op in _BINARY:
@@ -94,12 +115,13 @@ class _Lowering:
         k = next(_serial)      # (names unique in a pipeline: nested sums are made first)
         r = hl.RDom([(0, self.H)], f"r_u{k}")
         at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows,
-                         self.staged, self.stagings, self.levels, self.stored)
+                         self.staged, self.stagings, self.levels, self.stored, self.row_nodes)
         args, scale = node.args, 1.0 / (len(node.args) * self.H) if node.op == "mean" else 1.0
-        if len(args) == 1 and args[0].op == "neg":
+        if len(args) == 1:
             # sum(-t) as -sum(t): Halide simplifies f + (0 - t) to f - t, whose
             # associativity rfactor cannot prove
-            args, scale = args[0].args, -scale
+            negated, term = _sign(args[0])
+            args, scale = (term,), -scale if negated else scale
         total = sum((at_r(a, r.x) for a in args[1:]), at_r(args[0], r.x))
         f = hl.Func(f"{self.name}_{node.op}{k}")
         f[self.b] = hl.f32(0)
@@ -113,6 +135,20 @@ class _Lowering:
         self.rows[id(node)] = f
         return f
 
+
+    def _per_row(self, node: Sym) -> bool:
+        """Whether node has one value per batch row (the same at every unit)."""
+        known = self.per_row.get(id(node))
+        if known is None:
+            if node.op in ("mean", "usum", "const", "units") or id(node) in self.row_nodes:
+                known = True
+            elif node.op == "val":
+                known = self._per_row(node.args[0])
+            else:
+                known = bool(node.args) and node.op not in ("x", "r", "s", "v", "dnew") and \
+                    all(self._per_row(c) for c in node.args)
+            self.per_row[id(node)] = known
+        return known
 
     def _level(self, node: Sym) -> int:
         """1 + the most reductions over units that node's operands wait for
@@ -165,7 +201,7 @@ class DefinedCell(Cell):
         d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
         self.reductions, rows, stagings, self.levels = [], {}, {}, {}
         direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings,
-                           self.levels)
+                           self.levels, row_nodes=d.rows)
         saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.saved_nodes], j, b)
         slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
 
@@ -174,7 +210,7 @@ class DefinedCell(Cell):
                 return saved[u, slot[id(n)], b]
             return leaf(n, u)
         lower = _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings,
-                          self.levels)
+                          self.levels, row_nodes=d.rows)
         new = {}
         for s in self.states:
             new[s] = hl.Func(f"{d.name}_{s}")
@@ -189,8 +225,8 @@ class DefinedCell(Cell):
         leaf = self._leaf(None, None, prev, vec, b)
 
         def value(n, u):       # forward values: saved, new or previous states, else recomputed
-            if id(n) in slot:
-                return saved[u, slot[id(n)], b]
+            if id(n) in slot:      # (a row value, the same at every unit: read at unit 0)
+                return saved[0 if id(n) in d.rows else u, slot[id(n)], b]
             if id(n) in new_node:
                 return new[new_node[id(n)]][u, b]
             if n.op in ("x", "r"):
@@ -199,7 +235,7 @@ class DefinedCell(Cell):
         self.reductions, rows, self.stagings, self.levels = [], {}, [], {}
         stored = lambda n: id(n) in slot or id(n) in new_node   # noqa: E731
         values = _Lowering(d.name + "_val", H, b, value, self.reductions, {},
-                           levels=self.levels, stored=stored)
+                           levels=self.levels, stored=stored, row_nodes=d.rows)
 
         def known(n, u):
             if n.op == "val":
@@ -208,7 +244,7 @@ class DefinedCell(Cell):
                 return dnew[n.arg][u, b]
             return None
         lower_at = _Lowering(d.name + "_adj", H, b, known, self.reductions, rows,
-                             levels=self.levels, stored=stored)
+                             levels=self.levels, stored=stored, row_nodes=d.rows)
 
         def lower(adjoint):
             return hl.f32(0) if adjoint is None else lower_at(adjoint, j)
