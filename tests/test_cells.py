@@ -72,6 +72,21 @@ def test_staged_values_are_the_costly_ones_read_by_a_sum_and_elsewhere():
     assert not cells.definition("lstm").staged_fwd and not cells.definition("gru").staged_fwd
 
 
+def test_reduction_groups_hold_sums_that_read_none_of_each_other():
+    """The layer-norm LSTM's forward sums: the means of the two projections
+    (level 1), their variances (2), then c's mean and variance; backward,
+    LN(c')'s two sums one after the other, then the two projections' sums
+    side by side. A cell without sums has no groups."""
+    from halstm import pipeline
+    cell = cells.get("layernorm_lstm")
+    for kind, sizes in (("step", [2, 2, 1, 1]), ("step_bwd", [1, 1, 2, 2])):
+        p = pipeline.build(cell, kind, I, 16)
+        assert [len(g) for g in p.reduction_groups] == sizes, kind
+        assert sorted(f.name() for g in p.reduction_groups for f in g) == \
+            sorted(f.name() for f in p.reductions)
+    assert pipeline.build(cells.get("lstm"), "step", I, 16).reduction_groups == []
+
+
 @pytest.mark.parametrize("hidden, split", [(37, {"fwd": 3, "bwd": 3}),
                                            (192, {"fwd": 0, "bwd": 3})])
 def test_reducing_steps_split_over_rows(hidden, split, monkeypatch):

@@ -251,6 +251,41 @@ def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp, 
         assert "ld.local" not in body and "st.local" not in body
 
 
+# A step that reduces over units runs a block a batch row (cuda._row_block):
+# the sums of one level share their loops and barriers (4 levels of the
+# layer-norm LSTM's 6 sums, each way), the short sums are unrolled into
+# registers (no local memory), and the backward loads its saved values and
+# states into shared memory once where they fit (cuda._row_inputs: at
+# H = 256, not at 512), instead of from global memory in every stage.
+def _row_kernel(kind, H, tmp_path):
+    import re
+    import halide as hl
+    p, _, target = _cuda_pipe("layernorm_lstm", kind, 64, H)
+    stmt = tmp_path / f"{kind}{H}.stmt"
+    p.pipeline().compile_to({hl.OutputFileType.stmt: str(stmt)},
+                            [hl.Argument(q) for q in p.inputs], "k",
+                            target.with_feature(hl.TargetFeature.NoRuntime))
+    text = stmt.read_bytes().decode("latin1")
+    row = [m.group(2) for m in re.finditer(r"\.entry\s+(\S+)\((.*?)\n}\n", text, re.S)
+           if re.match(r"_kernel_(step_out|layernorm_lstm_dxp_\w*out)", m.group(1))]
+    assert len(row) == 1, re.findall(r"\.entry\s+(\S+)\(", text)
+    return row[0]
+
+
+@pytest.mark.parametrize("kind,H,barriers,staged", [
+    ("step", 256, 27, False), ("step_bwd", 256, 27, True), ("step_bwd", 512, 26, False)])
+def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_path, monkeypatch):
+    from halstm.schedules import cuda
+    body = _row_kernel(kind, H, tmp_path)
+    assert body.count("bar.sync") == barriers
+    assert "ld.local" not in body and "st.local" not in body
+    if kind == "step_bwd":
+        monkeypatch.setattr(cuda, "ROW_INPUT_BYTES", 0)
+        unstaged = _row_kernel(kind, H, tmp_path).count("ld.global")
+        assert (body.count("ld.global") * 2 < unstaged) == staged, (body.count("ld.global"),
+                                                                     unstaged)
+
+
 # ---- the registry -----------------------------------------------------------
 
 @pytest.mark.parametrize("target,default", [
