@@ -302,10 +302,11 @@ def _step_rows(p, target):
     hg.compute_root()
     batch = p.param("h_prev").dim(1).extent()
     par = None if p.split_steps else "jo"
-    _tile(hg, acc, j, P, [(b, ROWS, GUARD)], [p.rdoms["k"].x], par=par, extent=batch,
-          small=(batch < ROWS, _panels(p.Hp, P, 2) if p.H % P == 0 else 1, par))
-    acc.unroll(v["gate"])
-    acc.update().unroll(v["gate"])
+    # a tile holds every gate, as the LSTM's step (cpu.step): one load of
+    # each h value feeds all the gates' FMAs
+    _tile(hg, acc, j, P, [(v["gate"], None, ROUND), (b, ROWS, GUARD)], [p.rdoms["k"].x],
+          par=par, extent=batch, small=(batch < ROWS, _panels(p.Hp, P, 2) if p.H % P == 0 else 1,
+                                        par))
     jo, ji = hl.Var("jo"), hl.Var("ji")
     out.split(j, jo, ji, P, GUARD).vectorize(ji)
     if not p.split_steps:
