@@ -5,6 +5,9 @@ halstm's kernels for the same layer too, profiled the same way in the same
 process (real clocks, unlike Nsight Compute's locked ones).
 
     python bench/gpu_cudnn_kernels.py --input-size 2048 --hidden-size 2048 --batch 32 --steps 50 --halstm
+
+--cell NAME profiles that halstm cell (halstm.Recurrent) instead of its LSTM,
+beside cuDNN's LSTM: e.g. --cell layernorm_lstm.
 """
 import argparse
 
@@ -37,6 +40,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--halstm", action="store_true", help="profile halstm's layer too")
+    ap.add_argument("--cell", default="lstm", help="halstm's cell (halstm cells lists them)")
     a = ap.parse_args()
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     I, H, B, T = a.input_size, a.hidden_size, a.batch, a.steps
@@ -51,9 +55,10 @@ def main():
     profile("cuDNN", step, a.iterations)
     if a.halstm:
         import halstm
-        hm = halstm.LSTM(I, H, target="host-cuda").compile()
+        hm = (halstm.LSTM(I, H, target="host-cuda") if a.cell == "lstm" else
+              halstm.Recurrent(a.cell, I, H, target="host-cuda")).compile()
         xd = x.detach()                 # (DLPack exports no tensor that requires grad)
-        profile("halstm", lambda: (hm(xd), hm.backward(dy)), a.iterations)
+        profile(f"halstm {a.cell}", lambda: (hm(xd), hm.backward(dy)), a.iterations)
 
 
 if __name__ == "__main__":
