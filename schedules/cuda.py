@@ -418,7 +418,7 @@ def _row_block(p, out, j, b, along=()):
     of the row in turn (shared memory between them); the cell's stagings
     (costly values the sums read) once each, before them. along: more pointwise
     outputs computed in the same loops (compute_with)."""
-    threads = min(ROW_THREADS, -(-p.H // LANES) * LANES)
+    threads = _row_threads(p.H)
     jo, ji = hl.Var(out.name() + "_jo"), hl.Var(out.name() + "_ji")
     for f in (out, *along):    # a thread stores every gate (channel) of its unit
         f.split(j, jo, ji, threads, GUARD).reorder(*f.args()[1:-1], ji, jo, b)
@@ -432,8 +432,7 @@ def _row_block(p, out, j, b, along=()):
         # theirs in one loop, one barrier after it (compute_with)
         stages = [_row_sum(f, out, b, threads, group[0].name()) for f in group]
         for other in stages[1:]:
-            for stage, lead in zip(other, stages[0]):
-                at = b if stage in group else ROW_T
+            for stage, lead, at in zip(other, stages[0], (ROW_T, ROW_T, b)):
                 stage.compute_with(lead, at)
                 stage.update().compute_with(lead.update(), at)
     # costly unit values the sums read: once a row, in shared memory, where
@@ -443,6 +442,11 @@ def _row_block(p, out, j, b, along=()):
         u = f.args()[0]
         uo, ui = hl.Var(f.name() + "_uo"), hl.Var(f.name() + "_ui")
         f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo).gpu_threads(ui)
+
+
+def _row_threads(H: int) -> int:
+    """Threads of a row block: a warp's multiple covering H, at most ROW_THREADS."""
+    return min(ROW_THREADS, -(-H // LANES) * LANES)
 
 
 # the thread loop of _row_sum's first two stages: one name, so that
@@ -485,7 +489,7 @@ def _row_inputs(p, out, b):
     many as fit in ROW_INPUT_BYTES, the saved values first."""
     names = ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
                             for s in p.cell.states if f"{kind}_{s}" in p.stages]
-    threads = min(ROW_THREADS, -(-p.H // LANES) * LANES)
+    threads = _row_threads(p.H)
     left, first = ROW_INPUT_BYTES, {}
     jo, ji = hl.Var("inputs_jo"), hl.Var("inputs_ji")
     for name in names:

@@ -15,7 +15,7 @@ import itertools
 import halide as hl
 
 from .base import Cell, _is_nan, gate_func, sigmoid, tanh
-from .language import Definition, Sym, _topo
+from .language import REDUCTIONS, Definition, Sym, _rows, _topo
 
 
 def _relu(v):
@@ -51,16 +51,14 @@ class _Lowering:
     from a buffer or Func (None: compute it from its children)."""
 
     def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict,
-                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False,
-                 row_nodes=frozenset()):
+                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False):
         self.name, self.H, self.b, self.known = name, H, b, known
         self.reductions, self.rows = reductions, rows    # shared: one Func per row node
         self.staged = staged                 # ids of the nodes lowered as Funcs (unit, row)
         self.stagings = {} if stagings is None else stagings   # shared: id -> Func
         self.levels = {} if levels is None else levels  # shared: reduction Func name -> level
         self.stored = stored                 # whether a node is read from memory, not computed
-        self.row_nodes = row_nodes           # ids of the step's row values (Definition.rows)
-        self.per_row: dict = {}
+        self.per_row: dict = {}              # id -> whether a row value (_per_row)
         self.memo: dict = {}
 
     def __call__(self, node: Sym, u):
@@ -115,7 +113,7 @@ class _Lowering:
         k = next(_serial)      # (names unique in a pipeline: nested sums are made first)
         r = hl.RDom([(0, self.H)], f"r_u{k}")
         at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows,
-                         self.staged, self.stagings, self.levels, self.stored, self.row_nodes)
+                         self.staged, self.stagings, self.levels, self.stored)
         args, scale = node.args, 1.0 / (len(node.args) * self.H) if node.op == "mean" else 1.0
         if len(args) == 1:
             # sum(-t) as -sum(t): Halide simplifies f + (0 - t) to f - t, whose
@@ -137,18 +135,15 @@ class _Lowering:
 
 
     def _per_row(self, node: Sym) -> bool:
-        """Whether node has one value per batch row (the same at every unit)."""
-        known = self.per_row.get(id(node))
-        if known is None:
-            if node.op in ("mean", "usum", "const", "units") or id(node) in self.row_nodes:
-                known = True
-            elif node.op == "val":
-                known = self._per_row(node.args[0])
-            else:
-                known = bool(node.args) and node.op not in ("x", "r", "s", "v", "dnew") and \
-                    all(self._per_row(c) for c in node.args)
-            self.per_row[id(node)] = known
-        return known
+        """Whether node has one value per batch row (the same at every unit):
+        a row value (language._rows: a forward value through its val too),
+        or a number."""
+        if id(node) not in self.per_row:
+            order = _topo([node])
+            rows = _rows(order)
+            for n in order:
+                self.per_row.setdefault(id(n), id(n) in rows or n.op in ("const", "units"))
+        return self.per_row[id(node)]
 
     def _level(self, node: Sym) -> int:
         """1 + the most reductions over units that node's operands wait for
@@ -157,7 +152,7 @@ class _Lowering:
         depth: dict = {}
         for n in _topo([node]):
             below = 0 if self.stored(n) else max((depth[id(c)] for c in n.args), default=0)
-            depth[id(n)] = below + (n.op in ("mean", "usum"))
+            depth[id(n)] = below + (n.op in REDUCTIONS)
         return depth[id(node)]
 
 
@@ -201,7 +196,7 @@ class DefinedCell(Cell):
         d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
         self.reductions, rows, stagings, self.levels = [], {}, {}, {}
         direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings,
-                           self.levels, row_nodes=d.rows)
+                           self.levels)
         saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.saved_nodes], j, b)
         slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
 
@@ -210,7 +205,7 @@ class DefinedCell(Cell):
                 return saved[u, slot[id(n)], b]
             return leaf(n, u)
         lower = _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings,
-                          self.levels, row_nodes=d.rows)
+                          self.levels)
         new = {}
         for s in self.states:
             new[s] = hl.Func(f"{d.name}_{s}")
@@ -235,7 +230,7 @@ class DefinedCell(Cell):
         self.reductions, rows, self.stagings, self.levels = [], {}, [], {}
         stored = lambda n: id(n) in slot or id(n) in new_node   # noqa: E731
         values = _Lowering(d.name + "_val", H, b, value, self.reductions, {},
-                           levels=self.levels, stored=stored, row_nodes=d.rows)
+                           levels=self.levels, stored=stored)
 
         def known(n, u):
             if n.op == "val":
@@ -244,7 +239,7 @@ class DefinedCell(Cell):
                 return dnew[n.arg][u, b]
             return None
         lower_at = _Lowering(d.name + "_adj", H, b, known, self.reductions, rows,
-                             levels=self.levels, stored=stored, row_nodes=d.rows)
+                             levels=self.levels, stored=stored)
 
         def lower(adjoint):
             return hl.f32(0) if adjoint is None else lower_at(adjoint, j)
