@@ -23,31 +23,45 @@ GUARD = hl.TailStrategy.GuardWithIf
 ROUND = hl.TailStrategy.RoundUp
 
 
-# Batch (or merged time x batch) rows per register tile of the products
-# whose tiles hold every gate of one panel: 4 gates x 4 rows = 16
-# accumulators, half of AVX-512's 32 vector registers
-# (bench/RESULTS.md, "Schedule decisions": cpu.ROWS).
-ROWS = 4
-
-
 def panel(target: hl.Target) -> int:
     """One native float vector: the width of a weight panel, so that one
     reduction step of a tile reads one vector of a panel."""
     return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
 
 
+def registers(target: hl.Target) -> int:
+    """The vector register file in panel-wide vectors: 32 with AVX-512
+    (zmm), 16 with AVX (ymm), 8 with SSE alone, 16 on ARM (32 NEON
+    registers, two a panel)."""
+    if target.arch == hl.TargetArch.ARM:
+        size = 32 * 16
+    elif target.has_feature(hl.TargetFeature.AVX512):
+        size = 32 * 64
+    else:
+        size = 16 * (32 if target.has_feature(hl.TargetFeature.AVX) else 16)
+    return size // (4 * panel(target))
+
+
+def step_rows(target: hl.Target) -> int:
+    """Batch rows per register tile of the forward steps, whose tiles hold
+    every gate of one panel: 4 gates x rows accumulators fill half the
+    vector registers, 4 rows with AVX-512 and 2 with AVX2, where 4 rows (16
+    accumulators, no register left for the operands) spill
+    (bench/RESULTS.md, "Schedule decisions": cpu.step_rows)."""
+    return max(1, registers(target) // 8)
+
+
 def layout(target: hl.Target) -> Layout:
     """Packed operand shapes: weight panels one vector wide; weight-gradient
-    tiles of 4 vectors x 6 units with AVX-512 (24 of 32 registers hold
-    accumulators), 2 vectors x 6 units otherwise (12 of 16)
+    tiles of vectors x 6 units whose accumulators fill three quarters of the
+    vector registers (4 vectors with AVX-512, 2 with AVX2)
     (bench/RESULTS.md, "Schedule decisions": cpu.layout); xp stored in
     panels, so that a step's rows of one panel are one contiguous run
     (bench/RESULTS.md, "Schedule decisions": cpu.layout (xp)); the steps
     split over the driver's threads (SPLIT_MACS, SPLIT_CALL_MACS,
     SPLIT_ROWS)."""
     P = panel(target)
-    wide = target.has_feature(hl.TargetFeature.AVX512)
-    return Layout(panel=P, dw_cols=(4 if wide else 2) * P, dw_rows=6, xp_panels=True,
+    return Layout(panel=P, dw_cols=registers(target) * 3 // 4 // 6 * P, dw_rows=6, xp_panels=True,
                   split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS))
 
 
@@ -231,8 +245,8 @@ def pack_bwd(p, target):
 
 
 # The input projection: 6 rows x 4 gates = 24 accumulators a tile, 24 of
-# AVX-512's 32 vector registers
-# (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_ROWS).
+# AVX-512's 32 vector registers; with AVX2's 16, 3 rows measured no faster
+# than 6 (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_ROWS).
 PROJ_ROWS = 6
 # Rows in chunks of knob proj_chunk tiles (default 32: 192 rows) outside
 # the panel loop, so that a chunk of x stays in L2 while every weight panel
@@ -304,8 +318,9 @@ def _step_rows(p, target):
     par = None if p.split_steps else "jo"
     # a tile holds every gate, as the LSTM's step (cpu.step): one load of
     # each h value feeds all the gates' FMAs
-    _tile(hg, acc, j, P, [(v["gate"], None, ROUND), (b, ROWS, GUARD)], [p.rdoms["k"].x],
-          par=par, extent=batch, small=(batch < ROWS, _panels(p.Hp, P, 2) if p.H % P == 0 else 1,
+    rows = step_rows(target)
+    _tile(hg, acc, j, P, [(v["gate"], None, ROUND), (b, rows, GUARD)], [p.rdoms["k"].x],
+          par=par, extent=batch, small=(batch < rows, _panels(p.Hp, P, 2) if p.H % P == 0 else 1,
                                         par))
     jo, ji = hl.Var("jo"), hl.Var("ji")
     out.split(j, jo, ji, P, GUARD).vectorize(ji)
@@ -328,8 +343,8 @@ def step(p, target):
     batch = p.param("h_prev").dim(1).extent()
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
-    rows = ROWS
-    # Batches under ROWS: one row per tile, and two panels (8 accumulators,
+    rows = step_rows(target)
+    # Batches under `rows`: one row per tile, and two panels (8 accumulators,
     # enough to hide the FMA latency) where H allows whole aligned tiles
     # (bench/RESULTS.md, "Schedule decisions": cpu.step small batch).
     aligned = H % P == 0
@@ -390,17 +405,20 @@ def step_bwd(p, target):
                 d.parallel(b)
         _row_sums(p, first, b, vw)   # each row's sums inside its iteration
     r = p.rdoms["jg"]
-    # dh tiles of 16 accumulators: 4 panels x 4 rows, or 2 x 8 where 4
-    # panels of W_hh^T (G*H*P floats each) would not fit in half an L2
-    # (knob dh_panel_kib, 512 KiB; they are read once per row tile); below that many
-    # rows, 8 panels x 1 row (one row is FMA latency-bound). Tiles span
-    # panels that divide Hp / P and leave the driver at least two ranges of
-    # whole tiles (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd tiles).
+    # dh tiles whose accumulators fill half the vector registers (16 with
+    # AVX-512, 8 with AVX2): panels x rows = 4 x 4 or 2 x 4, fewer panels
+    # and more rows (up to 8) where those panels of W_hh^T (G*H*P floats
+    # each) would not fit in half an L2 (knob dh_panel_kib, 512 KiB; they
+    # are read once per row tile); below that many rows, 8 panels x 1 row
+    # (one row is FMA latency-bound). Tiles span panels that divide Hp / P
+    # and leave the driver at least two ranges of whole tiles
+    # (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd tiles).
     batch = p.param("saved").dim(2).extent()
     half = max(1, p.Hp // p.P // 2)
     fit = max(1, (knob(p, "dh_panel_kib") << 10) // (p.G * p.H * p.P * 4))
-    wide = _panels(p.Hp, p.P, min(4, half, fit))
-    rows = 4 if wide >= 4 else 8
+    accumulators = registers(target) // 2
+    wide = _panels(p.Hp, p.P, min(accumulators // 4, half, fit))
+    rows = min(8, accumulators // wide)
     narrow = _panels(p.Hp, p.P, min(8, half))
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
           panels=wide, small=(batch < rows, narrow, "ko" if own else None),
