@@ -244,17 +244,20 @@ def pack_bwd(p, target):
         _pack(p.stage(name), target)
 
 
-# The input projection: 6 rows x 4 gates = 24 accumulators a tile, 24 of
-# AVX-512's 32 vector registers; with AVX2's 16, 3 rows measured no faster
-# than 6 (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_ROWS).
-PROJ_ROWS = 6
+def proj_rows(target: hl.Target) -> int:
+    """Rows per input-projection tile: the most whose 4 gates x rows
+    accumulators, the 4 gates' weight vectors and a row's broadcast fit in
+    the vector registers: 6 with AVX-512 (24 + 4 + 1 of 32), 2 with AVX2
+    (8 + 4 + 1 of 16), where 6 rows spilled and ran at half the speed
+    (bench/RESULTS.md, "Schedule decisions": cpu.proj_rows)."""
+    return max(1, (registers(target) - 1) // 4 - 1)
 # Rows in chunks of knob proj_chunk tiles (default 32: 192 rows) outside
 # the panel loop, so that a chunk of x stays in L2 while every weight panel
 # passes (bench/RESULTS.md, "Schedule decisions": cpu.proj_chunk).
 
 
 def proj(p, target):
-    """Tiles of PROJ_ROWS rows x every gate of one panel (xp_panels: the
+    """Tiles of proj_rows rows x every gate of one panel (xp_panels: the
     tile is one contiguous run of xp), rows in chunks of proj_chunk tiles;
     one parallel loop over (chunk, panel) pairs, chunk-major."""
     out, acc = p.stage("xp"), p.stage("xp_acc")
@@ -262,7 +265,8 @@ def proj(p, target):
     j, r = p.vars["j"], p.rdoms["i"].x
     rows = out.output_buffer().dim(2).extent()
     nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
-    for stage, f in ((out.specialize(rows >= PROJ_ROWS), PROJ_ROWS), (out, 1)):
+    tile = proj_rows(target)
+    for stage, f in ((out.specialize(rows >= tile), tile), (out, 1)):
         stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, knob(p, "proj_chunk"), GUARD)
         stage.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate).unroll(ni)
         stage.fuse(jo, nc, jo).parallel(jo)

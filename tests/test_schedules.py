@@ -101,22 +101,25 @@ def test_cpu_weight_gradients_where_tiles_write_the_output():
         assert_close(k, grads[k], rgrads[k])
 
 
-@pytest.mark.parametrize("target,registers,step_rows,dw_vectors", [
-    ("x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41", 32, 4, 4),
-    ("x86-64-linux-avx-avx2-fma-f16c-sse41", 16, 2, 2),
-    ("x86-64-linux-sse41", 8, 1, 1),
-    ("arm-64-linux", 16, 2, 2),
+@pytest.mark.parametrize("target,registers,step_rows,proj_rows,dw_vectors", [
+    ("x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41", 32, 4, 6, 4),
+    ("x86-64-linux-avx-avx2-fma-f16c-sse41", 16, 2, 2, 2),
+    ("x86-64-linux-sse41", 8, 1, 1, 1),
+    ("arm-64-linux", 16, 2, 2, 2),
 ])
-def test_cpu_register_tiles_follow_the_register_file(target, registers, step_rows, dw_vectors):
+def test_cpu_register_tiles_follow_the_register_file(target, registers, step_rows, proj_rows,
+                                                     dw_vectors):
     """The cpu schedule's register tiles are sized from the target's vector
     registers (counted in panel-wide vectors): a forward step's tile of 4
-    gates x rows fills half of them, a weight-gradient tile of vectors x 6
-    units three quarters."""
+    gates x rows fills half of them; a projection tile's accumulators,
+    weight vectors and broadcast fit them; a weight-gradient tile of vectors
+    x 6 units fills three quarters."""
     import halide as hl
     from halstm.schedules import cpu
     t = hl.Target(target)
     assert cpu.registers(t) == registers
     assert cpu.step_rows(t) == step_rows
+    assert cpu.proj_rows(t) == proj_rows
     assert cpu.layout(t).dw_cols == dw_vectors * cpu.panel(t)
 
 

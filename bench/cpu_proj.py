@@ -1,0 +1,84 @@
+"""Time the cpu schedule's input projection alone (JIT, this machine) at
+several tile heights, alternating, and print GFLOP/s:
+
+    python bench/cpu_proj.py --input-size 1024 --hidden-size 1024 --rows-total 1600 --tile-rows 6,4,2
+
+--tile-rows replaces cpu.proj_rows(target) for each variant (default: the
+schedule's own choice only). Outputs are checked against numpy first.
+"""
+import argparse
+import statistics
+import time
+
+import halide as hl
+import numpy as np
+
+from halstm import cells, pipeline
+from halstm.schedules import cpu
+
+
+def build(cell, K, H, target, rows):
+    if rows:
+        cpu.proj_rows = lambda target, rows=rows: rows
+    p = pipeline.build(cell, "proj", K, H, cpu.layout(target))
+    cpu.proj(p, target)
+    pl = p.pipeline()
+    pl.compile_jit(target)
+    return p, pl
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cell", default="lstm")
+    ap.add_argument("--input-size", type=int, default=1024)
+    ap.add_argument("--hidden-size", type=int, default=1024)
+    ap.add_argument("--rows-total", type=int, default=1600, help="T * B")
+    ap.add_argument("--tile-rows", default="", help="comma-separated; empty: the schedule's")
+    ap.add_argument("--reps", type=int, default=15)
+    a = ap.parse_args()
+    K, H, N = a.input_size, a.hidden_size, a.rows_total
+    target = hl.get_host_target()
+    cell = cells.get(a.cell)
+    own = cpu.proj_rows
+    variants = [int(v) for v in a.tile_rows.split(",") if v] or [0]
+    built = {}
+    for rows in variants:
+        built[rows] = build(cell, K, H, target, rows)
+        cpu.proj_rows = own
+    G, P = cell.n_gates, cpu.panel(target)
+    Hp = -(-H // P) * P
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, K)).astype(np.float32)
+    w = rng.standard_normal((G, H, K)).astype(np.float32)
+    b = rng.standard_normal((G, H)).astype(np.float32)
+    wp = np.zeros((Hp // P, K, G, P), np.float32)      # panels of P units
+    for jo in range(Hp // P):
+        units = w[:, jo * P:(jo + 1) * P, :]           # (G, <=P, K)
+        wp[jo, :, :, :units.shape[1]] = units.transpose(2, 0, 1)
+    want = np.einsum("nk,ghk->ngh", x, w) + b          # (N, G, H)
+    bufs = [hl.Buffer(v) for v in (x, wp, b)]
+    out = np.zeros((Hp // P, N, G, P), np.float32)
+    out_buf = hl.Buffer(out)
+    times = {r: [] for r in variants}
+    for rep in range(a.reps + 2):
+        for r in variants:
+            p, pl = built[r]
+            for q, buf in zip(p.inputs, bufs):
+                q.set(buf)
+            start = time.perf_counter()
+            pl.realize(out_buf)
+            times[r].append(time.perf_counter() - start)
+            if rep == 0:
+                got = out.transpose(1, 2, 0, 3).reshape(N, G, Hp)[:, :, :H]
+                err = np.abs(got - want).max() / np.abs(want).max()
+                if not err < 1e-5:
+                    raise SystemExit(f"tile rows {r or 'default'}: max error {err:.1e}")
+    for r in variants:
+        m = statistics.median(times[r][2:])
+        rows = r or own(target)
+        print(f"{a.cell} K={K} H={H} N={N} tile rows {rows}: {m * 1e3:.2f} ms, "
+              f"{2 * N * K * G * H / m / 1e9:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
