@@ -326,6 +326,9 @@ def _step_rows(p, target):
     _tile(hg, acc, j, P, [(v["gate"], None, ROUND), (b, rows, GUARD)], [p.rdoms["k"].x],
           par=par, extent=batch, small=(batch < rows, _panels(p.Hp, P, 2) if p.H % P == 0 else 1,
                                         par))
+    # where the driver takes ranges of rows and W_hh is this small, ranges
+    # down to one row (csrc/threads.h run_split)
+    p.split_batch_bytes = ROWS_FWD_BYTES
     jo, ji = hl.Var("jo"), hl.Var("ji")
     out.split(j, jo, ji, P, GUARD).vectorize(ji)
     if not p.split_steps:

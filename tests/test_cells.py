@@ -87,17 +87,20 @@ def test_reduction_groups_hold_sums_that_read_none_of_each_other():
     assert pipeline.build(cells.get("lstm"), "step", I, 16).reduction_groups == []
 
 
-@pytest.mark.parametrize("hidden, split", [(37, {"fwd": 3, "bwd": 3}),
-                                           (192, {"fwd": 0, "bwd": 3})])
-def test_reducing_steps_split_over_rows(hidden, split, monkeypatch):
+@pytest.mark.parametrize("hidden, batch, split", [(37, 27, {"fwd": 3, "bwd": 3}),
+                                                  (192, 27, {"fwd": 0, "bwd": 3}),
+                                                  (96, 5, {"fwd": 3, "bwd": 3})])
+def test_reducing_steps_split_over_rows(hidden, batch, split, monkeypatch):
     """A step that reduces over the units needs all of them: three threads
-    asked for, 27 batch rows run as three ranges of rows backward, and
+    asked for, the batch rows run as three ranges of rows backward, and
     forward where W_hh is at most 512 KB (a larger one's forward runs on
-    Halide's pool: no driver split, 0), with the results of one thread."""
+    Halide's pool: no driver split, 0), with the results of one thread.
+    Where W_hh is that small, a range may be as short as one row (5 rows:
+    ranges of 1, 2 and 2)."""
     m = _randomized(halstm.Recurrent("layernorm_lstm", I, hidden, seed=0), 1)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((60, 27, I)).astype(np.float32)
-    dy = rng.standard_normal((60, 27, hidden)).astype(np.float32)
+    x = rng.standard_normal((60, batch, I)).astype(np.float32)
+    dy = rng.standard_normal((60, batch, hidden)).astype(np.float32)
     runs = {}
     for threads in (1, 3):
         monkeypatch.setenv("HL_NUM_THREADS", str(threads))

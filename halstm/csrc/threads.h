@@ -102,18 +102,20 @@ View part_of(View v, const Part &part, int units, int rows) {
 // (HALSTM_SPLIT_QUANTUM panels: the step tiles span that many at most)
 // and they meet at a barrier after every step; with HALSTM_SPLIT_ROWS_ONLY
 // (a step that reduces over units) rows whatever W_hh's size, else one
-// thread. Barrier NULL when one
+// thread, and where W_hh is that small, ranges down to one row: such a
+// step has no other way to use more cores than B / HALSTM_SPLIT_ROWS.
+// Barrier NULL when one
 // thread runs it all. Returns the first nonzero code; a worker's error
 // message is copied into this thread's.
 template <class F>
 int run_split(double macs, int T, int B, F body) {
     const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
     static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
-    const bool by_rows = (HALSTM_SPLIT_ROWS_ONLY ||
-                          (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES) &&
-                         B >= 2 * HALSTM_SPLIT_ROWS;
+    const bool small_w = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES;
+    const int least = HALSTM_SPLIT_ROWS_ONLY && small_w ? 1 : HALSTM_SPLIT_ROWS;
+    const bool by_rows = (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * least;
     // (rows only: a step that reduces over units runs whole on one thread)
-    const int units = by_rows ? B / HALSTM_SPLIT_ROWS : HALSTM_SPLIT_ROWS_ONLY ? 1 : groups;
+    const int units = by_rows ? B / least : HALSTM_SPLIT_ROWS_ONLY ? 1 : groups;
     int n = threads_available();
     double worth = macs / HALSTM_SPLIT_MACS;
     if (worth < n) n = worth < 1 ? 1 : (int)worth;
@@ -126,8 +128,7 @@ int run_split(double macs, int T, int B, F body) {
     auto part = [&](int r) {
         int lo = (int)((int64_t)r * units / n), hi = (int)((int64_t)(r + 1) * units / n);
         if (by_rows)   // the last range also takes the rows past the whole units
-            return Part{0, panels, lo * HALSTM_SPLIT_ROWS,
-                        (r == n - 1 ? B : hi * HALSTM_SPLIT_ROWS) - lo * HALSTM_SPLIT_ROWS};
+            return Part{0, panels, lo * least, (r == n - 1 ? B : hi * least) - lo * least};
         return Part{lo * HALSTM_SPLIT_QUANTUM, (hi - lo) * HALSTM_SPLIT_QUANTUM, 0, B};
     };
     SpinBarrier barrier(n);
