@@ -367,6 +367,8 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
+        split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
+        split_small_below=max(p.split_small_below for p in pipes),
         split_batch_bytes=max(p.split_batch_bytes for p in pipes))
 
 
@@ -391,6 +393,11 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
         "schedule_notes": [n for p in pipes for n in p.notes],
         "knobs": dict(spec.knobs),
     }
+    if plan.layout.split is not None:   # how the driver's threads take a time loop's steps
+        manifest["split"] = {"quantum": layer.split_quantum,
+                             "quantum_small": layer.split_quantum_small,
+                             "small_below": layer.split_small_below,
+                             "batch_bytes": layer.split_batch_bytes}
     if plan.link:
         manifest |= {"library": LIBRARY, "sha256": cache.file_sha256(out / LIBRARY)}
     else:

@@ -45,6 +45,8 @@ class Layer:
     fused_bwd: bool       # the backward steps run step_bwd_fused
     pack_bwd: bool        # the backward packs its weights (pack_bwd)
     split_quantum: int = 1       # split steps: ranges of this many panels ...
+    split_quantum_small: int = 1  # ... or of this many, where a step has fewer rows
+    split_small_below: int = 0    # than this
     split_batch_bytes: int = 0   # ... or of batch rows, where W_hh is at most this size
 
     def defines(self) -> dict:
@@ -55,7 +57,10 @@ class Layer:
              "HALSTM_FORWARD" if self.direction == "fwd" else "HALSTM_BACKWARD": 1}
         if lay.split is not None:
             d |= {"HALSTM_SPLIT": 1, "HALSTM_SPLIT_MACS": lay.split.macs,
-                  "HALSTM_SPLIT_QUANTUM": self.split_quantum, "HALSTM_SPLIT_ROWS": lay.split.rows,
+                  "HALSTM_SPLIT_QUANTUM": self.split_quantum,
+                  "HALSTM_SPLIT_QUANTUM_SMALL": self.split_quantum_small,
+                  "HALSTM_SPLIT_SMALL_BELOW": self.split_small_below,
+                  "HALSTM_SPLIT_ROWS": lay.split.rows,
                   "HALSTM_SPLIT_CALL_MACS": lay.split.call_macs,
                   "HALSTM_SPLIT_BATCH_BYTES": self.split_batch_bytes,
                   "HALSTM_SPLIT_ROWS_ONLY": int(lay.split.rows_only)}

@@ -85,6 +85,8 @@ class Pipe(Stages):
     raw_bwd: bool = False        # the backward reads w_ih, w_hh as given (see _bwd_weight)
     split_rows_only: bool = False  # split_steps in ranges of rows only: every unit (layout)
     split_quantum: int = 1       # (set by the schedule) panels the driver's ranges are made of
+    split_quantum_small: int = 0  # (set by the schedule) ... where a step may have fewer
+    split_small_below: int = 0    # rows than this (0: split_quantum whatever the rows)
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order

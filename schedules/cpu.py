@@ -430,7 +430,12 @@ def step_bwd(p, target):
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
           panels=wide, small=(batch < rows, narrow, "ko" if own else None),
           par="ko" if own else None)
-    p.split_quantum = math.lcm(wide, narrow)
+    # ranges of whole tiles: of `wide` panels where every step of the loop
+    # has `rows` rows or more, else of whole tiles of both kinds (more
+    # threads where the wide tiles are narrower, e.g. 8 instead of 4 at
+    # H=512 with AVX-512)
+    p.split_quantum, p.split_quantum_small = wide, math.lcm(wide, narrow)
+    p.split_small_below = rows
     p.split_batch_bytes = 1 << 20      # ranges of rows below (see SPLIT_ROWS)
     for s in p.cell.states[1:]:
         _pointwise(p.stage("dprev_" + s), vw)

@@ -49,10 +49,13 @@ def test_a_short_loop_stays_on_one_thread(monkeypatch):
 
 @pytest.mark.parametrize("batch", [2, 5])
 def test_split_ranges_are_whole_tiles(batch, monkeypatch):
-    """H=128: eight panels; the forward's tiles below 4 rows span two, the
-    backward's four. Three threads asked for: the forward runs ranges of
-    1, 1 and 2 two-panel tiles, the backward two four-panel ones (none
-    overruns into the next range), and the results stay right."""
+    """H=128, three threads asked for: each range spans whole tiles (none
+    overruns into the next), and the results stay right. With AVX-512
+    (eight panels) the forward's tiles below 4 rows span two panels (ranges
+    of 1, 1 and 2 tiles), the backward's four below 4 rows and where they
+    hold 4 rows (two ranges); with AVX2 (16 panels) the backward's wide
+    tiles span two, so 5 rows take three ranges. The backward's quanta
+    come from its manifest."""
     monkeypatch.setenv("HL_NUM_THREADS", "3")
     m = halstm.LSTM(I, 128, seed=3)
     rng = np.random.default_rng(5)
@@ -65,7 +68,12 @@ def test_split_ranges_are_whole_tiles(batch, monkeypatch):
     for k in ("weight_hh_l0", "weight_ih_l0", "input", "h0", "c0"):
         assert_close(k, grads[k], rgrads[k])
     threads = {lib.manifest["direction"]: lib.step_threads() for lib in m._libs.values()}
-    assert threads == {"fwd": 3, "bwd": 2}
+    bwd = next(lib.manifest for lib in m._libs.values() if lib.manifest["direction"] == "bwd")
+    split = bwd["split"]
+    quantum = split["quantum_small"] if batch < split["small_below"] else split["quantum"]
+    panels = -(-128 // bwd["panel"])
+    assert threads == {"fwd": 3, "bwd": min(3, panels // quantum)}
+    assert threads["bwd"] >= 2
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])

@@ -99,7 +99,9 @@ View part_of(View v, const Part &part, int units, int rows) {
 // be read by every thread (HALSTM_SPLIT_BATCH_BYTES), each thread takes a
 // range of rows and runs without meeting the others (barrier NULL).
 // Otherwise each takes a range of whole quanta of unit panels
-// (HALSTM_SPLIT_QUANTUM panels: the step tiles span that many at most)
+// (HALSTM_SPLIT_QUANTUM panels: the step tiles span that many at most;
+// HALSTM_SPLIT_QUANTUM_SMALL where a step of the loop runs fewer than
+// HALSTM_SPLIT_SMALL_BELOW rows, least_rows, and its tiles span more)
 // and they meet at a barrier after every step; with HALSTM_SPLIT_ROWS_ONLY
 // (a step that reduces over units) rows whatever W_hh's size, else one
 // thread, and where W_hh is that small, ranges down to one row: such a
@@ -108,9 +110,12 @@ View part_of(View v, const Part &part, int units, int rows) {
 // thread runs it all. Returns the first nonzero code; a worker's error
 // message is copied into this thread's.
 template <class F>
-int run_split(double macs, int T, int B, F body) {
-    const int panels = HP / P, groups = panels / HALSTM_SPLIT_QUANTUM;
-    static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0, "tiles of whole quanta");
+int run_split(double macs, int T, int B, int least_rows, F body) {
+    static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0 && HP / P % HALSTM_SPLIT_QUANTUM_SMALL == 0,
+                  "tiles of whole quanta");
+    const int quantum = least_rows < HALSTM_SPLIT_SMALL_BELOW ? HALSTM_SPLIT_QUANTUM_SMALL
+                                                              : HALSTM_SPLIT_QUANTUM;
+    const int panels = HP / P, groups = panels / quantum;
     const bool small_w = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES;
     const int least = HALSTM_SPLIT_ROWS_ONLY && small_w ? 1 : HALSTM_SPLIT_ROWS;
     const bool by_rows = (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * least;
@@ -129,7 +134,7 @@ int run_split(double macs, int T, int B, F body) {
         int lo = (int)((int64_t)r * units / n), hi = (int)((int64_t)(r + 1) * units / n);
         if (by_rows)   // the last range also takes the rows past the whole units
             return Part{0, panels, lo * least, (r == n - 1 ? B : hi * least) - lo * least};
-        return Part{lo * HALSTM_SPLIT_QUANTUM, (hi - lo) * HALSTM_SPLIT_QUANTUM, 0, B};
+        return Part{lo * quantum, (hi - lo) * quantum, 0, B};
     };
     SpinBarrier barrier(n);
     SpinBarrier *meet = by_rows ? nullptr : &barrier;
@@ -199,14 +204,14 @@ inline bool step_done(void *barrier, int rc) {
 
 // A time loop's steps: part_steps(part, barrier) on the driver's threads
 // (HALSTM_SPLIT, see run_split), else the whole of every step here.
+// least_rows: the fewest rows a step of the loop runs.
 template <class F>
-int run_steps(int T, int B, F part_steps) {
+int run_steps(int T, int B, int least_rows, F part_steps) {
 #if HALSTM_SPLIT
-    return run_split((double)G * H * H * B, T, B, [&](const Part &part, SpinBarrier *barrier) {
-        return part_steps(part, barrier);
-    });
+    return run_split((double)G * H * H * B, T, B, least_rows,
+                     [&](const Part &part, SpinBarrier *barrier) { return part_steps(part, barrier); });
 #else
-    (void)T, (void)B;
+    (void)T, (void)B, (void)least_rows;
     return part_steps(0, nullptr);
 #endif
 }
