@@ -251,9 +251,12 @@ def proj_rows(target: hl.Target) -> int:
     (8 + 4 + 1 of 16), where 6 rows spilled and ran at half the speed
     (bench/RESULTS.md, "Schedule decisions": cpu.proj_rows)."""
     return max(1, (registers(target) - 1) // 4 - 1)
-# Rows in chunks of knob proj_chunk tiles (default 32: 192 rows) outside
-# the panel loop, so that a chunk of x stays in L2 while every weight panel
-# passes (bench/RESULTS.md, "Schedule decisions": cpu.proj_chunk).
+
+
+# Rows in chunks of knob proj_chunk tiles (default 32: 192 rows with
+# AVX-512's 6-row tiles) outside the panel loop, so that a chunk of x stays
+# in L2 while every weight panel passes (bench/RESULTS.md, "Schedule
+# decisions": cpu.proj_chunk).
 
 
 def proj(p, target):
