@@ -74,12 +74,23 @@ def reducing_layout(layout: Layout, direction: str, G: int, H: int, knobs=None) 
     KiB: on 16 cores, 8 threads that each read a 4 or 16 MB W_hh took
     1.5-2.1x the time of Halide's pool); else the step runs whole on
     Halide's pool, its product over unit panels, then its rows
-    (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    (bench/RESULTS.md, "Schedule decisions": cpu.step rows). Ranges of at
+    least REDUCING_ROWS rows where W_hh is large (the driver's ranges go
+    down to one row where it is small)."""
     limit = (knobs or {}).get("rows_fwd_kib", KNOBS["rows_fwd_kib"].default) << 10
     layout = layout.without("fused_bwd_below")
     if layout.split is None or (direction == "fwd" and G * H * H * 4 > limit):
         return layout.without("split")
-    return replace(layout, split=replace(layout.split, rows_only=True))
+    return replace(layout, split=replace(layout.split, rows_only=True, rows=REDUCING_ROWS))
+
+
+# A reducing step's threads each read all of W_hh every step: past the
+# split_batch_bytes, ranges of 8 rows, whatever the tile. On the 16-core
+# Xeon ranges of 4 took the layer-norm LSTM's backward 0.86x at K=H=512
+# B=64 (W_hh 4 MB) and 1.13x at K=H=1024 (16 MB): more threads reading a
+# large W_hh each step cost more than they add (bench/RESULTS.md,
+# "Schedule decisions": cpu.split rows).
+REDUCING_ROWS = 8
 
 
 # The LSTM's ranges of rows forward up to this size of W_hh (see SPLIT_ROWS).
@@ -198,14 +209,17 @@ SPLIT_MACS = 1 << 15
 # take on one core (bench/RESULTS.md, "Schedule decisions": cpu.SPLIT_CALL_MACS).
 SPLIT_CALL_MACS = 1 << 23
 # Batch rows are independent through a whole time loop: where each thread
-# gets SPLIT_ROWS rows or more (a multiple of every step tile's rows) and
-# W_hh (G*H*H floats, read whole by every thread each step) is small enough
-# (the step pipelines set the pipe's split_batch_bytes), the driver's
-# threads take ranges of rows and never meet, rather than ranges of units
-# that meet after every step (and, backward, each compute the pointwise
-# part for all units): rows up to 512 KB of W_hh forward, 1 MB backward
-# (bench/RESULTS.md, "Schedule decisions": cpu.SPLIT_ROWS).
-SPLIT_ROWS = 8
+# gets SPLIT_ROWS rows or more and W_hh (G*H*H floats, read whole by every
+# thread each step) is small enough (the step pipelines set the pipe's
+# split_batch_bytes), the driver's threads take ranges of rows and never
+# meet, rather than ranges of units that meet after every step (and,
+# backward, each compute the pointwise part for all units): rows up to 512
+# KB of W_hh forward, 1 MB backward (bench/RESULTS.md, "Schedule
+# decisions": cpu.split rows).
+# 4 rows: the backward's dh tiles are 4 rows by panels (4 x 4 with
+# AVX-512, 2 x 4 with AVX2, see step_bwd); ranges of the forward tile's 2
+# rows (AVX2) left the backward a tile of 1 row and lost.
+SPLIT_ROWS = 4
 
 
 def _pointwise(f, vw):

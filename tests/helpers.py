@@ -136,11 +136,10 @@ CASES = {
     "no_bias_L1": dict(bias=False, L=1),
     # enough work for the driver to run the steps on several threads
     # (schedule cpu: one per 2^15 multiply-adds of a step, up to the CPUs,
-    # where the loop has 2^23 or more): batch rows in ranges of 8 or more
-    # (the last one 11 rows), or from fewer than 16 rows, ranges of units
-    # (37 units: three 16-unit panels, the last one partial)
+    # where the loop has 2^23 or more): batch rows in ranges of 4 or more
+    # (the last range takes the rows left over)
     "split_rows": dict(T=80, B=27, hx=True, dstate=True),
-    "split_units": dict(T=130, B=12, hx=True, dstate=True),
+    "split_rows_12": dict(T=130, B=12, hx=True, dstate=True),
 }
 
 

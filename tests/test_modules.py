@@ -22,17 +22,37 @@ def test_matches_reference(cell, case):
 
 @pytest.mark.parametrize("cell, case, threads", [("lstm", "split_rows", 3),
                                                  ("gru", "split_rows", 3),
-                                                 ("lstm", "split_units", 2)])
+                                                 ("lstm", "split_rows_12", 2)])
 def test_steps_split_over_threads(cell, case, threads, monkeypatch):
-    """Three threads asked for: 27 batch rows run as three ranges of rows;
-    12 rows (too few for ranges of 8) as two ranges of units, which meet at
-    a spin barrier after every step (two CPUs in CI: with three threads the
-    barrier also has to yield). (A GRU step of 12 rows at H=37 is worth one
-    thread, so ranges of units are tested on the LSTM.)"""
+    """Three threads asked for: 27 batch rows run as three ranges of rows
+    (of 4 rows or more); 12 rows at H=37 as two (the step is worth two
+    threads of 2^15 multiply-adds)."""
     monkeypatch.setenv("HL_NUM_THREADS", "3")
     m = check_case(cell, case)
     for lib in m._libs.values():
         assert lib.step_threads() == threads, lib.manifest["direction"]
+
+
+def test_steps_split_over_units(monkeypatch):
+    """Where W_hh is too large for every thread to read each step (H=300:
+    1.4 MB, past 512 KB forward and 1 MB backward), three threads take
+    ranges of units (19 panels, the last one partial), which meet at a
+    spin barrier after every step (two CPUs in CI: with three threads the
+    barrier also has to yield); the results stay right."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, 300, seed=3)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((30, 12, I)).astype(np.float32)
+    dy = rng.standard_normal((30, 12, 300)).astype(np.float32)
+    y, _ = call(m, "lstm", x)
+    grads = backward(m, "lstm", dy)
+    ry, _, rgrads = ref_run("lstm", m, x, dy=dy)
+    assert_close("y", y, ry)
+    for k in ("weight_hh_l0", "weight_ih_l0", "input"):
+        assert_close(k, grads[k], rgrads[k])
+    assert [lib.step_threads() for lib in m._libs.values()] == [3, 3]
+    assert all(lib.manifest["split"]["batch_bytes"] < 4 * 300 * 300 * 4
+               for lib in m._libs.values())
 
 
 def test_a_short_loop_stays_on_one_thread(monkeypatch):
