@@ -18,10 +18,16 @@ from halstm.schedules import cpu
 
 
 def build(cell, K, H, target, rows):
+    """The projection pipeline, JIT-compiled with tiles of `rows` rows (0:
+    the schedule's own proj_rows)."""
+    own = cpu.proj_rows
     if rows:
-        cpu.proj_rows = lambda target, rows=rows: rows
-    p = pipeline.build(cell, "proj", K, H, cpu.layout(target))
-    cpu.proj(p, target)
+        cpu.proj_rows = lambda target: rows
+    try:
+        p = pipeline.build(cell, "proj", K, H, cpu.layout(target))
+        cpu.proj(p, target)
+    finally:
+        cpu.proj_rows = own
     pl = p.pipeline()
     pl.compile_jit(target)
     return p, pl
@@ -39,14 +45,10 @@ def main():
     K, H, N = a.input_size, a.hidden_size, a.rows_total
     target = hl.get_host_target()
     cell = cells.get(a.cell)
-    own = cpu.proj_rows
     variants = [int(v) for v in a.tile_rows.split(",") if v] or [0]
-    built = {}
-    for rows in variants:
-        built[rows] = build(cell, K, H, target, rows)
-        cpu.proj_rows = own
+    built = {rows: build(cell, K, H, target, rows) for rows in variants}
     G, P = cell.n_gates, cpu.panel(target)
-    Hp = -(-H // P) * P
+    Hp = pipeline.padded(H, P)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((N, K)).astype(np.float32)
     w = rng.standard_normal((G, H, K)).astype(np.float32)
@@ -75,7 +77,7 @@ def main():
                     raise SystemExit(f"tile rows {r or 'default'}: max error {err:.1e}")
     for r in variants:
         m = statistics.median(times[r][2:])
-        rows = r or own(target)
+        rows = r or cpu.proj_rows(target)
         print(f"{a.cell} K={K} H={H} N={N} tile rows {rows}: {m * 1e3:.2f} ms, "
               f"{2 * N * K * G * H / m / 1e9:.0f} GFLOP/s")
 

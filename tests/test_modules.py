@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import halstm
+from halstm.pipeline import padded
 from helpers import (B, CASES, CLASSES, GATES, H, I, L, STATES, T, assert_close, backward, call,
                      check_case, check_no_grad, make, ref_run)
 
@@ -91,7 +92,7 @@ def test_split_ranges_are_whole_tiles(batch, monkeypatch):
     bwd = next(lib.manifest for lib in m._libs.values() if lib.manifest["direction"] == "bwd")
     split = bwd["split"]
     quantum = split["quantum_small"] if batch < split["small_below"] else split["quantum"]
-    panels = -(-128 // bwd["panel"])
+    panels = padded(128, bwd["panel"]) // bwd["panel"]
     assert threads == {"fwd": 3, "bwd": min(3, panels // quantum)}
     assert threads["bwd"] >= 2
 

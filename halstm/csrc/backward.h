@@ -181,7 +181,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         return rc;
     };
 #endif  // HALSTM_FUSED_BWD
-    auto steps = [&]() { return run_steps(T, B, T > 0 ? step_rows(batch_sizes, T - 1, B) : B, part_steps); };
+    auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
     uint64_t key[11 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
                                  u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows),
                                  rows_hash(batch_sizes, T)};

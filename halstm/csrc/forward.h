@@ -95,7 +95,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         }
         return rc;
     };
-    auto steps = [&]() { return run_steps(T, B, T > 0 ? step_rows(batch_sizes, T - 1, B) : B, part_steps); };
+    auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
     uint64_t key[8 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                             u64(vec), rows_hash(batch_sizes, T)};
     for (int s = 0; s < NS; s++) key[8 + s] = u64(states[s]);

@@ -204,14 +204,15 @@ inline bool step_done(void *barrier, int rc) {
 
 // A time loop's steps: part_steps(part, barrier) on the driver's threads
 // (HALSTM_SPLIT, see run_split), else the whole of every step here.
-// least_rows: the fewest rows a step of the loop runs.
+// batch_sizes: the rows of each step (non-increasing), or NULL for B each.
 template <class F>
-int run_steps(int T, int B, int least_rows, F part_steps) {
+int run_steps(int T, int B, const int *batch_sizes, F part_steps) {
 #if HALSTM_SPLIT
+    const int least_rows = T > 0 ? step_rows(batch_sizes, T - 1, B) : B;   // the last step's
     return run_split((double)G * H * H * B, T, B, least_rows,
                      [&](const Part &part, SpinBarrier *barrier) { return part_steps(part, barrier); });
 #else
-    (void)T, (void)B, (void)least_rows;
+    (void)T, (void)B, (void)batch_sizes;
     return part_steps(0, nullptr);
 #endif
 }
