@@ -11,6 +11,7 @@ build.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -91,6 +92,9 @@ class Spec:
     onehot: bool = False          # input: one-hot rows given as class indices (CPU targets)
     knobs: tuple | None = None    # the schedule's knobs as ((name, value), ...); None: tuned
     #                               for this machine by `halstm tune` (halstm.tuning), else defaults
+    precision: str = "fp32"       # "tf32": TF32 tensor-core math in the GEMMs (halstm.cublas)
+    gemm: str | None = None       # the non-recurrent GEMMs: "halide" or "cublas"; None: the
+    #                               target's default (resolved here; halstm.cublas.resolve)
 
     def __post_init__(self):
         cells.check(self.cell)
@@ -107,6 +111,10 @@ class Spec:
         from halstm import cuda, schedules   # named in full: one cache key per meaning
         object.__setattr__(self, "target", cuda.host_target(self.target))
         object.__setattr__(self, "schedule", schedules.resolve(self.target, self.schedule))
+        from halstm import cublas
+        auto = self.schedule.startswith("auto:") and self.gemm is None and self.precision == "fp32"
+        object.__setattr__(self, "gemm", "halide" if auto else cublas.resolve(
+            "cuda" in self.target.split("-"), self.precision, self.gemm))
         knobs = self.knobs
         if knobs is None:
             from halstm import tuning
@@ -118,7 +126,9 @@ class Spec:
         return (f"cell {self.cell} ({self.direction}, "
                 f"{'one-hot indices of ' if self.onehot else ''}input {self.input_size}, hidden "
                 f"{self.hidden_size}), target {self.target}, schedule "
-                f"{self.schedule or 'default'}" + (f" ({knobs})" if knobs else ""))
+                f"{self.schedule or 'default'}" + (f" ({knobs})" if knobs else "")
+                + (f", {self.precision}" if self.precision != "fp32" else "")
+                + (f", {self.gemm} GEMMs" if self.gemm != "halide" else ""))
 
 
 def schedule_knobs(schedule: str) -> dict:
@@ -312,6 +322,8 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
             layout = (reducing(layout, spec.direction, len(d.gates), spec.hidden_size,
                                dict(spec.knobs))
                       if reducing else layout.without("split", "fused_bwd_below"))
+        if spec.gemm == "cublas":
+            layout = dataclasses.replace(layout, vendor_gemm=True)
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
         if missing or (spec.onehot and cuda):
@@ -369,7 +381,8 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),
-        split_batch_bytes=max(p.split_batch_bytes for p in pipes))
+        split_batch_bytes=max(p.split_batch_bytes for p in pipes),
+        cublas=plan.layout.vendor_gemm, tf32=spec.precision == "tf32")
 
 
 def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, emit) -> dict:
@@ -387,11 +400,14 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
         "entry_points": _entry_points(spec) | (
             {"halstm_cuda_init": ["void *context: the CUcontext to run in; call first. "
                                   "Every array argument is then a device pointer"]}
-            if plan.cuda else {}),
+            if plan.cuda else {}) | (
+            {"halstm_cublas_init": ["const char *library: cuBLAS's shared library (a path or "
+                                    "soname); call after halstm_cuda_init"]}
+            if plan.layout.vendor_gemm else {}),
         "pipelines": [f"halstm_{k}" for k in plan.kinds],
         "emitted": sorted(emit),
         "schedule_notes": [n for p in pipes for n in p.notes],
-        "knobs": dict(spec.knobs),
+        "knobs": dict(spec.knobs), "precision": spec.precision, "gemm": spec.gemm,
     }
     if plan.layout.split is not None:   # how the driver's threads take a time loop's steps
         manifest["split"] = {"quantum": layer.split_quantum,

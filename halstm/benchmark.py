@@ -189,13 +189,40 @@ def reference_errors(m, cell, x, y, dy=None) -> dict:
     return errs
 
 
-def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=1e-3) -> _Timed:
-    """halstm with `schedule`, checked against the reference (max relative
-    error at most tol, else AssertionError). Mode fwd runs under
+# A variant's options after the schedule name (`halstm bench --schedules
+# cuda@tf32`): the precision, or who runs the non-recurrent GEMMs.
+VARIANT_OPTIONS = {"fp32": ("precision", "fp32"), "tf32": ("precision", "tf32"),
+                   "halide": ("gemm", "halide"), "cublas": ("gemm", "cublas")}
+# Largest relative error against the float64 reference a check allows, by precision
+TOLERANCE = {"fp32": 1e-3, "tf32": 3e-2}
+
+
+def variant(impl: str | None) -> tuple[str | None, dict]:
+    """`SCHEDULE[@OPTION...]` (SCHEDULE 'default' or '' for the target's)
+    -> (schedule or None, module keyword arguments); ValueError naming an
+    unknown option."""
+    name, *opts = (impl or "").split("@")
+    kw = {}
+    for o in opts:
+        if o not in VARIANT_OPTIONS:
+            raise ValueError(f"schedule variant {impl!r}: unknown option {o!r}; expected "
+                             f"{', '.join(VARIANT_OPTIONS)}")
+        key, value = VARIANT_OPTIONS[o]
+        kw[key] = value
+    return (None if name in ("", "default") else name), kw
+
+
+def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol=None) -> _Timed:
+    """halstm with `schedule` (a variant: see `variant`), checked against
+    the reference (max relative error at most tol, by default the
+    precision's TOLERANCE, else AssertionError). Mode fwd runs under
     halstm.no_grad(), as PyTorch's forward runs under torch.no_grad():
     nothing is kept for a backward."""
+    label = schedule
+    schedule, kw = variant(schedule)
+    tol = TOLERANCE[kw.get("precision", "fp32")] if tol is None else tol
     m = Recurrent(cell, s["I"], s["H"], num_layers=s["L"], target=target, schedule=schedule,
-                  seed=0)
+                  seed=0, **kw)
     m.compile(backward=mode == "fwdbwd")
     x, dy = _inputs(cell, s)
     err = None
@@ -215,7 +242,7 @@ def prepare_halstm(cell, name, s, schedule, mode, target="host", check=True, tol
         from . import cuda
         x, dy, sync = cuda.DeviceArray.from_numpy(x), cuda.DeviceArray.from_numpy(dy), cuda.synchronize
     step = forward if mode == "fwd" else (lambda: (m(x), m.backward(dy)))
-    return _Timed(f"halstm:{schedule or 'default'}", lambda: (step(), sync()), err)
+    return _Timed(f"halstm:{label or 'default'}", lambda: (step(), sync()), err)
 
 
 def prepare_numpy(cell, name, s, mode) -> _Timed | None:

@@ -116,7 +116,14 @@ def cells_command(as_json):
               help="Output folder (default: ./<cell>_i<I>_h<H>).")
 @click.option("--emit", multiple=True, type=click.Choice(sorted(aot.EMIT)),
               help="Also write this Halide output per pipeline (repeatable).")
-def compile(cell, input_size, hidden_size, layers, target, schedule, out, emit):
+@click.option("--precision", type=click.Choice(["fp32", "tf32"]), default="fp32",
+              show_default=True, help="tf32: the projection and gradient GEMMs in TF32 "
+              "tensor-core math by cuBLAS (CUDA targets); the recurrence stays fp32.")
+@click.option("--gemm", type=click.Choice(["halide", "cublas"]), default=None,
+              help="Who runs the projection and gradient GEMMs on a CUDA target (default: "
+                   "cuBLAS where it is installed, else Halide).")
+def compile(cell, input_size, hidden_size, layers, target, schedule, out, emit, precision,
+            gemm):
     """Compile forward and backward kernels for a model into a folder.
 
     For a target that runs here the folder holds loadable libraries
@@ -125,9 +132,12 @@ def compile(cell, input_size, hidden_size, layers, target, schedule, out, emit):
     from . import compiled
     out = out or Path(f"{cell}_i{input_size}_h{hidden_size}")
     try:
-        aot.Spec(cell, input_size, hidden_size, "fwd", target, schedule)
+        aot.Spec(cell, input_size, hidden_size, "fwd", target, schedule, precision=precision,
+                 gemm=gemm)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--schedule") from None
+        hint = next((f"--{o}" for o in ("precision", "gemm") if str(e).startswith(o + ":")),
+                    "--schedule")
+        raise click.BadParameter(str(e), param_hint=hint) from None
     try:
         compiled.check_out(out)
     except ValueError as e:
@@ -147,7 +157,7 @@ def compile(cell, input_size, hidden_size, layers, target, schedule, out, emit):
                f"layer(s)) for {target} ...", err=True)
     try:
         top = compiled.compile_model(cell, input_size, hidden_size, layers, target, schedule,
-                                     out, emit, progress)
+                                     out, emit, progress, precision=precision, gemm=gemm)
     except aot.CompileError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {out}/ (target {top['target']}, schedule {top['schedule']})")
@@ -172,7 +182,7 @@ def inspect(folder, as_json):
         click.echo(json.dumps({"model": top, "parts": parts}, indent=2))
         return
     for key in ("cell", "input_size", "hidden_size", "num_layers", "target", "schedule",
-                "halide_version", "loadable_here"):
+                "precision", "gemm", "halide_version", "loadable_here"):
         click.echo(f"{key + ':':16s}{top.get(key)}")
     for part, m in zip(top.get("parts", []), parts):
         kind = m["library"] or "static libraries + driver.cpp"
@@ -194,7 +204,10 @@ def inspect(folder, as_json):
               help="Comma-separated shape names from the shared set, or 'all'.")
 @cell_options
 @click.option("--schedules", "schedule_list", default=None,
-              help="Comma-separated schedules (default: the target's default).")
+              help="Comma-separated schedules (default: the target's default), each "
+                   "SCHEDULE[@OPTION...] with options tf32 (precision) and halide or cublas "
+                   "(who runs the projection and gradient GEMMs on a GPU), e.g. "
+                   "default@halide,default@cublas,default@tf32.")
 @_target_option
 @click.option("--peers", default="numpy,torch", show_default=True,
               help="Comma-separated peers to time beside halstm: numpy, torch (the "
@@ -228,7 +241,8 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     scheds = [s.strip() for s in schedule_list.split(",")] if schedule_list else [None]
     for s in scheds:
         try:
-            aot.Spec(cell, 1, 1, "fwd", target, s)
+            name, kw = B.variant(s)
+            aot.Spec(cell, 1, 1, "fwd", target, name, **kw)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--schedules") from None
     peer_list = [p.strip() for p in peers.split(",") if p.strip()]

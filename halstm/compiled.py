@@ -28,7 +28,7 @@ def input_sizes(input_size: int, hidden_size: int, layers: int) -> list[int]:
 
 
 def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, emit=(),
-                  progress=None) -> dict:
+                  progress=None, precision="fp32", gemm=None) -> dict:
     """Build every library a model needs, both directions, into `out`."""
     out = Path(out)
     check_out(out)
@@ -38,7 +38,8 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
         parts = []
         for direction in aot.DIRECTIONS:
             for k in input_sizes(input_size, hidden_size, layers):
-                spec = aot.Spec(cell, k, hidden_size, direction, target, schedule)
+                spec = aot.Spec(cell, k, hidden_size, direction, target, schedule,
+                                precision=precision, gemm=gemm)
                 name = f"{direction}_k{k}"
                 (tmp / name).mkdir()
                 m = aot.build(spec, tmp / name, emit)
@@ -48,7 +49,8 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
                     progress(name, m)
         top = {"cell": cell, "input_size": input_size, "hidden_size": hidden_size,
                "num_layers": layers, "target": m["target"], "target_requested": target,
-               "schedule": m["schedule"], "halide_version": m["halide_version"],
+               "schedule": m["schedule"], "precision": m["precision"], "gemm": m["gemm"],
+               "halide_version": m["halide_version"],
                "loadable_here": m["library"] is not None, "parts": parts}
         d = cells.definition(cell)
         top["cell_definition"] = d.signature()
@@ -149,7 +151,8 @@ def load(path, seed=None):
                            f"its definition first: halstm.cells.load_file("
                            f"{top.get('cell_file', 'FILE')!r})")
     kw = dict(num_layers=top["num_layers"], target=top["target_requested"],
-              schedule=top["schedule"], seed=seed)
+              schedule=top["schedule"], seed=seed, precision=top.get("precision", "fp32"),
+              gemm=top.get("gemm"))
     m = module(cell, top["input_size"], top["hidden_size"], **kw)
     for part in top["parts"]:
         lib = Library(path / part["dir"])

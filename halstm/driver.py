@@ -48,6 +48,8 @@ class Layer:
     split_quantum_small: int = 1  # ... or of this many, where a step has fewer rows
     split_small_below: int = 0    # than this
     split_batch_bytes: int = 0   # ... or of batch rows, where W_hh is at most this size
+    cublas: bool = False         # CUDA: the non-recurrent GEMMs by cuBLAS (csrc/cublas.h)
+    tf32: bool = False           # ... in TF32 tensor-core math
 
     def defines(self) -> dict:
         lay = self.layout
@@ -72,6 +74,8 @@ class Layer:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:
             d |= _cuda_defines(lay)
+        if self.cublas:
+            d |= {"HALSTM_CUBLAS": 1, "HALSTM_TF32": int(self.tf32)}
         return d
 
 

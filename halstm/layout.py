@@ -33,6 +33,8 @@ class Layout:
     split: StepSplit | None = None  # CPU: steps split over the driver's threads
     max_registers: int = 64        # CUDA: registers a thread may use (the JIT's limit)
     cuda_graphs: bool = False      # CUDA: the step pipelines allocate nothing; loops may be graphs
+    vendor_gemm: bool = False      # CUDA: the driver runs the projection's and the gradients'
+    #                                GEMMs by cuBLAS; the pipelines add the biases (halstm.cublas)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -17,6 +17,11 @@ come back where the input came from: numpy in, numpy out (one upload and
 one download per call); a DeviceArray or a CUDA DLPack array (PyTorch,
 CuPy) in, DeviceArrays out, with no host round trip.
 
+precision="tf32" (CUDA targets): the projection's and the gradients' GEMMs
+in TF32 tensor-core math by cuBLAS; the recurrence stays fp32. gemm="halide"
+or "cublas" picks who runs those GEMMs (None: the target's default; see
+halstm.cublas).
+
 bidirectional=True, dropout=p (between layers, in training mode: train() /
 eval(); masks from numpy's generator seeded by `seed`), lengths= (a
 length per sequence) and proj_size=P (LSTM: h = W_hr m of P units, see
@@ -95,7 +100,7 @@ class _RNN:
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
                  dropout=0.0, bidirectional=False, target="host", schedule=None, seed=None,
-                 proj_size=0):
+                 proj_size=0, precision="fp32", gemm=None):
         self.input_size = _positive_int("input_size", input_size)
         self.hidden_size = _positive_int("hidden_size", hidden_size)
         self.num_layers = _positive_int("num_layers", num_layers)
@@ -106,8 +111,9 @@ class _RNN:
         self.dropout, self.bidirectional = float(dropout), bool(bidirectional)
         self.num_directions = 2 if self.bidirectional else 1
         self.training = True
-        self.target, self.schedule = target, schedule
-        aot.Spec(self.cell, self.input_size, self.hidden_size, "fwd", target, schedule)
+        self.target, self.schedule, self.precision = target, schedule, precision
+        self.gemm = aot.Spec(self.cell, self.input_size, self.hidden_size, "fwd", target,
+                             schedule, precision=precision, gemm=gemm).gemm
         if (isinstance(proj_size, bool) or not isinstance(proj_size, (int, np.integer))
                 or not 0 <= proj_size < self.hidden_size):
             raise ValueError(f"proj_size: expected an int in [0, hidden_size="
@@ -251,7 +257,8 @@ class _RNN:
         with self._libs_lock:
             if key not in self._libs:
                 spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target,
-                                self.schedule, onehot)
+                                self.schedule, onehot, precision=self.precision,
+                                gemm=self.gemm)
                 self._libs[key] = Library(*aot.library(spec))
         return self._libs[key]
 
@@ -619,12 +626,12 @@ class RNN(_RNN):
 
     def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
                  batch_first=False, dropout=0.0, bidirectional=False, target="host",
-                 schedule=None, seed=None):
+                 schedule=None, seed=None, precision="fp32", gemm=None):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
         self.nonlinearity, self.cell = nonlinearity, f"rnn_{nonlinearity}"
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
-                         bidirectional, target, schedule, seed)
+                         bidirectional, target, schedule, seed, precision=precision, gemm=gemm)
 
     __call__, backward = GRU.__call__, GRU.backward
 
@@ -642,7 +649,7 @@ class Recurrent(_RNN):
 
     def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
                  batch_first=False, dropout=0.0, bidirectional=False, target="host",
-                 schedule=None, seed=None, proj_size=0):
+                 schedule=None, seed=None, proj_size=0, precision="fp32", gemm=None):
         from . import cells
         if isinstance(cell, cells.Definition):
             cell = cells.register(cell)
@@ -653,7 +660,7 @@ class Recurrent(_RNN):
         self.cell, self.n_gates = cell, len(desc["gates"])
         self._state_names = tuple(desc["states"])
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
-                         bidirectional, target, schedule, seed, proj_size)
+                         bidirectional, target, schedule, seed, proj_size, precision, gemm)
 
     def __call__(self, x, hx=None, *, lengths=None):
         """x (T, B, I) (batch_first: (B, T, I)); hx None, or per state an

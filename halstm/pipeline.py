@@ -88,6 +88,7 @@ class Pipe(Stages):
     split_quantum_small: int = 0  # (set by the schedule) ... where a step may have fewer
     split_small_below: int = 0    # rows than this (0: split_quantum whatever the rows)
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
+    vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -203,7 +204,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
     p = Pipe(kind, cell, K, H, layout.panel, layout.dw_cols, layout.dw_rows,
              layout.read_outputs, layout.split is not None, layout.xp_panels,
              layout.raw_bwd_weights,
-             split_rows_only=layout.split is not None and layout.split.rows_only)
+             split_rows_only=layout.split is not None and layout.split.rows_only,
+             vendor_gemm=layout.vendor_gemm)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -254,9 +256,17 @@ def _proj(p: Pipe) -> None:
     whatever the batch."""
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
     G, K, H, P = p.G, p.K, p.H, p.P
+    b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
+    if p.vendor_gemm:
+        # xp = the bias on every row; the driver then adds x W_ih^T (a vendor
+        # GEMM with beta = 1). Units past H (padding) are never read.
+        xp = hl.Func("xp")
+        xp[j, gate, n] = b_ih[hl.min(j, H - 1), gate]
+        p.inputs = [b_ih]
+        p.stages = {"xp": _xp_out(p, xp)}
+        return
     x = _param(p, "x", [K, None])                        # numpy (N, K)
     wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
-    b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
     r = hl.RDom([(0, K)], "r_i")
     xin, w = _clamp(x, (1,)), _packed(wp_ih, j, P)
     # xp rows past H (padding) hold only a bias and are never read.
@@ -593,12 +603,14 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     cell, G, K, H = p.cell, p.G, p.K, p.H
     C, R = p.dw_cols, p.dw_rows
     i, j, k, gate, n = (p.vars[v] for v in ("i", "j", "k", "gate", "t"))
-    x = _ids_param(p) if ids else _param(p, "x", [K, None])   # numpy (N,) or (N, K)
-    hs = _param(p, "hs", [H, None])                     # numpy (N, H): h_{t-1} for row t*B+b
     dxp = _param(p, "dxp", [H, G, None])                # numpy (N, G, H)
     shared = cell.dxp_is_dhg
     dhg = dxp if shared else _param(p, "dhg", [H, G, None])
-    N = x.dim(0 if ids else 1).extent()
+    vendor = p.vendor_gemm and not ids   # dx and dW: the driver's vendor GEMMs (see _proj)
+    if not vendor:
+        x = _ids_param(p) if ids else _param(p, "x", [K, None])   # numpy (N,) or (N, K)
+        hs = _param(p, "hs", [H, None])                 # numpy (N, H): h_{t-1} for row t*B+b
+    N = dxp.dim(2).extent() if vendor else x.dim(0 if ids else 1).extent()
     rn = hl.RDom([(0, N)], "r_n")
     rg = hl.RDom([(0, H), (0, G)], "r_jg")
     # dxp and dhg with the rows clamped: a schedule may load a chunk of rows
@@ -606,6 +618,11 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     dxp_in = _clamp(dxp, (2,))
     dhg_in = dxp_in if shared else _clamp(dhg, (2,))
     stages = {"dxp_in": dxp_in, "dhg_in": dhg_in}
+    if vendor:
+        p.inputs = [dxp] + ([] if shared else [dhg])
+        p.rdoms = {"n": rn}
+        _bias_grads(p, stages, rn, dxp, dhg, ())
+        return
     if not ids:
         w_ih, w = _bwd_weight(p, "w_ih", K, i)
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
@@ -638,20 +655,30 @@ def _all_grads(p: Pipe, ids: bool) -> None:
         out = hl.Func(name)
         out[v, j, gate] = tiles[v, j, gate]
         stages |= {name + "_acc": acc, name + "_tiles": tiles, name: out}
-    for name, d in (("db_ih", dxp), ("db_hh", dhg)):
-        if name == "db_hh" and shared:      # dhg is dxp (the LSTM): the same sums
-            stages[name] = hl.Func(name)
-            stages[name][j, gate] = stages["db_ih"][j, gate]
-            continue
-        stages[name + "_acc"], stages[name] = _matmul(name, [j, gate], hl.f32(0),
-                                                      lambda: d[j, gate, rn.x])
     stages |= {"hs_panels": panels["hs"], "dxp_panels": panels["dxp"],
                "dhg_panels": panels["dhg"]}
     if not ids:
         stages["x_panels"] = panels["x"]
     p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [w_ih])
-    names = ("dw_ih", "db_ih", "dw_hh", "db_hh")
-    names = names if ids else ("dx",) + names
+    p.rdoms = {"n": rn, "jg": rg}
+    _bias_grads(p, stages, rn, dxp, dhg, ("dw_ih", "dw_hh") if ids else ("dx", "dw_ih", "dw_hh"))
+
+
+def _bias_grads(p: Pipe, stages: dict, rn, dxp, dhg, products: tuple) -> None:
+    """The sums over rows (db_ih, db_hh, dvec) into stages, then the grads
+    pipeline's outputs: products (the stages dx, dw_ih, dw_hh it computes)
+    in that order, each followed by its bias."""
+    G, K, H = p.G, p.K, p.H
+    j, gate = p.vars["j"], p.vars["gate"]
+    for name, d in (("db_ih", dxp), ("db_hh", dhg)):
+        if name == "db_hh" and p.cell.dxp_is_dhg:   # dhg is dxp (the LSTM): the same sums
+            stages[name] = hl.Func(name)
+            stages[name][j, gate] = stages["db_ih"][j, gate]
+            continue
+        stages[name + "_acc"], stages[name] = _matmul(name, [j, gate], hl.f32(0),
+                                                      lambda: d[j, gate, rn.x])
+    order = ("dx", "dw_ih", "db_ih", "dw_hh", "db_hh")
+    names = tuple(v for v in order if v in products or v.startswith("db"))
     extents = {"dx": [p.Kp, None], "dw_ih": [K, H, G], "db_ih": [H, G], "dw_hh": [H, H, G],
                "db_hh": [H, G], "dvec": [H, p.V]}
     if p.V:   # the vector parameters' gradients: sums over rows, as the biases'
@@ -664,7 +691,6 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     for v in names:
         _fix_output(p, stages[v], extents[v])
     p.stages = stages
-    p.rdoms = {"n": rn, "jg": rg}
 
 
 def _row_panels(a: hl.ImageParam, n: int, C: int, name: str) -> hl.Func:

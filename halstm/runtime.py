@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cache, memory
+from . import cache, cublas, memory
 from . import manifest as manifest_schema
 from .errors import KernelError, LibraryError
 
@@ -88,6 +88,15 @@ class Library:
         self.device = manifest.get("device", "cpu")
         self._shared = SharedLibrary(path, self.device)
         self._lib, self.mem = self._shared.lib, self._shared.mem
+        self.precision = manifest.get("precision", "fp32")
+        if manifest.get("gemm", "halide") == "cublas":
+            found = cublas.library()
+            if found is None:
+                raise KernelError(f"{path}: built with gemm='cublas' (precision "
+                                  f"{self.precision!r}), but {cublas.missing_message()}")
+            self._lib.halstm_cublas_init.argtypes = [ctypes.c_char_p]
+            self._shared.check(self._lib.halstm_cublas_init(found.encode()),
+                               f"loading cuBLAS from {found}")
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 12

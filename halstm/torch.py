@@ -94,21 +94,22 @@ _mems: dict = {}
 _lock = threading.Lock()
 
 
-def _spec(cell: str, K: int, H: int, schedule: str | None, lane: int = 0) -> str:
+def _spec(cell: str, K: int, H: int, schedule: str | None, precision: str = "fp32",
+          lane: int = 0) -> str:
     """A layer's kernels as a string (what the custom operators take).
     lane: which instance of the library (its own workspaces), so that two
     layers of one size can run at once on two streams."""
-    return f"{cell}|{K}|{H}|{schedule or ''}|{lane}"
+    return f"{cell}|{K}|{H}|{schedule or ''}|{precision}|{lane}"
 
 
 def _unspec(spec: str):
-    cell, K, H, schedule, _ = spec.split("|")
-    return cell, int(K), int(H), schedule or None
+    cell, K, H, schedule, precision, _ = spec.split("|")
+    return cell, int(K), int(H), schedule or None, precision
 
 
 def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, _Tensors]:
     """The compiled library of spec for a tensor on `device`, and its memory."""
-    cell, K, H, schedule = _unspec(spec)
+    cell, K, H, schedule, precision = _unspec(spec)
     if device.type == "cuda":
         if (device.index or 0) != 0:
             raise ValueError(f"input: halstm runs CUDA tensors on cuda:0 only, got {device}")
@@ -122,7 +123,11 @@ def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, 
     key = (spec, direction, target)
     with _lock:
         if key not in _libs:
-            _libs[key] = Library(*aot.library(aot.Spec(cell, K, H, direction, target, schedule)))
+            # the precision acts on CUDA tensors; CPU tensors compute in fp32
+            # (as torch's allow_tf32 flags do)
+            spec = aot.Spec(cell, K, H, direction, target, schedule,
+                            precision=precision if target != "host" else "fp32")
+            _libs[key] = Library(*aot.library(spec))
         if device not in _mems:
             _mems[device] = _Tensors(device)
         return _libs[key], _mems[device]
@@ -370,8 +375,12 @@ class _Recurrent(torch.nn.Module):
     def __init__(self, cell: str, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
                  bidirectional: bool = False, proj_size: int = 0, device=None, dtype=None,
-                 schedule: str | None = None):
+                 schedule: str | None = None, precision: str = "fp32"):
         super().__init__()
+        from halstm import cublas
+        if precision not in cublas.PRECISIONS:
+            raise ValueError(f"precision: expected one of {cublas.PRECISIONS}, got {precision!r}")
+        self.precision = precision
         for name, v in (("input_size", input_size), ("hidden_size", hidden_size),
                         ("num_layers", num_layers)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -557,7 +566,8 @@ class _Recurrent(torch.nn.Module):
                 beside = side is not None and d == 1
                 with torch.cuda.stream(side) if beside else contextlib.nullcontext():
                     inp = x if d == 0 else self._reverse(x, rev)
-                    spec = _spec(self.cell, inp.shape[-1], H, self.schedule, lane=int(beside))
+                    spec = _spec(self.cell, inp.shape[-1], H, self.schedule, self.precision,
+                                 lane=int(beside))
                     y, seq = self._direction(inp, [s[layer * D + d] for s in init], batch_sizes,
                                              self._weights(layer, sfx, zero), spec, save,
                                              hx is not None)
@@ -641,9 +651,9 @@ class LSTM(_Recurrent):
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
                  dropout=0.0, bidirectional=False, proj_size=0, device=None, dtype=None,
-                 schedule=None):
+                 schedule=None, precision="fp32"):
         super().__init__("lstm", input_size, hidden_size, num_layers, bias, batch_first,
-                         dropout, bidirectional, proj_size, device, dtype, schedule)
+                         dropout, bidirectional, proj_size, device, dtype, schedule, precision)
 
     def forward(self, input, hx=None):
         out, (h, c) = self._run(input, hx)
@@ -654,9 +664,10 @@ class GRU(_Recurrent):
     """torch.nn.GRU on halstm's kernels; a call returns output, h_n."""
 
     def __init__(self, input_size, hidden_size, num_layers=1, bias=True, batch_first=False,
-                 dropout=0.0, bidirectional=False, device=None, dtype=None, schedule=None):
+                 dropout=0.0, bidirectional=False, device=None, dtype=None, schedule=None,
+                 precision="fp32"):
         super().__init__("gru", input_size, hidden_size, num_layers, bias, batch_first,
-                         dropout, bidirectional, 0, device, dtype, schedule)
+                         dropout, bidirectional, 0, device, dtype, schedule, precision)
 
     def forward(self, input, hx=None):
         out, (h,) = self._run(input, hx)
@@ -669,12 +680,13 @@ class RNN(_Recurrent):
 
     def __init__(self, input_size, hidden_size, num_layers=1, nonlinearity="tanh", bias=True,
                  batch_first=False, dropout=0.0, bidirectional=False, device=None, dtype=None,
-                 schedule=None):
+                 schedule=None, precision="fp32"):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"nonlinearity: expected 'tanh' or 'relu', got {nonlinearity!r}")
         self.nonlinearity = nonlinearity
         super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, num_layers, bias,
-                         batch_first, dropout, bidirectional, 0, device, dtype, schedule)
+                         batch_first, dropout, bidirectional, 0, device, dtype, schedule,
+                         precision)
 
     forward = GRU.forward
 
@@ -690,14 +702,14 @@ class Recurrent(_Recurrent):
 
     def __init__(self, cell, input_size, hidden_size, num_layers=1, bias=True,
                  batch_first=False, dropout=0.0, bidirectional=False, proj_size=0, device=None,
-                 dtype=None, schedule=None):
+                 dtype=None, schedule=None, precision="fp32"):
         if isinstance(cell, cells.Definition):
             cell = cells.register(cell)
         if not isinstance(cell, str):
             raise TypeError(f"cell: expected a cell name or definition, got "
                             f"{type(cell).__name__}")
         super().__init__(cell, input_size, hidden_size, num_layers, bias, batch_first,
-                         dropout, bidirectional, proj_size, device, dtype, schedule)
+                         dropout, bidirectional, proj_size, device, dtype, schedule, precision)
 
     def forward(self, input, hx=None):
         out, finals = self._run(input, hx)

@@ -235,6 +235,10 @@ def _batch_rows(H: int) -> int:
 # memory in Halide 21 (bench/RESULTS.md, "Schedule decisions": cuda.GEMM blocks).
 def proj(p, target):
     v = p.vars
+    if p.vendor_gemm:     # the bias on every row: the driver's cuBLAS GEMM adds x W_ih^T
+        p.notes.append("proj: the bias broadcast on the grid; x W_ih^T by cuBLAS (driver)")
+        _grid(p.stage("xp"))
+        return
     # A lanes product where H and K are multiples of a warp (x's staged
     # chunks are a warp wide), at every H: register tiles of 16 rows leave
     # most of the GPU idle at small shapes
@@ -657,6 +661,10 @@ def _lanes_dw(p, width: int) -> bool:
 
 
 def grads(p, target):
+    if p.vendor_gemm:
+        p.notes.append("grads: dx, dW_ih and dW_hh by cuBLAS (driver)")
+        _bias_sums(p)
+        return
     v = p.vars
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
@@ -727,9 +735,14 @@ def grads(p, target):
             _summed_parts(out, acc, part, u, vec, tile, [ri], [ro], per_lane=4, unroll=unroll)
         else:
             _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=unroll)
-    # Bias gradients: sums over N rows, in chunks of 64 rows summed in
-    # parallel (rfactor), then the chunk sums: a thread a unit would fill
-    # only a few blocks (bench/RESULTS.md, "Schedule decisions": cuda.bias sums).
+    _bias_sums(p)
+
+
+def _bias_sums(p):
+    """Bias gradients: sums over N rows, in chunks of 64 rows summed in
+    parallel (rfactor), then the chunk sums: a thread a unit would fill
+    only a few blocks (bench/RESULTS.md, "Schedule decisions": cuda.bias sums)."""
+    j, gate, rn = p.vars["j"], p.vars["gate"], p.rdoms["n"]
     for bias in ("db_ih", "db_hh") + (("dvec",) if p.V else ()):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
             _grid(p.stage(bias))

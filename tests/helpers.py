@@ -143,15 +143,17 @@ CASES = {
 }
 
 
-def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
+def check_case(cell, case, target="host", schedule=None, put=lambda a: a, rtol=RTOL, **kw):
     """One CASES entry, forward and backward, against the reference.
     put: how the caller's arrays are handed to the module (tests/gpu passes
-    device arrays through it). Returns the module."""
+    device arrays through it); kw: more module arguments (precision, gemm).
+    Returns the module."""
     c = dict(T=T, B=B, L=L, batch_first=False, unbatched=False, hx=False, dstate=False,
              bias=True) | CASES[case]
     Tc, Bc, Lc, bf, unb = c["T"], (1 if c["unbatched"] else c["B"]), c["L"], c["batch_first"], c["unbatched"]
     rng = np.random.default_rng(list(CASES).index(case))
-    m = make(cell, Lc, bias=c["bias"], batch_first=bf, seed=7, target=target, schedule=schedule)
+    m = make(cell, Lc, bias=c["bias"], batch_first=bf, seed=7, target=target, schedule=schedule,
+             **kw)
     ns = len(STATES[cell])
 
     # Problem in the reference's (T, B, C) / (L, B, H) layout...
@@ -190,9 +192,9 @@ def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
     assert all(f.shape == st_shape and f.dtype == np.float32 for f in finals)
 
     ry, rfinals, rgrads = ref_run(cell, m, x, hx, dy, dfinal)
-    assert_close("y", seq_out(y), ry)
+    assert_close("y", seq_out(y), ry, rtol)
     for s, f, rf in zip(STATES[cell], finals, rfinals):
-        assert_close(f"{s}_n", st_out(f), rf)
+        assert_close(f"{s}_n", st_out(f), rf, rtol)
 
     # Every gradient key: all state_dict keys + input, h0 (+ c0), nothing else.
     assert set(grads) == grad_keys(m, cell) == set(rgrads)
@@ -203,13 +205,13 @@ def check_case(cell, case, target="host", schedule=None, put=lambda a: a):
         assert g.dtype == np.float32, k
         if k in sd:
             assert g.shape == sd[k].shape, k
-            assert_close(k, g, rgrads[k])
+            assert_close(k, g, rgrads[k], rtol)
         elif k == "input":
             assert g.shape == np.asarray(seq_in(x)).shape, k
-            assert_close(k, seq_out(g), rgrads[k])
+            assert_close(k, seq_out(g), rgrads[k], rtol)
         else:
             assert g.shape == st_shape, k
-            assert_close(k, st_out(g), rgrads[k])
+            assert_close(k, st_out(g), rgrads[k], rtol)
     return m
 
 

@@ -182,6 +182,19 @@ def test_compile_cuda(cuda_dir):
         assert (d / p["library"]).read_bytes()[:4] == b"\x7fELF"
 
 
+def test_compile_tf32(tmp_path):
+    out = tmp_path / "tf32"
+    run_cli("compile", "-i", I, "-H", H, "--target", CUDA_TARGET, "--precision", "tf32",
+            "--out", out)
+    top = manifest(out)
+    assert (top["precision"], top["gemm"]) == ("tf32", "cublas")
+    for p, d in parts(out):
+        m = manifest(d)
+        assert (m["precision"], m["gemm"]) == ("tf32", "cublas") and p["library"]
+    shown = run_cli("inspect", out).output
+    assert "precision:      tf32" in shown and "gemm:           cublas" in shown
+
+
 def test_compile_cross(cross_dir):
     out, result = cross_dir
     assert "cannot run here" in result.output
@@ -270,6 +283,10 @@ BAD = {
     "cpu schedule for cuda": (["compile", *SIZES, "--target", CUDA_TARGET, "--schedule", "cpu"],
                               ["--schedule", "'cpu'"]),
     "unknown emit": (["compile", *SIZES, "--emit", "pdf"], ["--emit", "pdf"]),
+    "tf32 for host": (["compile", *SIZES, "--precision", "tf32"], ["--precision", "CUDA"]),
+    "cublas for host": (["compile", *SIZES, "--gemm", "cublas"], ["--gemm", "CUDA"]),
+    "bench unknown variant": (["bench", "--schedules", "cpu@fp16"], ["--schedules", "fp16"]),
+    "bench tf32 on host": (["bench", "--schedules", "default@tf32"], ["--schedules", "CUDA"]),
     "bench unknown cell": (["bench", "--cell", "rnn"], ["--cell"]),
     "bench unknown shape": (["bench", "--shapes", "small_128_b16,huge"],
                             ["--shapes", "huge", "small_128_b16"]),

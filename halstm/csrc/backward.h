@@ -199,6 +199,26 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     View vdvec_rows(dvec_rows, {{H, 1}, {NV, H}, {N, NV * H}}), vdvec(dvec, {{H, 1}, {NV, H}});
     void *args[12];
     int n = 0;
+#if HALSTM_CUBLAS
+    // the sums over rows (biases, vector parameters) by Halide, then dx and
+    // dW by cuBLAS, all on one stream
+    args[n++] = vdxp.hb();
+    if (!DXP_IS_DHG) args[n++] = vdhg.hb();
+    if (NV) args[n++] = vdvec_rows.hb();
+    args[n++] = vdb_ih.hb(), args[n++] = vdb_hh.hb();
+    if (NV) args[n++] = vdvec.hb();
+    rc = halstm_grads_argv(args);
+    const float *dhg_rows = DXP_IS_DHG ? dxp : dhg;   // (N, G*H)
+    // dx (N, KP) = dxp (N, G*H) W_ih (G*H, K), its first K columns
+    if (!rc) rc = gemm_rows("dx = dxp W_ih", false, false, N, K, G * H, dxp, G * H, w_ih, K, 0.0f,
+                            dx, KP);
+    // dW_ih (G*H, K) = dxp^T x (N, K); dW_hh (G*H, H) = dhg^T h (N, H): h_{t-1} of each row
+    if (!rc) rc = gemm_rows("dW_ih = dxp^T x", true, false, G * H, K, N, dxp, G * H,
+                            (const float *)x, K, 0.0f, dw_ih, K);
+    if (!rc) rc = gemm_rows("dW_hh = dhg^T h", true, false, G * H, H, N, dhg_rows, G * H,
+                            states[0], H, 0.0f, dw_hh, H);
+    return rc;
+#else
 #if HALSTM_ONEHOT
     (void)dx;
     View vx = View::ints(x, N);
@@ -228,6 +248,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #else
     return halstm_grads_argv(args);
 #endif
+#endif  // HALSTM_CUBLAS
 }
 #endif  // HALSTM_BACKWARD
 

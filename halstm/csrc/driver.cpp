@@ -39,6 +39,10 @@
 #include <dlfcn.h>
 #endif
 
+#if HALSTM_CUBLAS && (!defined(HALSTM_CUDA) || HALSTM_XP_PANELS || HALSTM_ONEHOT)
+#error "HALSTM_CUBLAS: CUDA builds with xp (T, B, G, HP) and float input only"
+#endif
+
 #define HP ((H + P - 1) / P * P)
 #define KP ((K + P - 1) / P * P)
 // the step pipelines' extra arguments with HALSTM_SPLIT: int panel0, panels
@@ -52,6 +56,7 @@
 #include "errors.h"       // the calling thread's last error
 #include "views.h"        // Halide buffer views of the caller's arrays
 #include "cuda_graphs.h"  // CUDA context, stream and graph-captured time loops
+#include "cublas.h"       // vendor GEMMs (HALSTM_CUBLAS)
 #include "memory.h"       // Halide's large host allocations kept for reuse
 #include "threads.h"      // a time loop's steps split over the driver's threads
 #include "forward.h"      // halstm_forward

@@ -7,6 +7,8 @@ extern "C" {
 int halstm_pack(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #if HALSTM_ONEHOT
 int halstm_gather(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
+#elif HALSTM_CUBLAS
+int halstm_proj(halide_buffer_t *, halide_buffer_t *);   // b_ih -> xp: the bias on every row
 #else
 int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_buffer_t *);
 #endif
@@ -51,6 +53,14 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #if HALSTM_ONEHOT
     View vids = View::ints(x, T * B);
     rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
+#elif HALSTM_CUBLAS
+    rc = halstm_proj(vb_ih.hb(), vxp.hb());
+    // then xp (T*B, G, HP) += x (T*B, K) W_ih^T, W_ih (G*H, K): one GEMM
+    // where the gates' blocks are adjacent (HP = H), else one a gate
+    for (int g = 0; rc == 0 && g < (HP == H ? 1 : G); g++)
+        rc = gemm_rows("the projection x W_ih^T", false, true, T * B, HP == H ? G * H : H, K,
+                       (const float *)x, K, w_ih + (int64_t)g * H * K, K, 1.0f, xp + g * HP,
+                       G * HP);
 #else
     View vx((const float *)x, {{K, 1}, {T * B, K}});
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());

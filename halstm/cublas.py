@@ -1,0 +1,81 @@
+"""Vendor GEMMs on CUDA targets: the precision a layer computes in and
+where its non-recurrent GEMMs come from.
+
+A layer's input projection (x W_ih^T over all steps) and its gradient
+GEMMs (dx, dW_ih, dW_hh) are plain matrix products outside the time loop.
+On a CUDA target they run either as Halide kernels (`gemm="halide"`) or,
+called by the library's driver, as cuBLAS SGEMMs (`gemm="cublas"`).
+Halide 21 emits no tensor-core instructions, so `precision="tf32"` (TF32
+tensor-core math in those GEMMs, fp32 storage and accumulation) needs
+cuBLAS. The recurrent product and the cell stay fp32 Halide code.
+
+cuBLAS is loaded when a library built with it is first loaded, from the
+first of: $HALSTM_CUBLAS (a path), the `nvidia-cublas-cu12` wheel that
+PyTorch's CUDA builds bring, or `libcublas.so.12` / `libcublas.so` on the
+loader's path. No halide import.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from pathlib import Path
+
+PRECISIONS = ("fp32", "tf32")
+GEMMS = ("halide", "cublas")
+_SONAMES = ("libcublas.so.12", "libcublas.so.13", "libcublas.so")
+
+
+def library() -> str | None:
+    """The cuBLAS shared library to load (a path or a soname the loader
+    finds), or None where there is none."""
+    env = os.environ.get("HALSTM_CUBLAS")
+    if env:
+        return env
+    try:
+        spec = importlib.util.find_spec("nvidia.cublas")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(glob.glob(str(Path(folder) / "lib" / "libcublas.so.*")))
+        if found:
+            return found[0]
+    import ctypes
+    for name in _SONAMES:
+        try:
+            ctypes.CDLL(name)
+            return name
+        except OSError:
+            continue
+    return None
+
+
+def missing_message() -> str:
+    return ("cuBLAS was not found: install PyTorch with CUDA or the nvidia-cublas-cu12 "
+            "package, or set HALSTM_CUBLAS to the path of libcublas.so")
+
+
+def resolve(cuda: bool, precision: str, gemm: str | None) -> str:
+    """The GEMM backend of a layer: `gemm` checked against the target and
+    the precision, or where None, the default: cuBLAS on a CUDA target
+    where the precision needs it or where cuBLAS is found (bench/RESULTS.md,
+    "Schedule decisions": cublas.resolve), else Halide."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if gemm is not None and gemm not in GEMMS:
+        raise ValueError(f"gemm: expected one of {GEMMS} or None, got {gemm!r}")
+    if not cuda:
+        if precision != "fp32":
+            raise ValueError(f"precision: {precision!r} runs on CUDA targets only (TF32 is a "
+                             f"tensor-core mode); CPU targets compute in 'fp32'")
+        if gemm == "cublas":
+            raise ValueError("gemm: 'cublas' needs a CUDA target; CPU targets use 'halide'")
+        return "halide"
+    if precision == "tf32":
+        if gemm == "halide":
+            raise ValueError("gemm: precision 'tf32' needs gemm 'cublas' (Halide 21 emits no "
+                             "tensor-core instructions), got 'halide'")
+        return "cublas"
+    if gemm is None:
+        return "cublas" if library() is not None else "halide"
+    return gemm

@@ -1,0 +1,80 @@
+"""The vendor-GEMM path (halstm.cublas): the projection and the gradient
+GEMMs by cuBLAS, in fp32 and in TF32, against the reference and against
+Halide's own GEMMs."""
+import numpy as np
+import pytest
+
+from halstm import cublas
+from helpers import B, H, I, T, call, backward, check_case, make
+
+pytestmark = pytest.mark.skipif(cublas.library() is None, reason="cuBLAS is not installed")
+
+# TF32 keeps 10 mantissa bits: products good to about 1e-3 relative; sums
+# over K = 13 to 37 terms and 7 steps stay within 1e-2 of max|want|
+TF32_RTOL = 1e-2
+
+
+@pytest.mark.parametrize("case", ["base", "T1", "B1", "L3", "hx_and_dstate", "no_bias"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("gemm", ["halide", "cublas"])
+def test_gemm_backends_match_reference(gemm, cell, case, gpu_target):
+    m = check_case(cell, case, target=gpu_target, schedule="cuda", gemm=gemm)
+    assert m.gemm == gemm
+
+
+@pytest.mark.parametrize("case", ["base", "T1", "B1"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_tf32_matches_reference_to_its_precision(cell, case, gpu_target):
+    m = check_case(cell, case, target=gpu_target, schedule="cuda", precision="tf32",
+                   rtol=TF32_RTOL)
+    assert m.gemm == "cublas" and m.precision == "tf32"
+
+
+def test_tf32_is_not_fp32(gpu_target):
+    """TF32 rounds the GEMMs' operands: the outputs differ from fp32
+    cuBLAS's (so the mode is on), by less than TF32_RTOL."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    ys, grads = [], []
+    for precision in ("fp32", "tf32"):
+        m = make("lstm", target=gpu_target, precision=precision, gemm="cublas")
+        y, _ = call(m, "lstm", x)
+        ys.append(np.asarray(y))
+        grads.append(np.asarray(backward(m, "lstm", np.ones_like(ys[-1]))["weight_ih_l0"]))
+    for a, b in (ys, grads):
+        err = np.abs(a - b).max() / np.abs(a).max()
+        assert 0 < err < TF32_RTOL, err
+
+
+def test_torch_module_in_tf32(gpu_target):
+    torch = pytest.importorskip("torch")
+    import halstm.torch as ht
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(I, H, num_layers=2)
+    m = ht.LSTM(I, H, num_layers=2, precision="tf32")
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(T, B, I)
+    want, _ = ref(x)
+    want.sum().backward()
+    m = m.cuda()
+    xc = x.cuda().requires_grad_()
+    got, _ = m(xc)
+    got.sum().backward()
+    scale = want.abs().max().item()
+    assert (got.detach().cpu() - want.detach()).abs().max().item() < TF32_RTOL * scale
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        err = (p.grad.cpu() - q.grad).abs().max().item() / q.grad.abs().max().item()
+        assert err < TF32_RTOL, name
+    # on CPU tensors the module computes in fp32
+    m = m.cpu()
+    got, _ = m(x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_library_says_where_cublas_is_missing(gpu_target, monkeypatch, tmp_path):
+    import halstm
+    monkeypatch.setenv("HALSTM_CUBLAS", str(tmp_path / "libcublas_missing.so"))
+    # sizes no other test loads: a library already loaded keeps its cuBLAS
+    m = halstm.LSTM(3, 5, target=gpu_target, precision="tf32")
+    with pytest.raises(Exception, match="cuBLAS: cannot load"):
+        m(np.ones((2, 1, 3), np.float32))
