@@ -78,6 +78,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
+    if layout.vendor_gemm:           # and steps whose product is a vendor GEMM
+        kinds += pipeline.VENDOR_STEPS[spec.direction]
     return kinds
 
 
@@ -322,8 +324,10 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
             layout = (reducing(layout, spec.direction, len(d.gates), spec.hidden_size,
                                dict(spec.knobs))
                       if reducing else layout.without("split", "fused_bwd_below"))
-        if spec.gemm == "cublas":
-            layout = dataclasses.replace(layout, vendor_gemm=True)
+        if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
+            vendor = getattr(module, "vendor_layout", None)
+            layout = (vendor(layout, len(d.gates), spec.hidden_size) if vendor
+                      else dataclasses.replace(layout, vendor_gemm=True))
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
         if missing or (spec.onehot and cuda):

@@ -4,10 +4,12 @@ where its non-recurrent GEMMs come from.
 A layer's input projection (x W_ih^T over all steps) and its gradient
 GEMMs (dx, dW_ih, dW_hh) are plain matrix products outside the time loop.
 On a CUDA target they run either as Halide kernels (`gemm="halide"`) or,
-called by the library's driver, as cuBLAS SGEMMs (`gemm="cublas"`).
-Halide 21 emits no tensor-core instructions, so `precision="tf32"` (TF32
-tensor-core math in those GEMMs, fp32 storage and accumulation) needs
-cuBLAS. The recurrent product and the cell stay fp32 Halide code.
+called by the library's driver, as cuBLAS SGEMMs (`gemm="cublas"`); with
+cuBLAS, a large batch's step products too (schedules/cuda.py
+VENDOR_STEP_MACS), the cell around them in Halide kernels. Halide 21 emits
+no tensor-core instructions, so `precision="tf32"` (TF32 tensor-core math
+in those GEMMs, fp32 storage and accumulation) needs cuBLAS. The states
+and the cell stay fp32.
 
 cuBLAS is loaded when a library built with it is first loaded, from the
 first of: $HALSTM_CUBLAS (a path), the `nvidia-cublas-cu12` wheel that

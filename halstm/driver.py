@@ -75,7 +75,8 @@ class Layer:
         if self.cuda:
             d |= _cuda_defines(lay)
         if self.cublas:
-            d |= {"HALSTM_CUBLAS": 1, "HALSTM_TF32": int(self.tf32)}
+            d |= {"HALSTM_CUBLAS": 1, "HALSTM_TF32": int(self.tf32),
+                  "HALSTM_VENDOR_STEP_ROWS": lay.vendor_step_rows}
         return d
 
 

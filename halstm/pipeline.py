@@ -34,7 +34,7 @@ from .cells.base import Cell
 from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
-         "grads", "gather", "grads_ids")
+         "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer", "step_bwd_vendor")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -48,6 +48,10 @@ BACKWARD_IDS = ("pack_bwd", "step_bwd", "grads_ids")
 # of hidden sizes below it as step_bwd_fused, one kernel a step, instead of
 # step_bwd (see there).
 FUSED_BWD = {"step_bwd": "step_bwd_fused"}
+# With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
+# recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
+# the pipelines are the pointwise rest, used where a step has many rows.
+VENDOR_STEPS = {"fwd": ("step_vendor", "step_vendor_infer"), "bwd": ("step_bwd_vendor",)}
 
 
 class Stages:
@@ -337,11 +341,12 @@ def _vec(p: Pipe) -> tuple:
     return [vec], _clamp(vec, (0,))
 
 
-def _step(p: Pipe, save: bool = True) -> None:
+def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and (save) the saved channels, so that a schedule can
     compute the recurrent product, the cell and every store in one loop
-    nest."""
+    nest. vendor: the product is an input (hg, in place of wp_hh), the
+    driver's vendor GEMM."""
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     S = len(cell.saved)
@@ -353,15 +358,22 @@ def _step(p: Pipe, save: bool = True) -> None:
     else:              # numpy (B, G, Hp): xp[t]
         xp = _param(p, "xp", [p.Hp, G, None])
         xp_in = _clamp(xp, (2,))
-    wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     b_hh = _param(p, "b_hh", [H, G])                    # numpy (G, H)
+    if vendor:   # the driver's vendor GEMM gives h W_hh^T: numpy (B, G, Hp), H used
+        wp_hh = _param(p, "hg", [p.Hp, G, None])
+        hg_in = _clamp(wp_hh, (2,))
+        hg = hl.Func("hg")
+        hg[j, gate, b] = hg_in[j, gate, b] + b_hh[hl.min(j, H - 1), gate]
+    else:
+        wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
     # unit and batch reads clamped: a tile may overrun H (up to Hp) and B
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
-    w = _packed(wp_hh, j, P)
-    hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
-                         lambda: w(gate, r.x) * prev_in["h"][r.x, b])
+    if not vendor:
+        w = _packed(wp_hh, j, P)
+        hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
+                             lambda: w(gate, r.x) * prev_in["h"][r.x, b])
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
@@ -379,7 +391,8 @@ def _step(p: Pipe, save: bool = True) -> None:
     p.shapes[out.name()] = [H, None]
     if p.split_steps:
         _unit_range(p, [(out.output_buffers()[0], H)])
-    p.stages = {"hg_acc": hg_acc, "hg": hg, "saved": saved, "out": out,
+    p.stages = {"hg": hg, "saved": saved, "out": out,
+                **({} if vendor else {"hg_acc": hg_acc}),
                 **{"new_" + s: new[s] for s in cell.states},
                 **{"prev_in_" + s: prev_in[s] for s in cell.states}}   # (a schedule may stage h)
     p.rdoms = {"k": r}
@@ -408,6 +421,14 @@ def _unit_range(p: Pipe, bufs) -> None:
 def _step_infer(p: Pipe) -> None:
     """A step that stores the new states only (no saved channels)."""
     _step(p, save=False)
+
+
+def _step_vendor(p: Pipe) -> None:
+    _step(p, vendor=True)
+
+
+def _step_vendor_infer(p: Pipe) -> None:
+    _step(p, save=False, vendor=True)
 
 
 def _pack_bwd(p: Pipe) -> None:
@@ -466,12 +487,20 @@ def _bwd_weight(p: Pipe, name: str, n: int, unit):
     return wq, _packed(wq, unit, P)
 
 
-def _step_bwd(p: Pipe) -> None:
+def _step_bwd_vendor(p: Pipe) -> None:
+    _step_bwd(p, vendor=True)
+
+
+def _step_bwd(p: Pipe, vendor: bool = False) -> None:
+    """One backward step: the pointwise backward, then dh_prev = its own
+    term + W_hh^T dhg. vendor: without that product, which the driver adds
+    to dh_prev (a vendor GEMM, beta = 1), and without the w_hh input."""
     cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
     j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
     # (dh is computed over all Hp)
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states)
-    w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
+    if not vendor:
+        w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
@@ -502,13 +531,18 @@ def _step_bwd(p: Pipe) -> None:
     dhg_in = outs["dxp_out" if cell.dxp_is_dhg else "dhg_out"] if p.read_outputs else dhg
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
-    dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
-                              lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    if vendor:       # dh_prev's own term (B, Hp) rows, H used; the driver adds the product
+        dh_prev = hl.Func("dh_prev")
+        dh_prev[j, b] = dprev["h"][j, b] if dprev["h"] is not None else hl.f32(0)
+        dh_acc = None
+    else:
+        dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
+                                  lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states] + [w_hh] + vec)
+                + [dy] + [dnext[s] for s in cell.states] + ([] if vendor else [w_hh]) + vec)
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
-    p.stages = {"dxp": dxp, "dhg": dhg, "dh_prev_acc": dh_acc, **outs,
+    p.stages = {"dxp": dxp, "dhg": dhg, **outs, **({} if vendor else {"dh_prev_acc": dh_acc}),
                 **{"dprev_" + s: dprev[s] for s in cell.states}, **inputs}
     if dvec is not None:
         p.stages["dvec"] = dvec
@@ -519,7 +553,10 @@ def _step_bwd(p: Pipe) -> None:
         _fix_output(p, f, [H, G, None])                 # numpy (B, G, H)
     if dvec is not None:
         _fix_output(p, p.stages["dvec_out"], [H, p.V, None])   # numpy (B, V, H)
-    _fix_output(p, dh_prev, [Hp, None])                 # numpy (B, Hp)
+    if vendor:
+        _fix_output(p, dh_prev, [H, None], [1, Hp])     # (B, Hp) rows, H used
+    else:
+        _fix_output(p, dh_prev, [Hp, None])             # numpy (B, Hp)
     for s in cell.states[1:]:
         _fix_output(p, dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
     p.rdoms = {"jg": r}

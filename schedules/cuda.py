@@ -20,6 +20,8 @@ Two kinds of product:
 The forward step is one kernel: product, cell and every store. Pointwise
 and packing stages are one kernel each, every axis on the grid.
 """
+from dataclasses import replace
+
 import halide as hl
 
 from ..layout import Layout
@@ -142,6 +144,21 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1):
     stage.reorder(*(inner + [li] + blocks)).gpu_threads(li).gpu_blocks(*blocks)
     for i in inner:
         stage.unroll(i)
+
+
+# With vendor GEMMs (halstm.cublas), a step's recurrent product runs as a
+# cuBLAS GEMM where it has at least this many multiply-adds (B*G*H*H):
+# below, the fused Halide step (one kernel, the product in registers) is
+# faster than a GEMM launch plus a pointwise kernel
+# (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
+VENDOR_STEP_MACS = 1 << 27
+
+
+def vendor_layout(layout: Layout, gates: int, H: int) -> Layout:
+    """layout with the projection and gradient GEMMs by cuBLAS, and the
+    steps' products too from the batch where they reach VENDOR_STEP_MACS."""
+    return replace(layout, vendor_gemm=True,
+                   vendor_step_rows=max(1, -(-VENDOR_STEP_MACS // (gates * H * H))))
 
 
 def _grid(f, stage=None, along=None):
@@ -562,15 +579,37 @@ def step(p, target):
 step_infer = step
 
 
-def step_bwd(p, target):
+def step_vendor(p, target):
+    """A step whose product the driver ran (a vendor GEMM into hg): the
+    cell alone, one kernel on the grid, or a block a batch row where it
+    reduces over units (_row_block)."""
+    if p.reductions:
+        p.notes.append("step (vendor product): the sums and the cell in one kernel, a block a "
+                       "batch row; h W_hh^T by cuBLAS (driver)")
+        _row_block(p, p.stage("out"), p.vars["j"], p.vars["b"])
+    else:
+        p.notes.append("step (vendor product): the cell on the grid; h W_hh^T by cuBLAS (driver)")
+        _grid(p.stage("out"))
+
+
+step_vendor_infer = step_vendor
+
+
+def step_bwd_vendor(p, target):
+    """The pointwise backward of step_bwd without its product (the
+    driver adds dhg W_hh to dh_prev by a vendor GEMM): one kernel."""
+    p.notes.append("step_bwd (vendor product): the pointwise backward in one kernel, "
+                   "dhg W_hh by cuBLAS (driver)")
+    _bwd_pointwise(p, p.cell.states)      # (dh_prev's own term too)
+
+
+def _bwd_pointwise(p, states):
+    """The pointwise backward as one kernel storing dxp, with its other
+    outputs (dhg, dvec, the gradients of `states`) in the same loops
+    (compute_with)."""
     v = p.vars
-    # The pointwise backward is inlined into the kernel that stores dxp
-    # (and dhg), which the product reads back (layout read_outputs); the
-    # other pointwise outputs (dhg, the states' dprev) are computed in the
-    # same kernel (compute_with): 2 kernels a step
-    # (bench/RESULTS.md, "Schedule decisions": cuda.step_bwd pointwise).
     others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
-        [p.stage("dprev_" + s) for s in p.cell.states[1:]] + \
+        [p.stage("dprev_" + s) for s in states] + \
         ([p.stage("dvec_out")] if p.V else [])
     if p.reductions:      # a block a batch row, its sums first (_row_block)
         _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
@@ -579,6 +618,15 @@ def step_bwd(p, target):
         pointwise = _grid(p.stage("dxp_out"))
         for f in others:
             _grid(f, along=pointwise)
+
+
+def step_bwd(p, target):
+    # The pointwise backward is inlined into the kernel that stores dxp
+    # (and dhg), which the product reads back (layout read_outputs); the
+    # other pointwise outputs (dhg, the states' dprev) are computed in the
+    # same kernel (compute_with): 2 kernels a step
+    # (bench/RESULTS.md, "Schedule decisions": cuda.step_bwd pointwise).
+    _bwd_pointwise(p, p.cell.states[1:])
     # (Register tiles, other H: one unit a thread, _batch_rows rows, SLICES
     # warps, as the forward step's
     # (bench/RESULTS.md, "Schedule decisions": cuda.dh tiles).)

@@ -85,6 +85,11 @@ def test_a_cublas_build_links_and_says_so(tmp_path):
         m = aot.build(spec, tmp_path / direction)
         assert (m["precision"], m["gemm"]) == ("tf32", "cublas")
         assert m["layout"]["vendor_gemm"] is True
+        # the steps' products by cuBLAS from the batch where they reach 2^27 multiply-adds
+        assert m["layout"]["vendor_step_rows"] == -(-(1 << 27) // (3 * H * H))
+        vendor = {"fwd": ["halstm_step_vendor", "halstm_step_vendor_infer"],
+                  "bwd": ["halstm_step_bwd_vendor"]}[direction]
+        assert set(vendor) <= set(m["pipelines"])
         assert "halstm_cublas_init" in m["entry_points"]
         assert any("cuBLAS" in n for n in m["schedule_notes"])
         syms = subprocess.run(["nm", "-D", str(tmp_path / direction / m["library"])],
@@ -103,3 +108,26 @@ def test_torch_modules_check_the_precision_and_run_cpu_tensors_in_fp32():
     m.load_state_dict(ref.state_dict())
     x = torch.randn(5, 3, I)
     torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "layernorm_lstm"])
+def test_vendor_steps_allocate_no_device_memory(cell, tmp_path):
+    """The steps around a vendor product are captured into CUDA graphs as
+    the others are: they may not allocate device memory (test_cuda_nogpu.py).
+    (Lowers, needs no GPU.)"""
+    import halide as hl
+    from halstm import cells, schedules
+    target = hl.Target(CUDA_TARGET)
+    module = schedules.for_target(target, "cuda")
+    layout = module.vendor_layout(module.layout(target), 4, 64)
+    for kind in ("step_vendor", "step_vendor_infer", "step_bwd_vendor"):
+        p = pipeline.build(cells.get(cell), kind, 13, 64, layout)
+        getattr(module, kind)(p, target)
+        stmt = tmp_path / f"{kind}.stmt"
+        p.pipeline().compile_to_lowered_stmt(str(stmt), [hl.Argument(q) for q in p.inputs],
+                                             hl.StmtOutputFormat.Text, target)
+        text = stmt.read_text(errors="replace")
+        assert "halide_cuda_run" in text, kind
+        assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
+        names = [q.name() for q in p.inputs]
+        assert "wp_hh" not in names and "w_hh" not in names, names

@@ -17,6 +17,11 @@ int halstm_step_bwd_argv(void **);
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #endif
+#if HALSTM_CUBLAS
+// step_bwd without its product (and without w_hh): the driver adds dhg W_hh
+// to dprev[0] by cuBLAS
+int halstm_step_bwd_vendor_argv(void **);
+#endif
 int halstm_pack_bwd(HB, HB, HB, HB);
 // inputs x (or ids), hs, dxp, [dhg], [w_ih], [dvec rows]; outputs [dx], dw_ih, db_ih,
 // dw_hh, db_hh, [dvec] (through Halide's argv entry point)
@@ -64,6 +69,45 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
 #endif
+    // Backward step t's unfused call: its views and argument list, for
+    // step_bwd (w_hh given; h's gradient over HP units, the product's) or,
+    // with vendor, step_bwd_vendor (no w_hh: the driver adds the product;
+    // h's gradient over H units).
+    struct StepArgs {
+        View saved, dxp, dhg, dy, dvec, prev[NS], next[NS], dnext[NS], dprev[NS];
+        void *args[6 + 4 * NS + 4];
+    };
+    auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor) {
+        (void)part;
+        const int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
+        v.saved = View(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
+        v.dxp = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
+        v.dhg = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
+        v.dy = bh(dy, t, B, rows);
+        v.dvec = PART(View(dvec_rows + (int64_t)t * B * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}),
+                      H, 2);
+        for (int s = 0; s < NS; s++) {
+            v.prev[s] = bh(states[s], t, B, rows), v.next[s] = bh(states[s], t + 1, B, rows);
+            v.dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
+            const int units = s == 0 && !vendor ? HP : H;
+            v.dprev[s] = PART(dstate_row(dstate[s], nxt, B, units, rows), units, 1);
+        }
+        int n = 0;
+        v.args[n++] = v.saved.hb();
+        for (int s = 0; s < NS; s++) v.args[n++] = v.prev[s].hb();
+        for (int s = 0; s < NS; s++) v.args[n++] = v.next[s].hb();
+        v.args[n++] = v.dy.hb();
+        for (int s = 0; s < NS; s++) v.args[n++] = v.dnext[s].hb();
+        if (!vendor) v.args[n++] = vwq_hh.hb();
+        if (NV) v.args[n++] = vvec.hb();
+#if HALSTM_SPLIT
+        v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
+#endif
+        v.args[n++] = v.dxp.hb();
+        if (!DXP_IS_DHG) v.args[n++] = v.dhg.hb();
+        for (int s = 0; s < NS; s++) v.args[n++] = v.dprev[s].hb();
+        if (NV) v.args[n++] = v.dvec.hb();
+    };
 #if HALSTM_FUSED_BWD
     // One call a step (pipeline.py _step_bwd_fused): call t (T-1 down to -1)
     // finishes step t+1's product and runs step t's pointwise backward.
@@ -136,57 +180,55 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         (void)part, (void)barrier;
         int rc = 0;
         for (int t = T - 1; t >= 0; t--) {
-            int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
             const int rows = step_rows(batch_sizes, t, B);
             if (!PART_HAS_ROWS(rows)) {   // (a part of rows past the step's: no call)
                 if (!step_done(barrier, 0)) break;
                 continue;
             }
-            View saved_t(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
-            View dxp_t = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
-            View dy_t = bh(dy, t, B, rows);
-            View prev[NS], next[NS], dnext[NS], dprev[NS];
-            for (int s = 0; s < NS; s++) {
-                prev[s] = bh(states[s], t, B, rows), next[s] = bh(states[s], t + 1, B, rows);
-                dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
-                // h's gradient spans HP units (the product's padded rows)
-                dprev[s] = s == 0 ? PART(dstate_row(dstate[0], nxt, B, HP, rows), HP, 1)
-                                  : PART(dstate_row(dstate[s], nxt, B, H, rows), H, 1);
-            }
-#if !DXP_IS_DHG
-            View dhg_t = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
-#endif
-            void *args[6 + 4 * NS + 4];
-            int n = 0;
-            args[n++] = saved_t.hb();
-            for (int s = 0; s < NS; s++) args[n++] = prev[s].hb();
-            for (int s = 0; s < NS; s++) args[n++] = next[s].hb();
-            args[n++] = dy_t.hb();
-            for (int s = 0; s < NS; s++) args[n++] = dnext[s].hb();
-            args[n++] = vwq_hh.hb();
-            if (NV) args[n++] = vvec.hb();
-#if HALSTM_SPLIT
-            args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
-#endif
-            args[n++] = dxp_t.hb();
-#if !DXP_IS_DHG
-            args[n++] = dhg_t.hb();
-#endif
-            for (int s = 0; s < NS; s++) args[n++] = dprev[s].hb();
-            View dvec_t = PART(View(dvec_rows + (int64_t)t * B * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}), H, 2);
-            if (NV) args[n++] = dvec_t.hb();
-            rc = halstm_step_bwd_argv(args);
+            StepArgs v;
+            step_args(v, t, rows, part, false);
+            rc = halstm_step_bwd_argv(v.args);
             if (!step_done(barrier, rc)) break;
         }
         return rc;
     };
 #endif  // HALSTM_FUSED_BWD
+#if HALSTM_CUBLAS
+    // Where the batch is large (cublas.h step_rows): step_bwd's pointwise
+    // part, then dh_prev += dhg W_hh by cuBLAS, a step after another.
+    const bool vendor = B >= g_cublas.step_rows;
+    auto vendor_steps = [&](const auto &part, void *barrier) {
+        (void)part;
+        int rc = 0;
+        for (int t = T - 1; t >= 0; t--) {
+            const int nxt = ((T - 1 - t) & 1) ^ 1;   // (the row dh_prev goes to)
+            const int rows = step_rows(batch_sizes, t, B);
+            StepArgs v;
+            step_args(v, t, rows, part, true);
+            rc = halstm_step_bwd_vendor_argv(v.args);
+            // dh_prev (rows, H of HP) += dhg (rows, G*H) W_hh (G*H, H)
+            const float *dhg_rows = (DXP_IS_DHG ? dxp : dhg) + (int64_t)t * B * G * H;
+            if (!rc)
+                rc = gemm_rows("the step's product dhg W_hh", false, false, rows, H, G * H,
+                               dhg_rows, G * H, w_hh, H, 1.0f, dstate[0] + (int64_t)nxt * B * HP,
+                               HP);
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
+    auto steps = [&]() {
+        return vendor ? run_steps(T, B, batch_sizes, vendor_steps)
+                      : run_steps(T, B, batch_sizes, part_steps);
+    };
+#else
+    const bool vendor = false;
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
-    uint64_t key[11 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
+#endif
+    uint64_t key[12 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
                                  u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows),
-                                 rows_hash(batch_sizes, T)};
-    for (int s = 0; s < NS; s++) key[11 + 2 * s] = u64(states[s]), key[12 + 2 * s] = u64(dstate[s]);
-    rc = run_loop(key, 11 + 2 * NS, steps);
+                                 rows_hash(batch_sizes, T), (uint64_t)vendor};
+    for (int s = 0; s < NS; s++) key[12 + 2 * s] = u64(states[s]), key[13 + 2 * s] = u64(dstate[s]);
+    rc = run_loop(key, 12 + 2 * NS, steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows

@@ -19,9 +19,22 @@ struct Cublas {
     int (*set_math_mode)(void *, int) = nullptr;
     int (*sgemm)(void *, int, int, int, int, int, const float *, const float *, int,
                  const float *, int, const float *, float *, int) = nullptr;
+    int (*set_workspace)(void *, void *, size_t) = nullptr;
     int (*push)(void *) = nullptr;   // libcuda's cuCtxPushCurrent / cuCtxPopCurrent
     int (*pop)(void **) = nullptr;
+    int (*mem_alloc)(uint64_t *, size_t) = nullptr;   // libcuda's cuMemAlloc
     std::mutex lock;
+    // cuBLAS's workspace, ours so that nothing is allocated while a time
+    // loop is captured into a graph (cuBLAS resets it on every stream change)
+    static constexpr size_t WORKSPACE = size_t(32) << 20;
+    uint64_t workspace = 0;
+    // the recurrent product of a step (B, G, HP) for the vendor steps; kept
+    // for the library's life (graphs captured with it may still run)
+    uint64_t hg = 0;
+    size_t hg_bytes = 0;
+    // steps of at least this many rows run their recurrent product by cuBLAS
+    // (HALSTM_VENDOR_STEP_ROWS: the build's, or the environment's)
+    int step_rows = HALSTM_VENDOR_STEP_ROWS;
 
     template <class Fn>
     bool sym(void *lib, const char *name, Fn &fn) {
@@ -50,13 +63,22 @@ struct Cublas {
         if (!cuda || !sym(lib, "cublasCreate_v2", create) ||
             !sym(lib, "cublasSetStream_v2", set_stream) ||
             !sym(lib, "cublasSetMathMode", set_math_mode) || !sym(lib, "cublasSgemm_v2", sgemm) ||
-            !sym(cuda, "cuCtxPushCurrent_v2", push) || !sym(cuda, "cuCtxPopCurrent_v2", pop)) {
+            !sym(lib, "cublasSetWorkspace_v2", set_workspace) ||
+            !sym(cuda, "cuCtxPushCurrent_v2", push) || !sym(cuda, "cuCtxPopCurrent_v2", pop) ||
+            !sym(cuda, "cuMemAlloc_v2", mem_alloc)) {
             halide_error(nullptr, "cuBLAS: an entry point is missing from the library");
             return -1;
         }
+        const char *env = getenv("HALSTM_VENDOR_STEP_ROWS");
+        if (env && *env) step_rows = atoi(env);
         void *prev;
         if (push(g_context)) return fail("cuCtxPushCurrent", -1);
-        int st = create(&handle);
+        int st = mem_alloc(&workspace, WORKSPACE);
+        if (st) {
+            pop(&prev);
+            return fail("cuMemAlloc of cuBLAS's workspace", st);
+        }
+        st = create(&handle);
         if (st == 0) st = set_math_mode(handle, HALSTM_TF32 ? TF32_TENSOR_OP_MATH : DEFAULT_MATH);
         pop(&prev);
         if (st) {
@@ -64,6 +86,26 @@ struct Cublas {
             return fail("cublasCreate", st);
         }
         return 0;
+    }
+
+    // A device buffer of at least `bytes` for the steps' products: the
+    // previous one while it is large enough, else a new one (the old stays
+    // allocated: a captured graph may read it). 0 where allocation fails.
+    float *hg_buffer(size_t bytes) {
+        std::lock_guard<std::mutex> guard(lock);
+        if (bytes > hg_bytes) {
+            void *prev;
+            uint64_t p = 0;
+            if (push(g_context)) return nullptr;
+            int st = mem_alloc(&p, bytes);
+            pop(&prev);
+            if (st) {
+                fail("cuMemAlloc of the steps' products", st);
+                return nullptr;
+            }
+            hg = p, hg_bytes = bytes;
+        }
+        return (float *)(uintptr_t)hg;
     }
 
     // Run f(handle) in the library's context, on the stream its kernels use.
@@ -76,7 +118,9 @@ struct Cublas {
         std::lock_guard<std::mutex> guard(lock);
         void *prev;
         if (push(g_context)) return fail("cuCtxPushCurrent", -1);
-        int st = set_stream(handle, g_stream);
+        // (the stream Halide's kernels run on: get_stream in cuda_graphs.h)
+        int st = set_stream(handle, g_graphs.capturing ? g_graphs.capture_stream : g_stream);
+        if (st == 0) st = set_workspace(handle, (void *)(uintptr_t)workspace, WORKSPACE);
         if (st == 0) st = f(handle);
         pop(&prev);
         return st ? fail(what, st) : 0;

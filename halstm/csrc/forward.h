@@ -18,6 +18,11 @@ int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
 // entry points, whose arguments are buffers as given and pointers to scalars.
 int halstm_step_argv(void **);
 int halstm_step_infer_argv(void **);
+#if HALSTM_CUBLAS
+// the same with hg (B, G, HP), the step's product h W_hh^T, in place of wp_hh
+int halstm_step_vendor_argv(void **);
+int halstm_step_vendor_infer_argv(void **);
+#endif
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
@@ -66,6 +71,16 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
 #endif
     if (rc) return rc;
+#if HALSTM_CUBLAS
+    // the steps' recurrent products by cuBLAS where the batch is large
+    // (cublas.h step_rows), into hg (B, G, HP)
+    const bool vendor = B >= g_cublas.step_rows;
+    float *hg = vendor ? g_cublas.hg_buffer((size_t)B * G * HP * sizeof(float)) : nullptr;
+    if (vendor && !hg) return -1;
+#else
+    const bool vendor = false;
+    float *hg = nullptr;
+#endif
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
@@ -75,7 +90,20 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 if (!step_done(barrier, 0)) break;
                 continue;
             }
+#if HALSTM_CUBLAS
+            // hg (rows, G, HP) = h_t (rows, H) W_hh^T, W_hh (G*H, H): one GEMM
+            // where the gates' blocks are adjacent (HP = H), else one a gate
+            for (int g = 0; vendor && rc == 0 && g < (HP == H ? 1 : G); g++)
+                rc = gemm_rows("the step's product h W_hh^T", false, true, rows,
+                               HP == H ? G * H : H, H, states[0] + (int64_t)t * B * H, H,
+                               w_hh + (int64_t)g * H * H, H, 0.0f, hg + g * HP, G * HP);
+            if (rc) {
+                step_done(barrier, rc);
+                break;
+            }
+#endif
             View xp_t = xp_rows(t * B, rows);
+            View hg_t(hg, {{HP, 1}, {G, HP}, {rows, G * HP}});
             View prev[NS], next[NS];
             for (int s = 0; s < NS; s++) {
                 prev[s] = bh(states[s], t, B, rows);
@@ -88,7 +116,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
             void *args[4 + 2 * NS + 2 + S];
             int n = 0;
-            args[n++] = xp_t.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
+            args[n++] = xp_t.hb(), args[n++] = vendor ? hg_t.hb() : vwp_hh.hb();
+            args[n++] = vb_hh.hb();
             for (int s = 0; s < NS; s++) args[n++] = prev[s].hb();
             if (NV) args[n++] = vvec.hb();
 #if HALSTM_SPLIT
@@ -97,8 +126,16 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             for (int s = 0; s < NS; s++) args[n++] = next[s].hb();
             if (saved) {
                 for (int c = 0; c < S; c++) args[n++] = sv[c].hb();
+#if HALSTM_CUBLAS
+                if (vendor) rc = halstm_step_vendor_argv(args);
+                else
+#endif
                 rc = halstm_step_argv(args);
             } else {
+#if HALSTM_CUBLAS
+                if (vendor) rc = halstm_step_vendor_infer_argv(args);
+                else
+#endif
                 rc = halstm_step_infer_argv(args);
             }
             if (!step_done(barrier, rc)) break;
@@ -106,10 +143,11 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         return rc;
     };
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
-    uint64_t key[8 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
-                            u64(vec), rows_hash(batch_sizes, T)};
-    for (int s = 0; s < NS; s++) key[8 + s] = u64(states[s]);
-    return run_loop(key, 8 + NS, steps);
+    // (the vendor steps' GEMMs read w_hh itself, and write hg)
+    uint64_t key[10 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
+                             u64(vec), rows_hash(batch_sizes, T), u64(hg), u64(w_hh)};
+    for (int s = 0; s < NS; s++) key[10 + s] = u64(states[s]);
+    return run_loop(key, 10 + NS, steps);
 }
 #endif  // HALSTM_FORWARD
 

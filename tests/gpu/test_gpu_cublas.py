@@ -78,3 +78,37 @@ def test_the_library_says_where_cublas_is_missing(gpu_target, monkeypatch, tmp_p
     m = halstm.LSTM(3, 5, target=gpu_target, precision="tf32")
     with pytest.raises(Exception, match="cuBLAS: cannot load"):
         m(np.ones((2, 1, 3), np.float32))
+
+
+# Sizes no other test loads: HALSTM_VENDOR_STEP_ROWS is read when a library
+# is first loaded in a process.
+VENDOR_SIZES = {("lstm", "fp32"): (19, 45), ("lstm", "tf32"): (21, 47),
+                ("gru", "fp32"): (23, 49), ("gru", "tf32"): (25, 51),
+                ("layernorm_lstm", "fp32"): (27, 64), ("layernorm_lstm", "tf32"): (29, 96)}
+
+
+@pytest.mark.parametrize("cell, precision", list(VENDOR_SIZES))
+def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, monkeypatch):
+    """Every step's recurrent product by cuBLAS (forward h W_hh^T into hg,
+    backward dhg W_hh added to dh_prev), at a batch past the threshold,
+    against the same layer on the CPU; three times: run directly, captured
+    into CUDA graphs, replayed."""
+    import halstm
+    from helpers import assert_close
+    monkeypatch.setenv("HALSTM_VENDOR_STEP_ROWS", "4")
+    K, Hs = VENDOR_SIZES[cell, precision]
+    cpu = halstm.Recurrent(cell, K, Hs, num_layers=2, seed=3)
+    gpu = halstm.Recurrent(cell, K, Hs, num_layers=2, target=gpu_target, precision=precision)
+    gpu.load_state_dict(cpu.state_dict())
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((9, 6, K)).astype(np.float32)
+    dy = rng.standard_normal((9, 6, Hs)).astype(np.float32)
+    want_y, _ = cpu(x)
+    want = cpu.backward(dy)
+    rtol = 1e-4 if precision == "fp32" else TF32_RTOL
+    for _ in range(3):
+        y, _ = gpu(x)
+        got = gpu.backward(dy)
+        assert_close("y", np.asarray(y), want_y, rtol)
+        for k, g in want.items():
+            assert_close(k, np.asarray(got[k]), g, rtol)
