@@ -24,14 +24,21 @@ struct Cublas {
     int (*pop)(void **) = nullptr;
     int (*mem_alloc)(uint64_t *, size_t) = nullptr;   // libcuda's cuMemAlloc
     std::mutex lock;
+    // Device memory of the calls on one stream (g_stream), so that calls on
+    // two streams (halstm.torch's directions side by side) never share it:
     // cuBLAS's workspace, ours so that nothing is allocated while a time
-    // loop is captured into a graph (cuBLAS resets it on every stream change)
+    // loop is captured into a graph (cuBLAS resets it on every stream
+    // change), and the vendor steps' products hg (B, G, HP). Kept for the
+    // library's life: graphs captured with them may still run.
     static constexpr size_t WORKSPACE = size_t(32) << 20;
-    uint64_t workspace = 0;
-    // the recurrent product of a step (B, G, HP) for the vendor steps; kept
-    // for the library's life (graphs captured with it may still run)
-    uint64_t hg = 0;
-    size_t hg_bytes = 0;
+    static constexpr int STREAMS = 16;
+    struct Scratch {
+        void *stream = nullptr;
+        uint64_t workspace = 0, hg = 0;
+        size_t hg_bytes = 0;
+    };
+    Scratch scratch[STREAMS];
+    int streams = 0;
     // steps of at least this many rows run their recurrent product by cuBLAS
     // (HALSTM_VENDOR_STEP_ROWS: the build's, or the environment's)
     int step_rows = HALSTM_VENDOR_STEP_ROWS;
@@ -73,12 +80,7 @@ struct Cublas {
         if (env && *env) step_rows = atoi(env);
         void *prev;
         if (push(g_context)) return fail("cuCtxPushCurrent", -1);
-        int st = mem_alloc(&workspace, WORKSPACE);
-        if (st) {
-            pop(&prev);
-            return fail("cuMemAlloc of cuBLAS's workspace", st);
-        }
-        st = create(&handle);
+        int st = create(&handle);
         if (st == 0) st = set_math_mode(handle, HALSTM_TF32 ? TF32_TENSOR_OP_MATH : DEFAULT_MATH);
         pop(&prev);
         if (st) {
@@ -88,24 +90,45 @@ struct Cublas {
         return 0;
     }
 
-    // A device buffer of at least `bytes` for the steps' products: the
+    // Device memory, in the library's context (0 where it fails).
+    uint64_t alloc(size_t bytes, const char *what) {
+        void *prev;
+        uint64_t p = 0;
+        if (push(g_context)) return 0;
+        int st = mem_alloc(&p, bytes);
+        pop(&prev);
+        if (st) fail(what, st);
+        return st ? 0 : p;
+    }
+
+    // The memory of g_stream's calls (under lock); nullptr where none can
+    // be had.
+    Scratch *for_stream() {
+        for (int i = 0; i < streams; i++)
+            if (scratch[i].stream == g_stream) return &scratch[i];
+        if (streams == STREAMS) {
+            halide_error(nullptr, "cuBLAS: a library called on more than 16 streams");
+            return nullptr;
+        }
+        uint64_t ws = alloc(WORKSPACE, "cuMemAlloc of cuBLAS's workspace");
+        if (!ws) return nullptr;
+        Scratch &s = scratch[streams++];
+        s.stream = g_stream, s.workspace = ws;
+        return &s;
+    }
+
+    // A buffer of at least `bytes` for the steps' products on g_stream: the
     // previous one while it is large enough, else a new one (the old stays
-    // allocated: a captured graph may read it). 0 where allocation fails.
+    // allocated: a captured graph may read it). nullptr where that fails.
     float *hg_buffer(size_t bytes) {
         std::lock_guard<std::mutex> guard(lock);
-        if (bytes > hg_bytes) {
-            void *prev;
-            uint64_t p = 0;
-            if (push(g_context)) return nullptr;
-            int st = mem_alloc(&p, bytes);
-            pop(&prev);
-            if (st) {
-                fail("cuMemAlloc of the steps' products", st);
-                return nullptr;
-            }
-            hg = p, hg_bytes = bytes;
+        Scratch *s = for_stream();
+        if (s && bytes > s->hg_bytes) {
+            uint64_t p = alloc(bytes, "cuMemAlloc of the steps' products");
+            if (!p) return nullptr;
+            s->hg = p, s->hg_bytes = bytes;
         }
-        return (float *)(uintptr_t)hg;
+        return s ? (float *)(uintptr_t)s->hg : nullptr;
     }
 
     // Run f(handle) in the library's context, on the stream its kernels use.
@@ -116,11 +139,13 @@ struct Cublas {
             return -1;
         }
         std::lock_guard<std::mutex> guard(lock);
+        Scratch *s = for_stream();
+        if (!s) return -1;
         void *prev;
         if (push(g_context)) return fail("cuCtxPushCurrent", -1);
         // (the stream Halide's kernels run on: get_stream in cuda_graphs.h)
         int st = set_stream(handle, g_graphs.capturing ? g_graphs.capture_stream : g_stream);
-        if (st == 0) st = set_workspace(handle, (void *)(uintptr_t)workspace, WORKSPACE);
+        if (st == 0) st = set_workspace(handle, (void *)(uintptr_t)s->workspace, WORKSPACE);
         if (st == 0) st = f(handle);
         pop(&prev);
         return st ? fail(what, st) : 0;

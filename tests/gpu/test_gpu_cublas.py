@@ -112,3 +112,28 @@ def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, m
         assert_close("y", np.asarray(y), want_y, rtol)
         for k, g in want.items():
             assert_close(k, np.asarray(got[k]), g, rtol)
+
+
+def test_directions_side_by_side_keep_their_own_products(gpu_target, monkeypatch):
+    """A bidirectional halstm.torch layer runs its two directions on two
+    streams at once, through one library: each stream has its own cuBLAS
+    workspace and step products (a shared one would mix them up)."""
+    torch = pytest.importorskip("torch")
+    import halstm.torch as ht
+    monkeypatch.setenv("HALSTM_VENDOR_STEP_ROWS", "4")
+    K, Hs = 31, 53                       # (sizes no other test loads)
+    torch.manual_seed(0)
+    m = ht.LSTM(K, Hs, num_layers=2, bidirectional=True)
+    x = torch.randn(12, 8, K)
+    want, _ = m(x)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m = m.cuda()
+    for _ in range(3):                   # direct, captured, replayed
+        m.zero_grad()
+        got, _ = m(x.cuda())
+        got.sum().backward()
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+        for p, g in zip(m.parameters(), want_grads):
+            torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-4, atol=1e-4)
