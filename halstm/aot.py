@@ -78,7 +78,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
-    if layout.vendor_gemm:           # and steps whose product is a vendor GEMM
+    if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
         kinds += pipeline.VENDOR_STEPS[spec.direction]
     return kinds
 

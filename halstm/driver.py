@@ -75,8 +75,9 @@ class Layer:
         if self.cuda:
             d |= _cuda_defines(lay)
         if self.cublas:
-            d |= {"HALSTM_CUBLAS": 1, "HALSTM_TF32": int(self.tf32),
-                  "HALSTM_VENDOR_STEP_ROWS": lay.vendor_step_rows}
+            d |= {"HALSTM_CUBLAS": 1, "HALSTM_TF32": int(self.tf32)}
+            if lay.vendor_step_rows:    # the library has the vendor steps (pipeline.VENDOR_STEPS)
+                d["HALSTM_VENDOR_STEP_ROWS"] = lay.vendor_step_rows
         return d
 
 

@@ -35,8 +35,8 @@ class Layout:
     cuda_graphs: bool = False      # CUDA: the step pipelines allocate nothing; loops may be graphs
     vendor_gemm: bool = False      # CUDA: the driver runs the projection's and the gradients'
     #                                GEMMs by cuBLAS; the pipelines add the biases (halstm.cublas)
-    vendor_step_rows: int = 1 << 30  # ... and the steps' products too where the batch has
-    #                                  this many rows or more (HALSTM_VENDOR_STEP_ROWS overrides)
+    vendor_step_rows: int = 0      # ... and the steps' products too where the batch has this
+    #                                many rows or more (0: never; HALSTM_VENDOR_STEP_ROWS overrides)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -17,7 +17,7 @@ int halstm_step_bwd_argv(void **);
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #endif
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
 // step_bwd without its product (and without w_hh): the driver adds dhg W_hh
 // to dprev[0] by cuBLAS
 int halstm_step_bwd_vendor_argv(void **);
@@ -193,7 +193,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         return rc;
     };
 #endif  // HALSTM_FUSED_BWD
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
     // Where the batch is large (cublas.h step_rows): step_bwd's pointwise
     // part, then dh_prev += dhg W_hh by cuBLAS, a step after another.
     const bool vendor = B >= g_cublas.step_rows;

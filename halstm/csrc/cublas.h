@@ -39,9 +39,11 @@ struct Cublas {
     };
     Scratch scratch[STREAMS];
     int streams = 0;
+#ifdef HALSTM_VENDOR_STEP_ROWS
     // steps of at least this many rows run their recurrent product by cuBLAS
     // (HALSTM_VENDOR_STEP_ROWS: the build's, or the environment's)
     int step_rows = HALSTM_VENDOR_STEP_ROWS;
+#endif
 
     template <class Fn>
     bool sym(void *lib, const char *name, Fn &fn) {
@@ -76,8 +78,10 @@ struct Cublas {
             halide_error(nullptr, "cuBLAS: an entry point is missing from the library");
             return -1;
         }
+#ifdef HALSTM_VENDOR_STEP_ROWS
         const char *env = getenv("HALSTM_VENDOR_STEP_ROWS");
         if (env && *env) step_rows = atoi(env);
+#endif
         void *prev;
         if (push(g_context)) return fail("cuCtxPushCurrent", -1);
         int st = create(&handle);

@@ -18,7 +18,7 @@ int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
 // entry points, whose arguments are buffers as given and pointers to scalars.
 int halstm_step_argv(void **);
 int halstm_step_infer_argv(void **);
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
 // the same with hg (B, G, HP), the step's product h W_hh^T, in place of wp_hh
 int halstm_step_vendor_argv(void **);
 int halstm_step_vendor_infer_argv(void **);
@@ -71,7 +71,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
 #endif
     if (rc) return rc;
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
     // the steps' recurrent products by cuBLAS where the batch is large
     // (cublas.h step_rows), into hg (B, G, HP)
     const bool vendor = B >= g_cublas.step_rows;
@@ -90,7 +90,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 if (!step_done(barrier, 0)) break;
                 continue;
             }
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
             // hg (rows, G, HP) = h_t (rows, H) W_hh^T, W_hh (G*H, H): one GEMM
             // where the gates' blocks are adjacent (HP = H), else one a gate
             for (int g = 0; vendor && rc == 0 && g < (HP == H ? 1 : G); g++)
@@ -126,13 +126,13 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             for (int s = 0; s < NS; s++) args[n++] = next[s].hb();
             if (saved) {
                 for (int c = 0; c < S; c++) args[n++] = sv[c].hb();
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
                 if (vendor) rc = halstm_step_vendor_argv(args);
                 else
 #endif
                 rc = halstm_step_argv(args);
             } else {
-#if HALSTM_CUBLAS
+#ifdef HALSTM_VENDOR_STEP_ROWS
                 if (vendor) rc = halstm_step_vendor_infer_argv(args);
                 else
 #endif
