@@ -326,7 +326,8 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
                       if reducing else layout.without("split", "fused_bwd_below"))
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
-            layout = (vendor(layout, len(d.gates), spec.hidden_size) if vendor
+            layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,
+                             spec.precision) if vendor
                       else dataclasses.replace(layout, vendor_gemm=True))
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
