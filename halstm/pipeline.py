@@ -360,18 +360,18 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
         xp_in = _clamp(xp, (2,))
     b_hh = _param(p, "b_hh", [H, G])                    # numpy (G, H)
     if vendor:   # the driver's vendor GEMM gives h W_hh^T: numpy (B, G, Hp), H used
-        wp_hh = _param(p, "hg", [p.Hp, G, None])
-        hg_in = _clamp(wp_hh, (2,))
+        recurrent = _param(p, "hg", [p.Hp, G, None])
+        hg_in = _clamp(recurrent, (2,))
         hg = hl.Func("hg")
         hg[j, gate, b] = hg_in[j, gate, b] + b_hh[hl.min(j, H - 1), gate]
     else:
-        wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
+        recurrent = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
     # unit and batch reads clamped: a tile may overrun H (up to Hp) and B
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
     if not vendor:
-        w = _packed(wp_hh, j, P)
+        w = _packed(recurrent, j, P)
         hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
                              lambda: w(gate, r.x) * prev_in["h"][r.x, b])
     vec, vec_in = _vec(p)
@@ -381,7 +381,7 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)])
-    p.inputs = [xp, wp_hh, b_hh] + [prev[s] for s in cell.states] + vec
+    p.inputs = [xp, recurrent, b_hh] + [prev[s] for s in cell.states] + vec
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
     # of saved[t] (B, S, H), so a row stride of S*H
@@ -530,12 +530,11 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
     # schedules must not (Halide assumes an output read is aligned, above).
     dhg_in = outs["dxp_out" if cell.dxp_is_dhg else "dhg_out"] if p.read_outputs else dhg
     r = hl.RDom([(0, H), (0, G)], "r_jg")
-    init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
     if vendor:       # dh_prev's own term (B, Hp) rows, H used; the driver adds the product
         dh_prev = hl.Func("dh_prev")
         dh_prev[j, b] = dprev["h"][j, b] if dprev["h"] is not None else hl.f32(0)
-        dh_acc = None
     else:
+        init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
         dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
                                   lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}

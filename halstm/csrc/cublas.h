@@ -171,6 +171,18 @@ int gemm_rows(const char *what, bool ta, bool tb, int m, int n, int k, const flo
     });
 }
 
+// C (rows, G, HP) = A (rows, n) W^T + beta C, W (G*H, n) a weight in
+// PyTorch's layout: one GEMM where the gates' blocks of C are adjacent
+// (HP = H), else one a gate.
+int gemm_gates(const char *what, int rows, int n, const float *A, const float *W, float beta,
+               float *C) {
+    int rc = 0;
+    for (int g = 0; rc == 0 && g < (HP == H ? 1 : G); g++)
+        rc = gemm_rows(what, false, true, rows, HP == H ? G * H : H, n, A, n,
+                       W + (int64_t)g * H * n, n, beta, C + g * HP, G * HP);
+    return rc;
+}
+
 }  // namespace
 
 extern "C" {

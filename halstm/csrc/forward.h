@@ -60,12 +60,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
 #elif HALSTM_CUBLAS
     rc = halstm_proj(vb_ih.hb(), vxp.hb());
-    // then xp (T*B, G, HP) += x (T*B, K) W_ih^T, W_ih (G*H, K): one GEMM
-    // where the gates' blocks are adjacent (HP = H), else one a gate
-    for (int g = 0; rc == 0 && g < (HP == H ? 1 : G); g++)
-        rc = gemm_rows("the projection x W_ih^T", false, true, T * B, HP == H ? G * H : H, K,
-                       (const float *)x, K, w_ih + (int64_t)g * H * K, K, 1.0f, xp + g * HP,
-                       G * HP);
+    // then xp (T*B, G, HP) += x (T*B, K) W_ih^T
+    if (!rc) rc = gemm_gates("the projection x W_ih^T", T * B, K, (const float *)x, w_ih, 1.0f, xp);
 #else
     View vx((const float *)x, {{K, 1}, {T * B, K}});
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
@@ -91,12 +87,10 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 continue;
             }
 #ifdef HALSTM_VENDOR_STEP_ROWS
-            // hg (rows, G, HP) = h_t (rows, H) W_hh^T, W_hh (G*H, H): one GEMM
-            // where the gates' blocks are adjacent (HP = H), else one a gate
-            for (int g = 0; vendor && rc == 0 && g < (HP == H ? 1 : G); g++)
-                rc = gemm_rows("the step's product h W_hh^T", false, true, rows,
-                               HP == H ? G * H : H, H, states[0] + (int64_t)t * B * H, H,
-                               w_hh + (int64_t)g * H * H, H, 0.0f, hg + g * HP, G * HP);
+            // hg (rows, G, HP) = h_t (rows, H) W_hh^T
+            if (vendor)
+                rc = gemm_gates("the step's product h W_hh^T", rows, H,
+                                states[0] + (int64_t)t * B * H, w_hh, 0.0f, hg);
             if (rc) {
                 step_done(barrier, rc);
                 break;
