@@ -1,5 +1,6 @@
 """cuDNN's kernels for one LSTM layer's forward+backward through
-torch.nn.LSTM (float32, TF32 off unless --precision tf32), by CUDA time (torch.profiler): which
+torch.nn.LSTM (float32, TF32 off unless --precision tf32; bfloat16 with
+--precision bf16), by CUDA time (torch.profiler): which
 GEMMs and step kernels it runs, and how long each takes. With --halstm,
 halstm's kernels for the same layer too, profiled the same way in the same
 process (real clocks, unlike Nsight Compute's locked ones).
@@ -41,16 +42,19 @@ def main():
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--halstm", action="store_true", help="profile halstm's layer too")
     ap.add_argument("--cell", default="lstm", help="halstm's cell (halstm cells lists them)")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32"],
-                    help="both sides' precision: tf32 turns on cuDNN's TF32 and halstm's")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
+                    help="both sides' precision: tf32 turns on cuDNN's TF32 and halstm's; "
+                         "bf16 runs cuDNN's LSTM and its tensors in bfloat16, halstm's GEMMs "
+                         "in bf16 tensor-core math")
     ap.add_argument("--gemm", default=None, choices=["halide", "cublas"],
                     help="who runs halstm's projection and gradient GEMMs (default: its default)")
     a = ap.parse_args()
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
     I, H, B, T = a.input_size, a.hidden_size, a.batch, a.steps
-    m = torch.nn.LSTM(I, H).cuda()
-    x = torch.randn(T, B, I, device="cuda", requires_grad=True)
-    dy = torch.randn(T, B, H, device="cuda")
+    dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    m = torch.nn.LSTM(I, H).to("cuda", dtype)
+    x = torch.randn(T, B, I, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(T, B, H, device="cuda", dtype=dtype)
 
     def step():
         y, _ = m(x)
@@ -61,8 +65,9 @@ def main():
         import halstm
         hm = halstm.Recurrent(a.cell, I, H, target="host-cuda", precision=a.precision,
                               gemm=a.gemm).compile()
-        xd = x.detach()                 # (DLPack exports no tensor that requires grad)
-        profile(f"halstm {a.cell}", lambda: (hm(xd), hm.backward(dy)), a.iterations)
+        xd = x.detach().float()         # (DLPack exports no tensor that requires grad)
+        dyf = dy.float()
+        profile(f"halstm {a.cell}", lambda: (hm(xd), hm.backward(dyf)), a.iterations)
 
 
 if __name__ == "__main__":

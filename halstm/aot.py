@@ -80,6 +80,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
         kinds += pipeline.VENDOR_STEPS[spec.direction]
+    if layout.vendor_bf16:           # the vendor GEMMs' operands rounded to bf16 first
+        kinds += ("to_bf16",)
     return kinds
 
 
@@ -94,7 +96,7 @@ class Spec:
     onehot: bool = False          # input: one-hot rows given as class indices (CPU targets)
     knobs: tuple | None = None    # the schedule's knobs as ((name, value), ...); None: tuned
     #                               for this machine by `halstm tune` (halstm.tuning), else defaults
-    precision: str = "fp32"       # "tf32": TF32 tensor-core math in the GEMMs (halstm.cublas)
+    precision: str = "fp32"       # "tf32", "bf16": tensor-core math in the GEMMs (halstm.cublas)
     gemm: str | None = None       # the non-recurrent GEMMs: "halide" or "cublas"; None: the
     #                               target's default (resolved here; halstm.cublas.resolve)
 
@@ -329,6 +331,7 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,
                              spec.precision) if vendor
                       else dataclasses.replace(layout, vendor_gemm=True))
+            layout = dataclasses.replace(layout, vendor_bf16=spec.precision == "bf16")
         kinds = pipeline_kinds(spec, layout)
         missing = [k for k in kinds if not callable(getattr(module, k, None))]
         if missing or (spec.onehot and cuda):
@@ -387,7 +390,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),
         split_batch_bytes=max(p.split_batch_bytes for p in pipes),
-        cublas=plan.layout.vendor_gemm, tf32=spec.precision == "tf32")
+        cublas=plan.layout.vendor_gemm, precision=spec.precision)
 
 
 def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, emit) -> dict:

@@ -29,9 +29,10 @@ import numpy as np
 from . import cells, reference
 from .nn import Recurrent, no_grad
 
-# torch_tf32: cuDNN with TF32 on (GPU context); torch_eager: the step in
-# PyTorch eager, stepped from Python
-PEERS = ("numpy", "torch", "torch_tf32", "torch_eager", "torch_lstm", "lstm")
+# torch_tf32, torch_bf16: cuDNN with TF32 on, or with the module and its
+# input in bfloat16 (GPU context); torch_eager: the step in PyTorch eager,
+# stepped from Python
+PEERS = ("numpy", "torch", "torch_tf32", "torch_bf16", "torch_eager", "torch_lstm", "lstm")
 # torch_lstm: torch.nn.LSTM at the same shape whatever the cell (cuDNN's or
 # oneDNN's vanilla LSTM: the bar for a variant no vendor ships); lstm:
 # halstm's own LSTM at the same shape (what a variant costs over it)
@@ -192,9 +193,10 @@ def reference_errors(m, cell, x, y, dy=None) -> dict:
 # A variant's options after the schedule name (`halstm bench --schedules
 # cuda@tf32`): the precision, or who runs the non-recurrent GEMMs.
 VARIANT_OPTIONS = {"fp32": ("precision", "fp32"), "tf32": ("precision", "tf32"),
+                   "bf16": ("precision", "bf16"),
                    "halide": ("gemm", "halide"), "cublas": ("gemm", "cublas")}
 # Largest relative error against the float64 reference a check allows, by precision
-TOLERANCE = {"fp32": 1e-3, "tf32": 3e-2}
+TOLERANCE = {"fp32": 1e-3, "tf32": 3e-2, "bf16": 1e-1}
 
 
 def variant(impl: str | None) -> tuple[str | None, dict]:
@@ -274,18 +276,21 @@ def _torch(device):
     return None if device != "cpu" and not torch.cuda.is_available() else torch
 
 
-def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | None:
+def prepare_torch(cell, name, s, mode, device="cpu", precision="fp32") -> _Timed | None:
     """PyTorch's own module for the cell (reference.TORCH: oneDNN on
-    CPU, cuDNN on GPU), or None where torch (with CUDA, for a GPU device)
-    is not installed or has no module for the cell."""
+    CPU, cuDNN on GPU) in `precision` (fp32; tf32: TF32 on; bf16: module
+    and tensors in bfloat16), or None where torch (with CUDA, for a GPU
+    device) is not installed or has no module for the cell."""
     torch = _torch(device)
     if torch is None or cell not in reference.TORCH:
         return None
     cls, kw = reference.TORCH[cell]
-    m = getattr(torch.nn, cls)(s["I"], s["H"], num_layers=s["L"], **kw).to(device)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    m = getattr(torch.nn, cls)(s["I"], s["H"], num_layers=s["L"], **kw).to(device, dtype)
     x_np, dy_np = _inputs(cell, s)
-    x = torch.from_numpy(x_np).to(device)
-    dy = torch.from_numpy(dy_np).to(device)
+    x = torch.from_numpy(x_np).to(device, dtype)
+    dy = torch.from_numpy(dy_np).to(device, dtype)
+    tf32 = precision == "tf32"
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def run():
@@ -302,7 +307,8 @@ def prepare_torch(cell, name, s, mode, device="cpu", tf32=False) -> _Timed | Non
             sync()
         finally:
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    impl = "torch" if device == "cpu" else f"torch-{device}" + ("-tf32" if tf32 else "")
+    impl = "torch" if device == "cpu" else f"torch-{device}" + (
+        "" if precision == "fp32" else f"-{precision}")
     return _Timed(impl, run)
 
 
@@ -400,10 +406,11 @@ def run(names, cell, scheds, target="host", peers=("numpy", "torch"), modes=("fw
                         notes.append(why)
                 else:
                     timed.append(t)
-            elif impl in ("torch", "torch_tf32"):
-                if impl == "torch_tf32" and device == "cpu":
-                    continue                 # TF32 is a GPU mode
-                t = prepare_torch(cell, name, s, mode, device, tf32=impl == "torch_tf32")
+            elif impl in ("torch", "torch_tf32", "torch_bf16"):
+                if impl != "torch" and device == "cpu":
+                    continue                 # TF32 and bf16 are GPU modes here
+                t = prepare_torch(cell, name, s, mode, device,
+                                  precision=impl.partition("_")[2] or "fp32")
                 if t is None:
                     why = (f"torch: no torch.nn module for {cell}; skipped"
                            if cell not in reference.TORCH else

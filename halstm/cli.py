@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import aot, cells, machine
+from . import aot, cells, cublas, machine
 from .cell_options import cell_file_option, cell_options
 from .errors import CacheError, KernelError
 
@@ -116,9 +116,10 @@ def cells_command(as_json):
               help="Output folder (default: ./<cell>_i<I>_h<H>).")
 @click.option("--emit", multiple=True, type=click.Choice(sorted(aot.EMIT)),
               help="Also write this Halide output per pipeline (repeatable).")
-@click.option("--precision", type=click.Choice(["fp32", "tf32"]), default="fp32",
-              show_default=True, help="tf32: the projection and gradient GEMMs in TF32 "
-              "tensor-core math by cuBLAS (CUDA targets); the recurrence stays fp32.")
+@click.option("--precision", type=click.Choice(list(cublas.PRECISIONS)), default="fp32",
+              show_default=True, help="tf32, bf16: the projection and gradient GEMMs in "
+              "TF32 / bf16 tensor-core math by cuBLAS (CUDA targets); storage, states and "
+              "the cell stay fp32.")
 @click.option("--gemm", type=click.Choice(["halide", "cublas"]), default=None,
               help="Who runs the projection and gradient GEMMs on a CUDA target (default: "
                    "cuBLAS where it is installed, else Halide).")
@@ -205,14 +206,14 @@ def inspect(folder, as_json):
 @cell_options
 @click.option("--schedules", "schedule_list", default=None,
               help="Comma-separated schedules (default: the target's default), each "
-                   "SCHEDULE[@OPTION...] with options tf32 (precision) and halide or cublas "
+                   "SCHEDULE[@OPTION...] with options tf32, bf16 (precision) and halide or cublas "
                    "(who runs the projection and gradient GEMMs on a GPU), e.g. "
-                   "default@halide,default@cublas,default@tf32.")
+                   "default@halide,default@cublas,default@tf32,default@bf16.")
 @_target_option
 @click.option("--peers", default="numpy,torch", show_default=True,
               help="Comma-separated peers to time beside halstm: numpy, torch (the "
-                   "cell's torch.nn module, where torch has one), torch_tf32 (cuDNN with TF32, "
-                   "GPU targets only), torch_eager (the cell's step in PyTorch eager, stepped "
+                   "cell's torch.nn module, where torch has one), torch_tf32 and torch_bf16 "
+                   "(cuDNN with TF32, or in bfloat16; GPU targets only), torch_eager (the cell's step in PyTorch eager, stepped "
                    "from Python), torch_lstm (torch.nn.LSTM at the same shape, whatever the "
                    "cell), lstm (halstm's LSTM at the same shape); '' for none.")
 @click.option("--fwd/--fwdbwd", "fwd_only", default=None,

@@ -4,12 +4,14 @@ where its non-recurrent GEMMs come from.
 A layer's input projection (x W_ih^T over all steps) and its gradient
 GEMMs (dx, dW_ih, dW_hh) are plain matrix products outside the time loop.
 On a CUDA target they run either as Halide kernels (`gemm="halide"`) or,
-called by the library's driver, as cuBLAS SGEMMs (`gemm="cublas"`); with
+called by the library's driver, as cuBLAS GEMMs (`gemm="cublas"`); with
 cuBLAS, a large batch's step products too (schedules/cuda.py
 VENDOR_STEP_MACS), the cell around them in Halide kernels. Halide 21 emits
-no tensor-core instructions, so `precision="tf32"` (TF32 tensor-core math
-in those GEMMs, fp32 storage and accumulation) needs cuBLAS. The states
-and the cell stay fp32.
+no tensor-core instructions, so the reduced precisions need cuBLAS:
+`precision="tf32"` (operands rounded to TF32 by cuBLAS) and
+`precision="bf16"` (operands rounded to bfloat16 copies, which the GEMMs
+read), both on tensor cores with fp32 accumulation and fp32 results. The
+arrays a layer takes and returns, its states and its cell stay fp32.
 
 cuBLAS is loaded when a library built with it is first loaded, from the
 first of: $HALSTM_CUBLAS (a path), the `nvidia-cublas-cu12` wheel that
@@ -23,7 +25,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-PRECISIONS = ("fp32", "tf32")
+# cuBLAS's compute type of each precision (cublasComputeType_t: COMPUTE_32F,
+# COMPUTE_32F_FAST_TF32), fp32 C. bf16: the driver rounds A and B to
+# bfloat16 copies (pipeline to_bf16) for a COMPUTE_32F GEMM; cuBLAS's
+# COMPUTE_32F_FAST_16BF on fp32 operands ran TF32 kernels on an H100
+# (bench/RESULTS.md, "Schedule decisions": cublas.COMPUTE_TYPES).
+COMPUTE_TYPES = {"fp32": 68, "tf32": 77, "bf16": 68}
+PRECISIONS = tuple(COMPUTE_TYPES)
 GEMMS = ("halide", "cublas")
 _SONAMES = ("libcublas.so.12", "libcublas.so.13", "libcublas.so")
 
@@ -68,15 +76,15 @@ def resolve(cuda: bool, precision: str, gemm: str | None) -> str:
         raise ValueError(f"gemm: expected one of {GEMMS} or None, got {gemm!r}")
     if not cuda:
         if precision != "fp32":
-            raise ValueError(f"precision: {precision!r} runs on CUDA targets only (TF32 is a "
+            raise ValueError(f"precision: {precision!r} runs on CUDA targets only (a "
                              f"tensor-core mode); CPU targets compute in 'fp32'")
         if gemm == "cublas":
             raise ValueError("gemm: 'cublas' needs a CUDA target; CPU targets use 'halide'")
         return "halide"
-    if precision == "tf32":
+    if precision != "fp32":
         if gemm == "halide":
-            raise ValueError("gemm: precision 'tf32' needs gemm 'cublas' (Halide 21 emits no "
-                             "tensor-core instructions), got 'halide'")
+            raise ValueError(f"gemm: precision {precision!r} needs gemm 'cublas' (Halide 21 "
+                             f"emits no tensor-core instructions), got 'halide'")
         return "cublas"
     if gemm is None:
         return "cublas" if library() is not None else "halide"

@@ -15,6 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import cublas
 from .layout import Layout
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
@@ -49,7 +50,7 @@ class Layer:
     split_small_below: int = 0    # than this
     split_batch_bytes: int = 0   # ... or of batch rows, where W_hh is at most this size
     cublas: bool = False         # CUDA: the non-recurrent GEMMs by cuBLAS (csrc/cublas.h)
-    tf32: bool = False           # ... in TF32 tensor-core math
+    precision: str = "fp32"      # ... in this precision (halstm.cublas.COMPUTE_TYPES)
 
     def defines(self) -> dict:
         lay = self.layout
@@ -75,9 +76,11 @@ class Layer:
         if self.cuda:
             d |= _cuda_defines(lay)
         if self.cublas:
-            d |= {"HALSTM_CUBLAS": 1, "HALSTM_TF32": int(self.tf32)}
+            d |= {"HALSTM_CUBLAS": 1, "HALSTM_COMPUTE": cublas.COMPUTE_TYPES[self.precision]}
             if lay.vendor_step_rows:    # the library has the vendor steps (pipeline.VENDOR_STEPS)
                 d["HALSTM_VENDOR_STEP_ROWS"] = lay.vendor_step_rows
+            if lay.vendor_bf16:         # the GEMMs' operands rounded to bf16 (pipeline to_bf16)
+                d["HALSTM_BF16"] = 1
         return d
 
 

@@ -37,6 +37,8 @@ class Layout:
     #                                GEMMs by cuBLAS; the pipelines add the biases (halstm.cublas)
     vendor_step_rows: int = 0      # ... and the steps' products too where the batch has this
     #                                many rows or more (0: never; HALSTM_VENDOR_STEP_ROWS overrides)
+    vendor_bf16: bool = False      # ... their operands rounded to bfloat16 copies first
+    #                                (pipeline to_bf16; precision "bf16")
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -17,9 +17,10 @@ come back where the input came from: numpy in, numpy out (one upload and
 one download per call); a DeviceArray or a CUDA DLPack array (PyTorch,
 CuPy) in, DeviceArrays out, with no host round trip.
 
-precision="tf32" (CUDA targets): the GEMMs cuBLAS runs (the projection,
-the gradients, a large batch's step products) in TF32 tensor-core math; the
-states and the cell stay fp32. gemm="halide" or "cublas" picks who runs
+precision="tf32" or "bf16" (CUDA targets): the GEMMs cuBLAS runs (the
+projection, the gradients, a large batch's step products) in TF32 / bf16
+tensor-core math with fp32 accumulation; storage, the states and the cell
+stay fp32. gemm="halide" or "cublas" picks who runs
 them (None: the target's default; see halstm.cublas).
 
 bidirectional=True, dropout=p (between layers, in training mode: train() /

@@ -34,7 +34,8 @@ from .cells.base import Cell
 from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
-         "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer", "step_bwd_vendor")
+         "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer", "step_bwd_vendor",
+         "to_bf16")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -52,6 +53,8 @@ FUSED_BWD = {"step_bwd": "step_bwd_fused"}
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
 VENDOR_STEPS = {"fwd": ("step_vendor", "step_vendor_infer"), "bwd": ("step_bwd_vendor",)}
+# With Layout.vendor_bf16, to_bf16 rounds the vendor GEMMs' operands to
+# bfloat16 copies (the driver calls it before each GEMM that needs one).
 
 
 class Stages:
@@ -745,3 +748,18 @@ def _unit_panels(d: hl.Func, H: int, R: int, name: str) -> hl.Func:
     ji, gate, row, jo = hl.Var("ji"), hl.Var("gate"), hl.Var("row"), hl.Var("jo")
     f[ji, gate, row, jo] = d[hl.min(jo * R + ji, H - 1), gate, row]
     return f
+
+
+def _to_bf16(p: Pipe) -> None:
+    """a_bf16 (n) = the bfloat16 bits of a (n), rounded to nearest even, as
+    uint16 (Halide 21's CUDA backend cannot store bfloat16 itself); a NaN
+    stays a (quiet) NaN, where rounding its bits could make it infinite."""
+    i = p.vars["i"]
+    a = _param(p, "a", [None])
+    bits = hl.reinterpret(hl.UInt(32), a[i])
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    out = hl.Func("a_bf16")
+    out[i] = hl.u16(hl.select(hl.is_nan(a[i]), (bits >> 16) | 0x40, rounded))
+    p.inputs, p.outputs = [a], [out]
+    _fix_output(p, out, [None])
+    p.stages = {"a_bf16": out}

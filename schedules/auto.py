@@ -75,12 +75,13 @@ class Auto:
         return layout.without("read_outputs", "cuda_graphs", "split", "fused_bwd_below")
 
     def __getattr__(self, kind):
-        if kind in ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads"):
+        if kind in ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "grads",
+                    "to_bf16"):
             return self._apply
         raise AttributeError(kind)
 
     def _apply(self, p, target):
-        if self.family == "gpu" and p.kind == "pack":
+        if self.family == "gpu" and p.kind in ("pack", "to_bf16"):
             from . import cuda
             p.notes.append(f"{p.kind} pipeline: the hand-written cuda schedule")
             return getattr(cuda, p.kind)(p, target)

@@ -152,18 +152,19 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1):
 # faster than a GEMM launch plus a pointwise kernel
 # (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
 VENDOR_STEP_MACS = 1 << 27
-# A TF32 backward from a quarter of that: its product runs on tensor cores,
-# and from H = fused_bwd_below the Halide backward step is two kernels
-# anyway, so the GEMM replaces one of them rather than adding a launch.
-VENDOR_STEP_MACS_TF32_BWD = 1 << 25
+# A tensor-core (TF32 or bf16) backward from a quarter of that: its product
+# runs on tensor cores, and from H = fused_bwd_below the Halide backward
+# step is two kernels anyway, so the GEMM replaces one of them rather than
+# adding a launch.
+VENDOR_STEP_MACS_TENSOR_BWD = 1 << 25
 
 
 def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
                   precision: str = "fp32") -> Layout:
     """layout with the projection and gradient GEMMs by cuBLAS, and the
     steps' products too from the batch where they reach VENDOR_STEP_MACS
-    (VENDOR_STEP_MACS_TF32_BWD for a TF32 backward)."""
-    macs = (VENDOR_STEP_MACS_TF32_BWD if (direction, precision) == ("bwd", "tf32")
+    (VENDOR_STEP_MACS_TENSOR_BWD for a TF32 or bf16 backward)."""
+    macs = (VENDOR_STEP_MACS_TENSOR_BWD if direction == "bwd" and precision != "fp32"
             else VENDOR_STEP_MACS)
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))))
@@ -585,6 +586,10 @@ def step(p, target):
 
 # A step that stores the new states only: the same loop nest.
 step_infer = step
+
+
+def to_bf16(p, target):
+    _grid(p.stage("a_bf16"))
 
 
 def step_vendor(p, target):

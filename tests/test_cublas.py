@@ -3,6 +3,8 @@ chosen and checked, and what a cuBLAS build is made of. Runs without a GPU
 (the GPU side: tests/gpu/test_gpu_cublas.py)."""
 import subprocess
 
+import numpy as np
+
 import pytest
 
 import halstm
@@ -27,13 +29,17 @@ def test_default_gemm_follows_the_target_and_what_is_installed(no_cublas, monkey
     assert cublas.resolve(True, "fp32", None) == "cublas"
     assert cublas.resolve(True, "fp32", "halide") == "halide"
     assert cublas.resolve(True, "tf32", None) == "cublas"
+    assert cublas.resolve(True, "bf16", None) == "cublas"
 
 
 @pytest.mark.parametrize("target, precision, gemm, needle", [
     ("host", "tf32", None, "precision: 'tf32' runs on CUDA targets only"),
     ("host", "fp32", "cublas", "gemm: 'cublas' needs a CUDA target"),
+    ("host", "bf16", None, "precision: 'bf16' runs on CUDA targets only"),
     (CUDA_TARGET, "tf32", "halide", "gemm: precision 'tf32' needs gemm 'cublas'"),
-    (CUDA_TARGET, "fp16", None, "precision: expected one of ('fp32', 'tf32'), got 'fp16'"),
+    (CUDA_TARGET, "bf16", "halide", "gemm: precision 'bf16' needs gemm 'cublas'"),
+    (CUDA_TARGET, "fp16", None, "precision: expected one of ('fp32', 'tf32', 'bf16'), "
+                                "got 'fp16'"),
     (CUDA_TARGET, "fp32", "cutlass", "gemm: expected one of ('halide', 'cublas') or None"),
 ])
 def test_bad_precision_or_gemm_names_the_argument(target, precision, gemm, needle):
@@ -45,8 +51,9 @@ def test_bad_precision_or_gemm_names_the_argument(target, precision, gemm, needl
 
 def test_precision_and_gemm_are_in_the_cache_key(some_cublas):
     keys = {aot.cache_key(aot.Spec("lstm", I, H, "bwd", CUDA_TARGET, precision=p, gemm=g))
-            for p, g in (("fp32", "halide"), ("fp32", "cublas"), ("tf32", None))}
-    assert len(keys) == 3
+            for p, g in (("fp32", "halide"), ("fp32", "cublas"), ("tf32", None),
+                         ("bf16", None))}
+    assert len(keys) == 4
     # a default resolves before the key is made: the same library as the explicit value
     assert (aot.cache_key(aot.Spec("lstm", I, H, "bwd", CUDA_TARGET)) ==
             aot.cache_key(aot.Spec("lstm", I, H, "bwd", CUDA_TARGET, gemm="cublas")))
@@ -78,15 +85,17 @@ def test_vendor_pipelines_leave_the_gemms_to_the_driver(cell):
 
 def test_a_cublas_build_links_and_says_so(tmp_path):
     """A CUDA library with cuBLAS GEMMs builds and links here (no GPU, no
-    CUDA toolkit: cuBLAS is loaded when the library is)."""
-    for direction in ("fwd", "bwd"):
-        spec = aot.Spec("gru", I, H, direction, CUDA_TARGET, precision="tf32")
+    CUDA toolkit: cuBLAS is loaded when the library is); a TF32 forward and
+    a bf16 backward."""
+    for direction, precision in (("fwd", "tf32"), ("bwd", "bf16")):
+        spec = aot.Spec("gru", I, H, direction, CUDA_TARGET, precision=precision)
         (tmp_path / direction).mkdir()
         m = aot.build(spec, tmp_path / direction)
-        assert (m["precision"], m["gemm"]) == ("tf32", "cublas")
+        assert (m["precision"], m["gemm"]) == (precision, "cublas")
         assert m["layout"]["vendor_gemm"] is True
+        assert ("halstm_to_bf16" in m["pipelines"]) == (precision == "bf16")
         # the steps' products by cuBLAS from the batch where they reach 2^27
-        # multiply-adds, 2^25 in a TF32 backward
+        # multiply-adds, 2^25 in a tensor-core backward
         macs = 1 << (27 if direction == "fwd" else 25)
         assert m["layout"]["vendor_step_rows"] == -(-macs // (3 * H * H))
         vendor = {"fwd": ["halstm_step_vendor", "halstm_step_vendor_infer"],
@@ -103,10 +112,10 @@ def test_torch_modules_check_the_precision_and_run_cpu_tensors_in_fp32():
     torch = pytest.importorskip("torch")
     import halstm.torch as ht
     with pytest.raises(ValueError, match="precision: expected one of"):
-        ht.LSTM(I, H, precision="bf16")
+        ht.LSTM(I, H, precision="fp16")
     torch.manual_seed(0)
     ref = torch.nn.LSTM(I, H)
-    m = ht.LSTM(I, H, precision="tf32")      # a CUDA mode: CPU tensors compute in fp32
+    m = ht.LSTM(I, H, precision="bf16")      # a CUDA mode: CPU tensors compute in fp32
     m.load_state_dict(ref.state_dict())
     x = torch.randn(5, 3, I)
     torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=1e-4, atol=1e-5)
@@ -133,3 +142,58 @@ def test_vendor_steps_allocate_no_device_memory(cell, tmp_path):
         assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
         names = [q.name() for q in p.inputs]
         assert "wp_hh" not in names and "w_hh" not in names, names
+
+
+@pytest.mark.parametrize("precision, compute", [("fp32", 68), ("tf32", 77), ("bf16", 68)])
+def test_the_driver_gets_cublas_compute_type(precision, compute):
+    """cuBLAS's cublasComputeType_t values: COMPUTE_32F, COMPUTE_32F_FAST_TF32
+    (cublas_api.h); bf16 is COMPUTE_32F on bf16 copies of the operands."""
+    from halstm import driver
+    from halstm.layout import Layout
+    layer = driver.Layer(direction="fwd", states=2, gates=4, saved=4, vectors=0,
+                         dxp_is_dhg=False, input_size=I, hidden_size=H, onehot=False,
+                         layout=Layout(vendor_gemm=True, vendor_bf16=precision == "bf16"),
+                         cuda=True, fused_bwd=False, pack_bwd=False, cublas=True,
+                         precision=precision)
+    assert layer.defines()["HALSTM_COMPUTE"] == compute
+    assert layer.defines().get("HALSTM_BF16", 0) == (precision == "bf16")
+
+
+def _bf16_nearest(a):
+    """The bfloat16 bits nearest each float32 of a (ties to the even one),
+    chosen between the two neighbours by their distance (float64); NaN a
+    quiet NaN."""
+    bits = a.view(np.uint32)
+    lo = (bits >> 16).astype(np.uint32)                     # truncated: toward zero
+    hi = lo + 1                                             # one bf16 step away from zero
+
+    def as_f(b):   # bf16 bits -> float64; past the largest finite one: +-2^128
+        f = (b << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+        return np.where(np.isinf(f), np.sign(f) * 2.0 ** 128, f)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = a.astype(np.float64)
+        d_lo, d_hi = np.abs(x - as_f(lo)), np.abs(as_f(hi) - x)
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (lo % 2 == 1))
+    out = np.where(pick_hi, hi, lo)
+    out = np.where(np.isinf(a), lo, out)                    # infinities exactly
+    return np.where(np.isnan(a), (bits >> 16) | 0x40, out).astype(np.uint16)
+
+
+def test_to_bf16_rounds_to_nearest_even_and_keeps_nan():
+    """pipeline to_bf16 (the bf16 precision's operand copies), run on the
+    CPU, against the nearest bfloat16 by distance."""
+    import halide as hl
+    from halstm import cells
+    p = pipeline.build(cells.get("lstm"), "to_bf16", I, H)
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, 1.0, np.inf, -np.inf, np.nan, -np.nan, 3.4e38, -3.4e38,
+                        1e-40, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20],
+                       np.float32)
+    a = np.concatenate([special, rng.standard_normal(4000).astype(np.float32) * 100,
+                        rng.integers(0, 2 ** 32, 4000, dtype=np.uint32).view(np.float32)])
+    p.inputs[0].set(hl.Buffer(a))
+    got = np.asarray(p.pipeline().realize([a.size]))
+    want = _bf16_nearest(a)
+    assert np.array_equal(got, want), np.flatnonzero(got != want)[:5]
+    assert np.isnan((got[5:7].astype(np.uint32) << 16).view(np.float32)).all()
+    assert got[7] == 0x7F80 and got[8] == 0xFF80         # 3.4e38 rounds to infinity

@@ -197,6 +197,8 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     // Where the batch is large (cublas.h step_rows): step_bwd's pointwise
     // part, then dh_prev += dhg W_hh by cuBLAS, a step after another.
     const bool vendor = B >= g_cublas.step_rows;
+    StepGemm step;
+    if (vendor && step.prepare(w_hh, B)) return -1;
     auto vendor_steps = [&](const auto &part, void *barrier) {
         (void)part;
         int rc = 0;
@@ -208,10 +210,12 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             rc = halstm_step_bwd_vendor_argv(v.args);
             // dh_prev (rows, H of HP) += dhg (rows, G*H) W_hh (G*H, H)
             const float *dhg_rows = (DXP_IS_DHG ? dxp : dhg) + (int64_t)t * B * G * H;
+            const void *a = rc ? nullptr : step.activations(dhg_rows, (int64_t)rows * G * H);
             if (!rc)
-                rc = gemm_rows("the step's product dhg W_hh", false, false, rows, H, G * H,
-                               dhg_rows, G * H, w_hh, H, 1.0f, dstate[0] + (int64_t)nxt * B * HP,
-                               HP);
+                rc = a ? gemm_typed("the step's product dhg W_hh", false, false, rows, H, G * H,
+                                    a, G * H, step.w, H, OPERAND, 1.0f,
+                                    dstate[0] + (int64_t)nxt * B * HP, HP)
+                       : -1;
             if (!step_done(barrier, rc)) break;
         }
         return rc;
@@ -222,13 +226,15 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     };
 #else
     const bool vendor = false;
+    struct { void *w, *act; } step = {};
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
 #endif
-    uint64_t key[12 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
+    uint64_t key[14 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
                                  u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows),
-                                 rows_hash(batch_sizes, T), (uint64_t)vendor};
-    for (int s = 0; s < NS; s++) key[12 + 2 * s] = u64(states[s]), key[13 + 2 * s] = u64(dstate[s]);
-    rc = run_loop(key, 12 + 2 * NS, steps);
+                                 rows_hash(batch_sizes, T), (uint64_t)vendor, u64(step.w),
+                                 u64(step.act)};
+    for (int s = 0; s < NS; s++) key[14 + 2 * s] = u64(states[s]), key[15 + 2 * s] = u64(dstate[s]);
+    rc = run_loop(key, 14 + 2 * NS, steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
     // batch and time merged: N = T*B rows

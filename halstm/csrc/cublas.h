@@ -1,24 +1,35 @@
 // Vendor GEMMs (HALSTM_CUBLAS): the projection and the gradient GEMMs as
-// cuBLAS SGEMMs on the stream Halide's kernels run on, with TF32 tensor-core
-// math where built with HALSTM_TF32=1 (halstm/cublas.py). cuBLAS is loaded
+// cuBLAS GEMMs on the stream Halide's kernels run on, in the compute type
+// HALSTM_COMPUTE (halstm/cublas.py COMPUTE_TYPES), fp32 results. With
+// HALSTM_BF16 their operands are first rounded to bfloat16 copies by the
+// pipeline halstm_to_bf16 (a step's weight once before the time loop, its
+// activations each step), so that the GEMMs read half the bytes and run on
+// bf16 tensor cores. cuBLAS is loaded
 // with dlopen by halstm_cublas_init (no CUDA toolkit at build time): the
 // few entry points are declared here with cuBLAS's v2 ABI.
 // Part of the driver: included once, by driver.cpp.
 
 #ifdef HALSTM_CUBLAS
+#if HALSTM_BF16
+extern "C" int halstm_to_bf16(halide_buffer_t *, halide_buffer_t *);   // (pipeline.py)
+#endif
 namespace {
 
 // cuBLAS's enums (cublas_api.h)
 enum { OP_N = 0, OP_T = 1 };
-enum { DEFAULT_MATH = 0, TF32_TENSOR_OP_MATH = 3 };
+enum { R_32F = 0, R_16BF = 14 };   // cudaDataType_t (library_types.h)
+enum { GEMM_DEFAULT = -1 };   // cublasGemmAlgo_t
+
+// Cublas::buffer's buffers: the vendor steps' products; bf16 copies of a
+// GEMM's A and B operands, of the steps' weight and of a step's activations
+enum { BUF_HG, BUF_A, BUF_B, BUF_STEP_W, BUF_STEP_ACT, BUFFERS };
 
 struct Cublas {
     void *handle = nullptr;
     int (*create)(void **) = nullptr;
     int (*set_stream)(void *, void *) = nullptr;
-    int (*set_math_mode)(void *, int) = nullptr;
-    int (*sgemm)(void *, int, int, int, int, int, const float *, const float *, int,
-                 const float *, int, const float *, float *, int) = nullptr;
+    int (*gemm_ex)(void *, int, int, int, int, int, const void *, const void *, int, int,
+                   const void *, int, int, const void *, void *, int, int, int, int) = nullptr;
     int (*set_workspace)(void *, void *, size_t) = nullptr;
     int (*push)(void *) = nullptr;   // libcuda's cuCtxPushCurrent / cuCtxPopCurrent
     int (*pop)(void **) = nullptr;
@@ -28,14 +39,16 @@ struct Cublas {
     // two streams (halstm.torch's directions side by side) never share it:
     // cuBLAS's workspace, ours so that nothing is allocated while a time
     // loop is captured into a graph (cuBLAS resets it on every stream
-    // change), and the vendor steps' products hg (B, G, HP). Kept for the
-    // library's life: graphs captured with them may still run.
+    // change), and grow-only buffers (BUFFERS): the vendor steps' products
+    // hg (B, G, HP) and, with HALSTM_BF16, the operands' bf16 copies. Kept
+    // for the library's life: graphs captured with them may still run.
     static constexpr size_t WORKSPACE = size_t(32) << 20;
     static constexpr int STREAMS = 16;
     struct Scratch {
         void *stream = nullptr;
-        uint64_t workspace = 0, hg = 0;
-        size_t hg_bytes = 0;
+        uint64_t workspace = 0;
+        uint64_t buffer[BUFFERS] = {};
+        size_t bytes[BUFFERS] = {};
     };
     Scratch scratch[STREAMS];
     int streams = 0;
@@ -71,7 +84,7 @@ struct Cublas {
         void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
         if (!cuda || !sym(lib, "cublasCreate_v2", create) ||
             !sym(lib, "cublasSetStream_v2", set_stream) ||
-            !sym(lib, "cublasSetMathMode", set_math_mode) || !sym(lib, "cublasSgemm_v2", sgemm) ||
+            !sym(lib, "cublasGemmEx", gemm_ex) ||
             !sym(lib, "cublasSetWorkspace_v2", set_workspace) ||
             !sym(cuda, "cuCtxPushCurrent_v2", push) || !sym(cuda, "cuCtxPopCurrent_v2", pop) ||
             !sym(cuda, "cuMemAlloc_v2", mem_alloc)) {
@@ -85,7 +98,6 @@ struct Cublas {
         void *prev;
         if (push(g_context)) return fail("cuCtxPushCurrent", -1);
         int st = create(&handle);
-        if (st == 0) st = set_math_mode(handle, HALSTM_TF32 ? TF32_TENSOR_OP_MATH : DEFAULT_MATH);
         pop(&prev);
         if (st) {
             handle = nullptr;
@@ -121,18 +133,19 @@ struct Cublas {
         return &s;
     }
 
-    // A buffer of at least `bytes` for the steps' products on g_stream: the
-    // previous one while it is large enough, else a new one (the old stays
-    // allocated: a captured graph may read it). nullptr where that fails.
-    float *hg_buffer(size_t bytes) {
+    // Buffer `which` of g_stream, of at least `bytes`: the previous one
+    // while it is large enough, else a new one (the old stays allocated: a
+    // captured graph may read it). nullptr where that fails. Call it before
+    // a time loop, never while one is captured.
+    void *buffer(int which, size_t bytes) {
         std::lock_guard<std::mutex> guard(lock);
         Scratch *s = for_stream();
-        if (s && bytes > s->hg_bytes) {
-            uint64_t p = alloc(bytes, "cuMemAlloc of the steps' products");
+        if (s && bytes > s->bytes[which]) {
+            uint64_t p = alloc(bytes, "cuMemAlloc of a GEMM buffer");
             if (!p) return nullptr;
-            s->hg = p, s->hg_bytes = bytes;
+            s->buffer[which] = p, s->bytes[which] = bytes;
         }
-        return s ? (float *)(uintptr_t)s->hg : nullptr;
+        return s ? (void *)(uintptr_t)s->buffer[which] : nullptr;
     }
 
     // Run f(handle) in the library's context, on the stream its kernels use.
@@ -158,30 +171,100 @@ struct Cublas {
 
 Cublas g_cublas;
 
-// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, where op(A) is
-// (m x k) and op(B) is (k x n); ta, tb: the operand is stored transposed
-// (row-major k x m, resp. n x k). cuBLAS is column-major: it computes the
-// transpose, C^T = op(B)^T op(A)^T, with the operands swapped.
-int gemm_rows(const char *what, bool ta, bool tb, int m, int n, int k, const float *A, int lda,
-              const float *B, int ldb, float beta, float *C, int ldc) {
+// Row-major C (m x n, ldc, fp32) = op(A) op(B) + beta C, where op(A) is
+// (m x k) and op(B) is (k x n), A and B of cudaDataType `type`; ta, tb: the
+// operand is stored transposed (row-major k x m, resp. n x k). cuBLAS is
+// column-major: it computes the transpose, C^T = op(B)^T op(A)^T, with the
+// operands swapped.
+int gemm_typed(const char *what, bool ta, bool tb, int m, int n, int k, const void *A, int lda,
+               const void *B, int ldb, int type, float beta, float *C, int ldc) {
     const float alpha = 1.0f;
     return g_cublas.run(what, [&](void *h) {
-        return g_cublas.sgemm(h, tb ? OP_T : OP_N, ta ? OP_T : OP_N, n, m, k, &alpha, B, ldb, A,
-                              lda, &beta, C, ldc);
+        return g_cublas.gemm_ex(h, tb ? OP_T : OP_N, ta ? OP_T : OP_N, n, m, k, &alpha, B, type,
+                                ldb, A, type, lda, &beta, C, R_32F, ldc, HALSTM_COMPUTE,
+                                GEMM_DEFAULT);
     });
 }
 
-// C (rows, G, HP) = A (rows, n) W^T + beta C, W (G*H, n) a weight in
-// PyTorch's layout: one GEMM where the gates' blocks of C are adjacent
-// (HP = H), else one a gate.
-int gemm_gates(const char *what, int rows, int n, const float *A, const float *W, float beta,
+#if HALSTM_BF16
+// A GEMM operand's element type, and its size in bytes
+constexpr int OPERAND = R_16BF;
+constexpr size_t OPERAND_BYTES = 2;
+
+// dst (n) = src (n) rounded to bfloat16 (round to nearest even; NaN stays NaN)
+int to_bf16(const float *src, int64_t n, void *dst) {
+    if (n > INT32_MAX) {
+        halide_error(nullptr, "to_bf16: more than 2^31 - 1 elements");
+        return -1;
+    }
+    View vs(src, {{(int)n, 1}}), vd((const float *)dst, {{(int)n, 1}});
+    vd.buf.type.code = halide_type_uint, vd.buf.type.bits = 16;
+    return halstm_to_bf16(vs.hb(), vd.hb());
+}
+
+// A GEMM operand of `elems` fp32 elements as the GEMM reads it: its bf16
+// copy in buffer `which` (nullptr where that fails)
+const void *operand(const float *src, int64_t elems, int which) {
+    void *dst = g_cublas.buffer(which, (size_t)elems * OPERAND_BYTES);
+    return dst && to_bf16(src, elems, dst) == 0 ? dst : nullptr;
+}
+#else
+constexpr int OPERAND = R_32F;
+constexpr size_t OPERAND_BYTES = 4;
+
+const void *operand(const float *src, int64_t, int) { return src; }
+#endif
+
+// gemm_typed of fp32 operands, each as the GEMM reads it (operand)
+int gemm_rows(const char *what, bool ta, bool tb, int m, int n, int k, const float *A, int lda,
+              const float *B, int ldb, float beta, float *C, int ldc) {
+    const void *a = operand(A, (int64_t)(ta ? k : m) * lda, BUF_A);
+    const void *b = operand(B, (int64_t)(tb ? n : k) * ldb, BUF_B);
+    if (!a || !b) return -1;
+    return gemm_typed(what, ta, tb, m, n, k, a, lda, b, ldb, OPERAND, beta, C, ldc);
+}
+
+// C (rows, G, HP) = A (rows, n) W^T + beta C, A and W operands as the GEMM
+// reads them (operand), W (G*H, n) a weight in PyTorch's layout: one GEMM
+// where the gates' blocks of C are adjacent (HP = H), else one a gate.
+int gemm_gates(const char *what, int rows, int n, const void *A, const void *W, float beta,
                float *C) {
     int rc = 0;
     for (int g = 0; rc == 0 && g < (HP == H ? 1 : G); g++)
-        rc = gemm_rows(what, false, true, rows, HP == H ? G * H : H, n, A, n,
-                       W + (int64_t)g * H * n, n, beta, C + g * HP, G * HP);
+        rc = gemm_typed(what, false, true, rows, HP == H ? G * H : H, n, A, n,
+                        (const char *)W + (int64_t)g * H * n * OPERAND_BYTES, n, OPERAND, beta,
+                        C + g * HP, G * HP);
     return rc;
 }
+
+#ifdef HALSTM_VENDOR_STEP_ROWS
+// The steps' products: W_hh (G*H, H) as the GEMMs read it, made before the
+// time loop (outside a captured graph), and each step's activations
+// (at most B rows of G*H) as the GEMM reads them.
+struct StepGemm {
+    const void *w = nullptr;
+    void *act = nullptr;      // HALSTM_BF16: the activations' copy
+    int prepare(const float *w_hh, int B) {
+        w = operand(w_hh, (int64_t)G * H * H, BUF_STEP_W);
+#if HALSTM_BF16
+        act = g_cublas.buffer(BUF_STEP_ACT, (size_t)B * G * H * OPERAND_BYTES);
+        return w && act ? 0 : -1;
+#else
+        (void)B;
+        return w ? 0 : -1;
+#endif
+    }
+    // src (elems) as the GEMM reads it
+    const void *activations(const float *src, int64_t elems) {
+#if HALSTM_BF16
+        return to_bf16(src, elems, act) == 0 ? act : nullptr;
+#else
+        (void)elems;
+        return src;
+#endif
+    }
+};
+#endif
 
 }  // namespace
 

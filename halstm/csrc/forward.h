@@ -61,7 +61,11 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #elif HALSTM_CUBLAS
     rc = halstm_proj(vb_ih.hb(), vxp.hb());
     // then xp (T*B, G, HP) += x (T*B, K) W_ih^T
-    if (!rc) rc = gemm_gates("the projection x W_ih^T", T * B, K, (const float *)x, w_ih, 1.0f, xp);
+    if (!rc) {
+        const void *a = operand((const float *)x, (int64_t)T * B * K, BUF_A);
+        const void *w = operand(w_ih, (int64_t)G * H * K, BUF_B);
+        rc = a && w ? gemm_gates("the projection x W_ih^T", T * B, K, a, w, 1.0f, xp) : -1;
+    }
 #else
     View vx((const float *)x, {{K, 1}, {T * B, K}});
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
@@ -71,11 +75,14 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     // the steps' recurrent products by cuBLAS where the batch is large
     // (cublas.h step_rows), into hg (B, G, HP)
     const bool vendor = B >= g_cublas.step_rows;
-    float *hg = vendor ? g_cublas.hg_buffer((size_t)B * G * HP * sizeof(float)) : nullptr;
-    if (vendor && !hg) return -1;
+    float *hg = vendor ? (float *)g_cublas.buffer(BUF_HG, (size_t)B * G * HP * sizeof(float))
+                       : nullptr;
+    StepGemm step;
+    if (vendor && (!hg || step.prepare(w_hh, B))) return -1;
 #else
     const bool vendor = false;
     float *hg = nullptr;
+    struct { void *w, *act; } step = {};
 #endif
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
@@ -88,9 +95,12 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             }
 #ifdef HALSTM_VENDOR_STEP_ROWS
             // hg (rows, G, HP) = h_t (rows, H) W_hh^T
-            if (vendor)
-                rc = gemm_gates("the step's product h W_hh^T", rows, H,
-                                states[0] + (int64_t)t * B * H, w_hh, 0.0f, hg);
+            if (vendor) {
+                const void *h = step.activations(states[0] + (int64_t)t * B * H,
+                                                 (int64_t)rows * H);
+                rc = h ? gemm_gates("the step's product h W_hh^T", rows, H, h, step.w, 0.0f, hg)
+                       : -1;
+            }
             if (rc) {
                 step_done(barrier, rc);
                 break;
@@ -137,11 +147,12 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         return rc;
     };
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
-    // (the vendor steps' GEMMs read w_hh itself, and write hg)
-    uint64_t key[10 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
-                             u64(vec), rows_hash(batch_sizes, T), u64(hg), u64(w_hh)};
-    for (int s = 0; s < NS; s++) key[10 + s] = u64(states[s]);
-    return run_loop(key, 10 + NS, steps);
+    // (the vendor steps' GEMMs read w_hh or its copy, and write hg)
+    uint64_t key[11 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
+                             u64(vec), rows_hash(batch_sizes, T), u64(hg), u64(step.w),
+                             u64(step.act)};
+    for (int s = 0; s < NS; s++) key[11 + s] = u64(states[s]);
+    return run_loop(key, 11 + NS, steps);
 }
 #endif  // HALSTM_FORWARD
 

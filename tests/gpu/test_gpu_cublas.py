@@ -1,5 +1,5 @@
 """The vendor-GEMM path (halstm.cublas): the projection and the gradient
-GEMMs by cuBLAS, in fp32 and in TF32, against the reference and against
+GEMMs by cuBLAS, in fp32, TF32 and bf16, against the reference and against
 Halide's own GEMMs."""
 import numpy as np
 import pytest
@@ -9,9 +9,10 @@ from helpers import B, H, I, T, call, backward, check_case, make
 
 pytestmark = pytest.mark.skipif(cublas.library() is None, reason="cuBLAS is not installed")
 
-# TF32 keeps 10 mantissa bits: products good to about 1e-3 relative; sums
-# over K = 13 to 37 terms and 7 steps stay within 1e-2 of max|want|
-TF32_RTOL = 1e-2
+# Relative error a reduced precision allows, of max|want|. TF32 keeps 10
+# mantissa bits: products good to about 1e-3 relative; sums over K = 13 to
+# 37 terms and 7 steps stay within 1e-2. bf16 keeps 7: 8x that.
+RTOL = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 8e-2}
 
 
 @pytest.mark.parametrize("case", ["base", "T1", "B1", "L3", "hx_and_dstate", "no_bias"])
@@ -24,34 +25,41 @@ def test_gemm_backends_match_reference(gemm, cell, case, gpu_target):
 
 @pytest.mark.parametrize("case", ["base", "T1", "B1"])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_tf32_matches_reference_to_its_precision(cell, case, gpu_target):
-    m = check_case(cell, case, target=gpu_target, schedule="cuda", precision="tf32",
-                   rtol=TF32_RTOL)
-    assert m.gemm == "cublas" and m.precision == "tf32"
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_reduced_precision_matches_reference_to_its_precision(precision, cell, case,
+                                                              gpu_target):
+    m = check_case(cell, case, target=gpu_target, schedule="cuda", precision=precision,
+                   rtol=RTOL[precision])
+    assert m.gemm == "cublas" and m.precision == precision
 
 
-def test_tf32_is_not_fp32(gpu_target):
-    """TF32 rounds the GEMMs' operands: the outputs differ from fp32
-    cuBLAS's (so the mode is on), by less than TF32_RTOL."""
+def test_reduced_precisions_round_as_they_say(gpu_target):
+    """TF32 and bf16 round the GEMMs' operands: the outputs differ from
+    fp32 cuBLAS's (so the mode is on), by less than their RTOL, and bf16's
+    (7 mantissa bits) by more than TF32's (10): the bf16 copies are used."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((T, B, I)).astype(np.float32)
-    ys, grads = [], []
-    for precision in ("fp32", "tf32"):
-        m = make("lstm", target=gpu_target, precision=precision, gemm="cublas")
+    out = {}
+    for p in ("fp32", "tf32", "bf16"):
+        m = make("lstm", target=gpu_target, precision=p, gemm="cublas")
         y, _ = call(m, "lstm", x)
-        ys.append(np.asarray(y))
-        grads.append(np.asarray(backward(m, "lstm", np.ones_like(ys[-1]))["weight_ih_l0"]))
-    for a, b in (ys, grads):
-        err = np.abs(a - b).max() / np.abs(a).max()
-        assert 0 < err < TF32_RTOL, err
+        y = np.asarray(y)
+        out[p] = (y, np.asarray(backward(m, "lstm", np.ones_like(y))["weight_ih_l0"]))
+    err = {p: [np.abs(a - b).max() / np.abs(b).max() for a, b in zip(out[p], out["fp32"])]
+           for p in ("tf32", "bf16")}
+    for p, errs in err.items():
+        assert all(0 < e < RTOL[p] for e in errs), (p, errs)
+    assert all(b > 2 * t for t, b in zip(err["tf32"], err["bf16"])), err
 
 
-def test_torch_module_in_tf32(gpu_target):
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_torch_module_in_reduced_precision(precision, gpu_target):
     torch = pytest.importorskip("torch")
     import halstm.torch as ht
+    rtol = RTOL[precision]
     torch.manual_seed(0)
     ref = torch.nn.LSTM(I, H, num_layers=2)
-    m = ht.LSTM(I, H, num_layers=2, precision="tf32")
+    m = ht.LSTM(I, H, num_layers=2, precision=precision)
     m.load_state_dict(ref.state_dict())
     x = torch.randn(T, B, I)
     want, _ = ref(x)
@@ -61,10 +69,10 @@ def test_torch_module_in_tf32(gpu_target):
     got, _ = m(xc)
     got.sum().backward()
     scale = want.abs().max().item()
-    assert (got.detach().cpu() - want.detach()).abs().max().item() < TF32_RTOL * scale
+    assert (got.detach().cpu() - want.detach()).abs().max().item() < rtol * scale
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         err = (p.grad.cpu() - q.grad).abs().max().item() / q.grad.abs().max().item()
-        assert err < TF32_RTOL, name
+        assert err < rtol, name
     # on CPU tensors the module computes in fp32
     m = m.cpu()
     got, _ = m(x)
@@ -84,7 +92,9 @@ def test_the_library_says_where_cublas_is_missing(gpu_target, monkeypatch, tmp_p
 # is first loaded in a process.
 VENDOR_SIZES = {("lstm", "fp32"): (19, 45), ("lstm", "tf32"): (21, 47),
                 ("gru", "fp32"): (23, 49), ("gru", "tf32"): (25, 51),
-                ("layernorm_lstm", "fp32"): (27, 64), ("layernorm_lstm", "tf32"): (29, 96)}
+                ("layernorm_lstm", "fp32"): (27, 64), ("layernorm_lstm", "tf32"): (29, 96),
+                ("lstm", "bf16"): (33, 55), ("gru", "bf16"): (35, 57),
+                ("layernorm_lstm", "bf16"): (37, 80)}
 
 
 @pytest.mark.parametrize("cell, precision", list(VENDOR_SIZES))
@@ -105,7 +115,7 @@ def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, m
     dy = rng.standard_normal((9, 6, Hs)).astype(np.float32)
     want_y, _ = cpu(x)
     want = cpu.backward(dy)
-    rtol = 1e-4 if precision == "fp32" else TF32_RTOL
+    rtol = RTOL[precision]
     for _ in range(3):
         y, _ = gpu(x)
         got = gpu.backward(dy)
