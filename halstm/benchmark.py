@@ -44,6 +44,19 @@ def shapes() -> dict[str, dict]:
     return json.loads(text)["shapes"]
 
 
+def shape(name: str) -> dict:
+    """A shape by name: a shared one (shapes()), or written I x H x B x T x L,
+    e.g. 512x512x128x50x2. ValueError naming what was expected."""
+    known = shapes()
+    if name in known:
+        return known[name]
+    sizes = name.split("x")
+    if len(sizes) == 5 and all(v.isdigit() and int(v) > 0 for v in sizes):
+        return dict(zip("IHBTL", map(int, sizes)))
+    raise ValueError(f"shape {name!r}: expected one of {', '.join(known)} or I x H x B x T x L "
+                     f"as positive integers, e.g. 512x512x128x50x2")
+
+
 def flops(cell: str, s: dict, mode: str) -> float:
     """Multiply-add FLOPs of the GEMMs (forward; backward counted as 2x)."""
     G = len(cells.info(cell)["gates"])
@@ -370,13 +383,12 @@ def run(names, cell, scheds, target="host", peers=("numpy", "torch"), modes=("fw
     note. timing: keyword arguments for the rounds (min_runs, min_seconds,
     max_runs)."""
     from tqdm import tqdm
-    known = shapes()
     notes, results = [], []
     device = "cuda" if "cuda" in target.split("-") else "cpu"
     jobs = [(n, m) for n in names for m in modes]
     bar = tqdm(jobs, disable=not progress, unit="shape", file=sys.stderr)
     for name, mode in bar:
-        s, timed = known[name], []
+        s, timed = shape(name), []
         for impl in [*peers, *scheds]:
             bar.set_description(f"{name} {mode}: {impl or 'default'}")
             if impl == "numpy":

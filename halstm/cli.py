@@ -202,7 +202,9 @@ def inspect(folder, as_json):
 
 @main.command()
 @click.option("--shapes", default="small_128_b16", show_default=True,
-              help="Comma-separated shape names from the shared set, or 'all'.")
+              help="Comma-separated shapes: names from the shared set, or sizes "
+                   "IxHxBxTxL (input, hidden, batch, steps, layers), e.g. 512x512x128x50x2; "
+                   "or 'all' (the shared set).")
 @cell_options
 @click.option("--schedules", "schedule_list", default=None,
               help="Comma-separated schedules (default: the target's default), each "
@@ -233,12 +235,14 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
     of CPU time the hypervisor gave other guests, and other processes of
     this machine used, while a shape was timed."""
     from . import benchmark as B
-    known = B.shapes()
-    names = list(known) if shapes == "all" else [s.strip() for s in shapes.split(",") if s]
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise click.BadParameter(f"unknown shape(s) {bad}; known: {', '.join(known)}",
-                                 param_hint="--shapes")
+    names = list(B.shapes()) if shapes == "all" else [s.strip() for s in shapes.split(",") if s]
+    if not names:
+        raise click.BadParameter("expected shape names, got none", param_hint="--shapes")
+    for n in names:
+        try:
+            B.shape(n)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--shapes") from None
     scheds = [s.strip() for s in schedule_list.split(",")] if schedule_list else [None]
     for s in scheds:
         try:

@@ -256,6 +256,16 @@ def test_bench_end_to_end(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_takes_sizes_for_a_shape(tmp_path):
+    """IxHxBxTxL names a shape outside the shared set (the sizes of
+    small_128_b16's library, other batch and steps: no new build)."""
+    path = tmp_path / "bench.json"
+    run_cli("bench", "--shapes", "128x128x3x7x1", "--fwd", "--peers", "", "--json", path)
+    rows = json.loads(path.read_text())["results"]
+    assert [(r["shape"], r["impl"]) for r in rows] == [("128x128x3x7x1", "halstm:default")]
+    assert rows[0]["ms"] > 0 and rows[0]["max_rel_err"] < 1e-3
+
+
 # ---- bad arguments: exit code 2, one clear line, no traceback ----------------
 
 @pytest.fixture
@@ -289,7 +299,8 @@ BAD = {
     "bench tf32 on host": (["bench", "--schedules", "default@tf32"], ["--schedules", "CUDA"]),
     "bench unknown cell": (["bench", "--cell", "rnn"], ["--cell"]),
     "bench unknown shape": (["bench", "--shapes", "small_128_b16,huge"],
-                            ["--shapes", "huge", "small_128_b16"]),
+                            ["--shapes", "huge", "small_128_b16", "I x H x B x T x L"]),
+    "bench zero size": (["bench", "--shapes", "128x128x0x5x1"], ["--shapes", "128x128x0x5x1"]),
     "bench unknown schedule": (["bench", "--schedules", "cpu,fastest"],
                                ["--schedules", "fastest"]),
     "bench unknown peer": (["bench", "--peers", "numpy,jax"], ["--peers", "jax", "numpy"]),

@@ -750,14 +750,19 @@ def test_a_signal_during_the_first_build_exits_leaving_nothing_half_written(
     cache, out = tmp_path / "cache", tmp_path / "o.npz"
     proc = _spawn([*TRAIN, text_file, "--steps", 5, "--out", out],
                   env={"HALSTM_CACHE": str(cache)}, start_new_session=True)
+    def building():
+        return cache.exists() and any(p.name.startswith(".tmp-") for p in cache.iterdir())
     try:
+        # a build that is still going 0.1 s after it was seen (the first
+        # step builds several kernels; one may finish within the wait)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            if cache.exists() and any(p.name.startswith(".tmp-") for p in cache.iterdir()):
-                break
-            time.sleep(0.05)
+            if building():
+                time.sleep(0.1)
+                if building():
+                    break
+            time.sleep(0.02)
         assert proc.poll() is None, "the build finished before the test saw it"
-        time.sleep(0.3)
         if group:
             os.killpg(proc.pid, signum)
         else:

@@ -35,17 +35,20 @@ struct Cublas {
     int (*pop)(void **) = nullptr;
     int (*mem_alloc)(uint64_t *, size_t) = nullptr;   // libcuda's cuMemAlloc
     std::mutex lock;
-    // Device memory of the calls on one stream (g_stream), so that calls on
-    // two streams (halstm.torch's directions side by side) never share it:
+    // Device memory of the calls of one thread on one stream (g_stream), so
+    // that calls on two streams (halstm.torch's directions side by side), or
+    // from two threads on one stream (whose direct calls may interleave
+    // between an operand's copy and the GEMM reading it), never share it:
     // cuBLAS's workspace, ours so that nothing is allocated while a time
     // loop is captured into a graph (cuBLAS resets it on every stream
     // change), and grow-only buffers (BUFFERS): the vendor steps' products
     // hg (B, G, HP) and, with HALSTM_BF16, the operands' bf16 copies. Kept
     // for the library's life: graphs captured with them may still run.
     static constexpr size_t WORKSPACE = size_t(32) << 20;
-    static constexpr int STREAMS = 16;
+    static constexpr int STREAMS = 32;
     struct Scratch {
         void *stream = nullptr;
+        std::thread::id thread;
         uint64_t workspace = 0;
         uint64_t buffer[BUFFERS] = {};
         size_t bytes[BUFFERS] = {};
@@ -117,23 +120,25 @@ struct Cublas {
         return st ? 0 : p;
     }
 
-    // The memory of g_stream's calls (under lock); nullptr where none can
-    // be had.
+    // The memory of this thread's calls on g_stream (under lock); nullptr
+    // where none can be had.
     Scratch *for_stream() {
+        const std::thread::id me = std::this_thread::get_id();
         for (int i = 0; i < streams; i++)
-            if (scratch[i].stream == g_stream) return &scratch[i];
+            if (scratch[i].stream == g_stream && scratch[i].thread == me) return &scratch[i];
         if (streams == STREAMS) {
-            halide_error(nullptr, "cuBLAS: a library called on more than 16 streams");
+            halide_error(nullptr, "cuBLAS: a library called on more than 32 (thread, stream) "
+                                  "pairs");
             return nullptr;
         }
         uint64_t ws = alloc(WORKSPACE, "cuMemAlloc of cuBLAS's workspace");
         if (!ws) return nullptr;
         Scratch &s = scratch[streams++];
-        s.stream = g_stream, s.workspace = ws;
+        s.stream = g_stream, s.thread = me, s.workspace = ws;
         return &s;
     }
 
-    // Buffer `which` of g_stream, of at least `bytes`: the previous one
+    // Buffer `which` of this thread on g_stream, of at least `bytes`: the previous one
     // while it is large enough, else a new one (the old stays allocated: a
     // captured graph may read it). nullptr where that fails. Call it before
     // a time loop, never while one is captured.

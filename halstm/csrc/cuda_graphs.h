@@ -16,7 +16,10 @@ namespace {
 // cached under exactly those and replayed while they recur, as they do
 // when the same workspaces come back from the allocator's pool.
 void *g_context = nullptr;  // the CUcontext every kernel runs in
-void *g_stream = nullptr;   // the CUstream calls run on (halstm_cuda_set_stream; NULL: legacy)
+// The CUstream the calling thread's calls run on (halstm_cuda_set_stream;
+// NULL: legacy). Per thread, so that threads calling one library at once
+// (the GIL is released in ctypes calls) each keep their own stream.
+thread_local void *g_stream = nullptr;
 
 struct Graphs {
     // SLOTS: a training loop alternates two sets of saved states per layer
@@ -45,7 +48,10 @@ struct Graphs {
     Slot slots[SLOTS];
     uint64_t clock = 0;
     void *capture_stream = nullptr;
-    bool enabled = false, warmed = false, capturing = false;
+    bool enabled = false, warmed = false;
+    // this thread is capturing a time loop (under lock): its kernels go to
+    // capture_stream; another thread's calls meanwhile keep their stream
+    static thread_local bool capturing;
     long long replays = 0, captures = 0, direct = 0;
     std::mutex lock;
 
@@ -169,6 +175,7 @@ struct Graphs {
     }
 };
 
+thread_local bool Graphs::capturing = false;
 Graphs g_graphs;
 #endif
 
@@ -231,8 +238,9 @@ int halstm_cuda_init(void *context) {
     return halide_reuse_device_allocations(nullptr, true);
 }
 
-// The CUstream this library's next calls run on (NULL: the legacy default
-// stream); a caller keeps calls on several streams from overlapping.
+// The CUstream this library's next calls from the calling thread run on
+// (NULL: the legacy default stream); a caller keeps calls on several
+// streams from overlapping.
 void halstm_cuda_set_stream(void *stream) { g_stream = stream; }
 
 // Turn the time loops' graphs on (1) or off (0) for this library.

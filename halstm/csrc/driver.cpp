@@ -37,6 +37,7 @@
 #endif
 #ifdef HALSTM_CUDA
 #include <dlfcn.h>
+#include <thread>
 #endif
 
 #if HALSTM_CUBLAS && (!defined(HALSTM_CUDA) || HALSTM_XP_PANELS || HALSTM_ONEHOT)

@@ -147,3 +147,50 @@ def test_directions_side_by_side_keep_their_own_products(gpu_target, monkeypatch
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
         for p, g in zip(m.parameters(), want_grads):
             torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_threads_calling_one_library_at_once(precision, gpu_target, monkeypatch):
+    """Four threads run layers of one library at once (the GIL is released
+    in the kernels' calls), two on torch's default stream and two on
+    streams of their own, with the steps' products and the operands' bf16
+    copies by cuBLAS: each thread keeps its stream, its graph capture and
+    its buffers, and gets the outputs and gradients it gets alone, bit for
+    bit."""
+    import threading
+    torch = pytest.importorskip("torch")
+    import halstm.torch as ht
+    monkeypatch.setenv("HALSTM_VENDOR_STEP_ROWS", "4")
+    K, Hs = {"fp32": (39, 59), "bf16": (41, 61)}[precision]    # (sizes no other test loads)
+    torch.manual_seed(0)
+    mods = [ht.LSTM(K, Hs, num_layers=2, precision=precision).cuda() for _ in range(4)]
+    xs = [torch.randn(11, 8, K, device="cuda") for _ in mods]
+
+    def run(i):
+        mods[i].zero_grad()
+        y, _ = mods[i](xs[i])
+        y.square().sum().backward()
+        return [y.detach().clone()] + [p.grad.clone() for p in mods[i].parameters()]
+    want = [run(i) for i in range(4)]
+    got, errors = [[] for _ in mods], []
+    start = threading.Barrier(4)
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                start.wait()
+                for _ in range(6):          # direct, captured, replayed
+                    got[i].append(run(i))
+                stream.synchronize()
+        except Exception as e:              # (re-raised below, in the test's thread)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(4):
+        for results in got[i]:
+            assert all(torch.equal(a, b) for a, b in zip(results, want[i])), i
