@@ -149,23 +149,23 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1):
 # With vendor GEMMs (halstm.cublas), a step's recurrent product runs as a
 # cuBLAS GEMM where it has at least this many multiply-adds (B*G*H*H):
 # below, the fused Halide step (one kernel, the product in registers) is
-# faster than a GEMM launch plus a pointwise kernel
-# (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
-VENDOR_STEP_MACS = 1 << 27
-# A tensor-core (TF32 or bf16) backward from a quarter of that: its product
-# runs on tensor cores, and from H = fused_bwd_below the Halide backward
-# step is two kernels anyway, so the GEMM replaces one of them rather than
-# adding a launch.
-VENDOR_STEP_MACS_TENSOR_BWD = 1 << 25
+# faster than a GEMM launch plus a pointwise kernel. 1.5 * 2^26: the fused
+# step won at 2^26 (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512,
+# B=128) (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
+VENDOR_STEP_MACS = 3 << 25
+# Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
+# times faster than fp32's, and from H = fused_bwd_below the Halide
+# backward step is two kernels anyway, so the GEMM replaces one of them
+# rather than adding a launch.
+VENDOR_STEP_MACS_TENSOR = 1 << 25
 
 
 def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
                   precision: str = "fp32") -> Layout:
     """layout with the projection and gradient GEMMs by cuBLAS, and the
     steps' products too from the batch where they reach VENDOR_STEP_MACS
-    (VENDOR_STEP_MACS_TENSOR_BWD for a TF32 or bf16 backward)."""
-    macs = (VENDOR_STEP_MACS_TENSOR_BWD if direction == "bwd" and precision != "fp32"
-            else VENDOR_STEP_MACS)
+    (VENDOR_STEP_MACS_TENSOR in TF32 or bf16)."""
+    macs = VENDOR_STEP_MACS if precision == "fp32" else VENDOR_STEP_MACS_TENSOR
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))))
 

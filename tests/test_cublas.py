@@ -94,9 +94,9 @@ def test_a_cublas_build_links_and_says_so(tmp_path):
         assert (m["precision"], m["gemm"]) == (precision, "cublas")
         assert m["layout"]["vendor_gemm"] is True
         assert ("halstm_to_bf16" in m["pipelines"]) == (precision == "bf16")
-        # the steps' products by cuBLAS from the batch where they reach 2^27
-        # multiply-adds, 2^25 in a tensor-core backward
-        macs = 1 << (27 if direction == "fwd" else 25)
+        # the steps' products by cuBLAS from the batch where they reach 2^25
+        # multiply-adds in a tensor-core precision (1.5 * 2^26 in fp32)
+        macs = 1 << 25
         assert m["layout"]["vendor_step_rows"] == -(-macs // (3 * H * H))
         vendor = {"fwd": ["halstm_step_vendor", "halstm_step_vendor_infer"],
                   "bwd": ["halstm_step_bwd_vendor"]}[direction]
@@ -197,3 +197,16 @@ def test_to_bf16_rounds_to_nearest_even_and_keeps_nan():
     assert np.array_equal(got, want), np.flatnonzero(got != want)[:5]
     assert np.isnan((got[5:7].astype(np.uint32) << 16).view(np.float32)).all()
     assert got[7] == 0x7F80 and got[8] == 0xFF80         # 3.4e38 rounds to infinity
+
+
+@pytest.mark.parametrize("gates, H, precision, rows", [
+    (4, 512, "fp32", 96), (3, 512, "fp32", 128), (4, 512, "tf32", 32), (3, 512, "bf16", 43),
+    (4, 2048, "fp32", 6), (4, 128, "tf32", 512)])
+def test_steps_products_go_to_cublas_from_a_size(gates, H, precision, rows):
+    """cuda.vendor_layout: a step's product by cuBLAS from 1.5 * 2^26
+    multiply-adds (B*G*H*H) in fp32, 2^25 in TF32 and bf16."""
+    from halstm.layout import Layout
+    from halstm.schedules import cuda
+    lay = cuda.vendor_layout(Layout(), gates, H, "fwd", precision)
+    assert lay.vendor_gemm and lay.vendor_step_rows == rows
+    assert cuda.vendor_layout(Layout(), gates, H, "bwd", precision) == lay
