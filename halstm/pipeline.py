@@ -54,7 +54,8 @@ FUSED_BWD = {"step_bwd": "step_bwd_fused"}
 # the pipelines are the pointwise rest, used where a step has many rows.
 VENDOR_STEPS = {"fwd": ("step_vendor", "step_vendor_infer"), "bwd": ("step_bwd_vendor",)}
 # With Layout.vendor_bf16, to_bf16 rounds the vendor GEMMs' operands to
-# bfloat16 copies (the driver calls it before each GEMM that needs one).
+# bfloat16 copies (the driver calls it before each GEMM that needs one),
+# and the vendor steps store their product's operand (h, dhg) in bf16 too.
 
 
 class Stages:
@@ -96,6 +97,7 @@ class Pipe(Stages):
     split_small_below: int = 0    # rows than this (0: split_quantum whatever the rows)
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
+    vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -212,7 +214,7 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              layout.read_outputs, layout.split is not None, layout.xp_panels,
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
-             vendor_gemm=layout.vendor_gemm)
+             vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -381,15 +383,19 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     p.reduction_groups = cell.reduction_groups()
+    # with bf16 vendor GEMMs, also h's bf16 bits: the next step's product reads them
+    bits = vendor and p.vendor_bf16
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
-                         [saved[j, c, b] for c in range(S if save else 0)])
+                         [saved[j, c, b] for c in range(S if save else 0)] +
+                         ([_bf16_bits(new["h"][j, b])] if bits else []))
     p.inputs = [xp, recurrent, b_hh] + [prev[s] for s in cell.states] + vec
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
-    # of saved[t] (B, S, H), so a row stride of S*H
+    # of saved[t] (B, S, H), so a row stride of S*H; h's bits (B, H)
     for n, q in enumerate(out.output_buffers()):
-        _constrain(q, [H, None], None if n < len(cell.states) else [1, S * H],
+        dense = n < len(cell.states) or (bits and n == len(out.output_buffers()) - 1)
+        _constrain(q, [H, None], None if dense else [1, S * H],
                    bounds=n == 0 and not p.split_steps)
     p.shapes[out.name()] = [H, None]
     if p.split_steps:
@@ -499,7 +505,7 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
     term + W_hh^T dhg. vendor: without that product, which the driver adds
     to dh_prev (a vendor GEMM, beta = 1), and without the w_hh input."""
     cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
-    j, k, b = p.vars["j"], p.vars["k"], p.vars["b"]
+    j, k, b, gate = p.vars["j"], p.vars["k"], p.vars["b"], p.vars["gate"]
     # (dh is computed over all Hp)
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states)
     if not vendor:
@@ -527,6 +533,9 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
         outs["dhg_out"] = _output(dhg)
     if dvec is not None:
         outs["dvec_out"] = _output(dvec)
+    if vendor and p.vendor_bf16:   # dhg's bf16 bits: the driver's product reads them
+        outs["dhg_bf16_out"] = hl.Func("dhg_bf16_out")
+        outs["dhg_bf16_out"][j, gate, b] = _bf16_bits(dhg[j, gate, b])
     # With read_outputs (a GPU layout), the product reads dhg back from the
     # output just written: the pointwise backward runs once, in the kernel
     # that stores it, instead of a kernel of its own plus a copy. CPU
@@ -550,9 +559,11 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
         p.stages["dvec"] = dvec
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])
                  + [dprev[s] for s in cell.states]
-                 + ([p.stages["dvec_out"]] if dvec is not None else []))
-    for f in p.outputs[:1 + (not cell.dxp_is_dhg)]:
-        _fix_output(p, f, [H, G, None])                 # numpy (B, G, H)
+                 + ([p.stages["dvec_out"]] if dvec is not None else [])
+                 + ([outs["dhg_bf16_out"]] if "dhg_bf16_out" in outs else []))
+    for f in p.outputs[:1 + (not cell.dxp_is_dhg)] + [outs.get("dhg_bf16_out")]:
+        if f is not None:
+            _fix_output(p, f, [H, G, None])             # numpy (B, G, H)
     if dvec is not None:
         _fix_output(p, p.stages["dvec_out"], [H, p.V, None])   # numpy (B, V, H)
     if vendor:
@@ -756,10 +767,16 @@ def _to_bf16(p: Pipe) -> None:
     stays a (quiet) NaN, where rounding its bits could make it infinite."""
     i = p.vars["i"]
     a = _param(p, "a", [None])
-    bits = hl.reinterpret(hl.UInt(32), a[i])
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     out = hl.Func("a_bf16")
-    out[i] = hl.u16(hl.select(hl.is_nan(a[i]), (bits >> 16) | 0x40, rounded))
+    out[i] = _bf16_bits(a[i])
     p.inputs, p.outputs = [a], [out]
     _fix_output(p, out, [None])
     p.stages = {"a_bf16": out}
+
+
+def _bf16_bits(x) -> hl.Expr:
+    """The bfloat16 nearest float32 x (ties to even), as its uint16 bits; a
+    NaN a quiet NaN."""
+    bits = hl.reinterpret(hl.UInt(32), x)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return hl.u16(hl.select(hl.is_nan(x), (bits >> 16) | 0x40, rounded))

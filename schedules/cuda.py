@@ -623,7 +623,8 @@ def _bwd_pointwise(p, states):
     v = p.vars
     others = ([] if p.cell.dxp_is_dhg else [p.stage("dhg_out")]) + \
         [p.stage("dprev_" + s) for s in states] + \
-        ([p.stage("dvec_out")] if p.V else [])
+        ([p.stage("dvec_out")] if p.V else []) + \
+        ([p.stage("dhg_bf16_out")] if "dhg_bf16_out" in p.stages else [])
     if p.reductions:      # a block a batch row, its sums first (_row_block)
         _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
         _row_inputs(p, p.stage("dxp_out"), v["b"])

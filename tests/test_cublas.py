@@ -122,23 +122,30 @@ def test_torch_modules_check_the_precision_and_run_cpu_tensors_in_fp32():
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "layernorm_lstm"])
-def test_vendor_steps_allocate_no_device_memory(cell, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_vendor_steps_allocate_no_device_memory(cell, precision, tmp_path):
     """The steps around a vendor product are captured into CUDA graphs as
     the others are: they may not allocate device memory (test_cuda_nogpu.py).
-    (Lowers, needs no GPU.)"""
+    In bf16 they also store the product's operand as bf16 bits, in the
+    same kernel. (Lowers, needs no GPU.)"""
+    import dataclasses
     import halide as hl
     from halstm import cells, schedules
     target = hl.Target(CUDA_TARGET)
     module = schedules.for_target(target, "cuda")
-    layout = module.vendor_layout(module.layout(target), 4, 64)
+    layout = dataclasses.replace(module.vendor_layout(module.layout(target), 4, 64, "fwd",
+                                                      precision),
+                                 vendor_bf16=precision == "bf16")
     for kind in ("step_vendor", "step_vendor_infer", "step_bwd_vendor"):
         p = pipeline.build(cells.get(cell), kind, 13, 64, layout)
+        bits = [b for f in p.outputs for b in f.output_buffers() if b.type() == hl.UInt(16)]
+        assert len(bits) == (precision == "bf16"), kind
         getattr(module, kind)(p, target)
         stmt = tmp_path / f"{kind}.stmt"
         p.pipeline().compile_to_lowered_stmt(str(stmt), [hl.Argument(q) for q in p.inputs],
                                              hl.StmtOutputFormat.Text, target)
         text = stmt.read_text(errors="replace")
-        assert "halide_cuda_run" in text, kind
+        assert text.count("halide_cuda_run(") == 1, kind       # one kernel, bits included
         assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
         names = [q.name() for q in p.inputs]
         assert "wp_hh" not in names and "w_hh" not in names, names

@@ -74,11 +74,13 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     // with vendor, step_bwd_vendor (no w_hh: the driver adds the product;
     // h's gradient over H units).
     struct StepArgs {
-        View saved, dxp, dhg, dy, dvec, prev[NS], next[NS], dnext[NS], dprev[NS];
-        void *args[6 + 4 * NS + 4];
+        View saved, dxp, dhg, dy, dvec, prev[NS], next[NS], dnext[NS], dprev[NS], dhg_bits;
+        void *args[6 + 4 * NS + 5];
     };
-    auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor) {
-        (void)part;
+    // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits
+    auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor,
+                         const void *dhg_bits = nullptr) {
+        (void)part, (void)dhg_bits;
         const int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
         v.saved = View(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
         v.dxp = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
@@ -107,6 +109,12 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         if (!DXP_IS_DHG) v.args[n++] = v.dhg.hb();
         for (int s = 0; s < NS; s++) v.args[n++] = v.dprev[s].hb();
         if (NV) v.args[n++] = v.dvec.hb();
+#if HALSTM_BF16
+        if (vendor) {   // (rows, G, H) bits
+            v.dhg_bits = as_bf16(View((const float *)dhg_bits, {{H, 1}, {G, H}, {rows, G * H}}));
+            v.args[n++] = v.dhg_bits.hb();
+        }
+#endif
     };
 #if HALSTM_FUSED_BWD
     // One call a step (pipeline.py _step_bwd_fused): call t (T-1 down to -1)
@@ -206,11 +214,11 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             const int nxt = ((T - 1 - t) & 1) ^ 1;   // (the row dh_prev goes to)
             const int rows = step_rows(batch_sizes, t, B);
             StepArgs v;
-            step_args(v, t, rows, part, true);
+            step_args(v, t, rows, part, true, step.act);
             rc = halstm_step_bwd_vendor_argv(v.args);
             // dh_prev (rows, H of HP) += dhg (rows, G*H) W_hh (G*H, H)
             const float *dhg_rows = (DXP_IS_DHG ? dxp : dhg) + (int64_t)t * B * G * H;
-            const void *a = rc ? nullptr : step.activations(dhg_rows, (int64_t)rows * G * H);
+            const void *a = rc ? nullptr : step.activations(dhg_rows, (int64_t)rows * G * H, true);
             if (!rc)
                 rc = a ? gemm_typed("the step's product dhg W_hh", false, false, rows, H, G * H,
                                     a, G * H, step.w, H, OPERAND, 1.0f,

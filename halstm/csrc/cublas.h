@@ -2,9 +2,9 @@
 // cuBLAS GEMMs on the stream Halide's kernels run on, in the compute type
 // HALSTM_COMPUTE (halstm/cublas.py COMPUTE_TYPES), fp32 results. With
 // HALSTM_BF16 their operands are first rounded to bfloat16 copies by the
-// pipeline halstm_to_bf16 (a step's weight once before the time loop, its
-// activations each step), so that the GEMMs read half the bytes and run on
-// bf16 tensor cores. cuBLAS is loaded
+// pipeline halstm_to_bf16 (a step's weight once before the time loop; a
+// step's activations are stored in bf16 by the step pipelines themselves),
+// so that the GEMMs read half the bytes and run on bf16 tensor cores. cuBLAS is loaded
 // with dlopen by halstm_cublas_init (no CUDA toolkit at build time): the
 // few entry points are declared here with cuBLAS's v2 ABI.
 // Part of the driver: included once, by driver.cpp.
@@ -196,14 +196,19 @@ int gemm_typed(const char *what, bool ta, bool tb, int m, int n, int k, const vo
 constexpr int OPERAND = R_16BF;
 constexpr size_t OPERAND_BYTES = 2;
 
+// v as a view of bfloat16 bits (uint16) rather than float32
+View as_bf16(View v) {
+    v.buf.type.code = halide_type_uint, v.buf.type.bits = 16;
+    return v;
+}
+
 // dst (n) = src (n) rounded to bfloat16 (round to nearest even; NaN stays NaN)
 int to_bf16(const float *src, int64_t n, void *dst) {
     if (n > INT32_MAX) {
         halide_error(nullptr, "to_bf16: more than 2^31 - 1 elements");
         return -1;
     }
-    View vs(src, {{(int)n, 1}}), vd((const float *)dst, {{(int)n, 1}});
-    vd.buf.type.code = halide_type_uint, vd.buf.type.bits = 16;
+    View vs(src, {{(int)n, 1}}), vd = as_bf16(View((const float *)dst, {{(int)n, 1}}));
     return halstm_to_bf16(vs.hb(), vd.hb());
 }
 
@@ -245,7 +250,9 @@ int gemm_gates(const char *what, int rows, int n, const void *A, const void *W, 
 #ifdef HALSTM_VENDOR_STEP_ROWS
 // The steps' products: W_hh (G*H, H) as the GEMMs read it, made before the
 // time loop (outside a captured graph), and each step's activations
-// (at most B rows of G*H) as the GEMM reads them.
+// (at most B rows of G*H) as the GEMM reads them. With HALSTM_BF16 the step
+// pipelines store them in bf16 (h for the next step, dhg for this one) into
+// act, the GEMMs' operand; only the forward's initial h is converted here.
 struct StepGemm {
     const void *w = nullptr;
     void *act = nullptr;      // HALSTM_BF16: the activations' copy
@@ -259,12 +266,14 @@ struct StepGemm {
         return w ? 0 : -1;
 #endif
     }
-    // src (elems) as the GEMM reads it
-    const void *activations(const float *src, int64_t elems) {
+    // src (elems) as the GEMM reads it; written: a step pipeline already
+    // stored its bf16 copy in act
+    const void *activations(const float *src, int64_t elems, bool written) {
 #if HALSTM_BF16
+        if (written) return act;
         return to_bf16(src, elems, act) == 0 ? act : nullptr;
 #else
-        (void)elems;
+        (void)elems, (void)written;
         return src;
 #endif
     }

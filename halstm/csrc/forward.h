@@ -95,9 +95,9 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             }
 #ifdef HALSTM_VENDOR_STEP_ROWS
             // hg (rows, G, HP) = h_t (rows, H) W_hh^T
-            if (vendor) {
+            if (vendor) {   // (h_t's bf16 copy: step t-1 stored it, after t = 0)
                 const void *h = step.activations(states[0] + (int64_t)t * B * H,
-                                                 (int64_t)rows * H);
+                                                 (int64_t)rows * H, t > 0);
                 rc = h ? gemm_gates("the step's product h W_hh^T", rows, H, h, step.w, 0.0f, hg)
                        : -1;
             }
@@ -118,7 +118,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             const float *saved_t = saved + (int64_t)t * B * S * H;
             for (int c = 0; saved && c < S; c++)
                 sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
-            void *args[4 + 2 * NS + 2 + S];
+            void *args[4 + 2 * NS + 2 + S + 1];
             int n = 0;
             args[n++] = xp_t.hb(), args[n++] = vendor ? hg_t.hb() : vwp_hh.hb();
             args[n++] = vb_hh.hb();
@@ -128,8 +128,14 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
             for (int s = 0; s < NS; s++) args[n++] = next[s].hb();
-            if (saved) {
+            if (saved)
                 for (int c = 0; c < S; c++) args[n++] = sv[c].hb();
+#if HALSTM_BF16
+            // the new h's bf16 bits (rows, H): step t+1's product reads them
+            View h_bits = as_bf16(View((const float *)step.act, {{H, 1}, {rows, H}}));
+            if (vendor) args[n++] = h_bits.hb();
+#endif
+            if (saved) {
 #ifdef HALSTM_VENDOR_STEP_ROWS
                 if (vendor) rc = halstm_step_vendor_argv(args);
                 else
