@@ -104,18 +104,20 @@ class Library:
             self._entry = self._lib.halstm_backward
             self._entry.argtypes = [_I, _I] + [_P] * 21
         self._entry.restype = _I
-        self._ws = {}      # by (memory kind, name)
+        self._ws = {}      # by (memory kind, stream, name)
         # One call at a time: the workspaces are shared between calls, and
         # ctypes releases the GIL while the library runs.
         self._lock = threading.Lock()
 
-    def _workspace(self, mem, name: str, shape, zeros=False):
+    def _workspace(self, mem, stream, name: str, shape, zeros=False):
         """An array of `mem` that only lives through one call (packed
         weights, the projected inputs, dxp), kept for the next call of the
-        same shape: fresh ones were faulted in on every call (the char LM's
-        backward spent about 15% of its time in page faults on the 2-core
-        VM). zeros: zero-filled when made (for parts that calls only read)."""
-        key = (mem.kind, name)
+        same shape on the same stream: fresh ones were faulted in on every
+        call (the char LM's backward spent about 15% of its time in page
+        faults on the 2-core VM). One per CUDA stream, since calls on two
+        streams may run at once (calls on one stream run in turn). zeros:
+        zero-filled when made (for parts that calls only read)."""
+        key = (mem.kind, stream, name)
         a = self._ws.get(key)
         if a is None or tuple(a.shape) != tuple(shape):
             self._ws.pop(key, None)
@@ -225,9 +227,9 @@ class Library:
                     states[s][0] = s0
             saved = mem.empty((T, B, S, H)) if save else None
             Hp, P = self.Hp, self.P
-            ws = [self._workspace(mem, "wp_ih", (Hp // P, K, G, P)),
-                  self._workspace(mem, "wp_hh", (Hp // P, H, G, P)),
-                  self._workspace(mem, "xp", (T, B, G, Hp))]
+            ws = [self._workspace(mem, stream, "wp_ih", (Hp // P, K, G, P)),
+                  self._workspace(mem, stream, "wp_hh", (Hp // P, H, G, P)),
+                  self._workspace(mem, stream, "xp", (T, B, G, Hp))]
             self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *map(mem.ptr, ws), None if saved is None else mem.ptr(saved),
@@ -254,8 +256,8 @@ class Library:
             need_dx = need_dx and not self.onehot
             fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
             if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
-                fused = self._workspace(mem, "fused_bwd", (3 * B * Hp + 3 * B * G * H
-                                                          + B * V * H,), zeros=True)
+                fused = self._workspace(mem, stream, "fused_bwd",
+                                        (3 * B * Hp + 3 * B * G * H + B * V * H,), zeros=True)
             # step t reads a row's state gradient from [(T - 1 - t) & 1], so a
             # row of length n starts from [(T - n) & 1]; the fused step reads
             # step t's dh_add rows from add[(t + 1) & 1]: n's from add[n & 1]
@@ -273,11 +275,12 @@ class Library:
                 dstate.append(a)
             ws = [None, None]       # no pack_bwd: the products read the weights as given
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
-                ws = [self._workspace(mem, "wq_ih", (Kp // P, G, H, P)),
-                      self._workspace(mem, "wq_hh", (Hp // P, G, H, P))]
-            dxp = self._workspace(mem, "dxp", (T, B, G, H))
-            dhg = dxp if self.manifest["dxp_is_dhg"] else self._workspace(mem, "dhg", (T, B, G, H))
-            dvec_rows = self._workspace(mem, "dvec_rows", (T, B, V, H)) if V else None
+                ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
+                      self._workspace(mem, stream, "wq_hh", (Hp // P, G, H, P))]
+            dxp = self._workspace(mem, stream, "dxp", (T, B, G, H))
+            dhg = (dxp if self.manifest["dxp_is_dhg"] else
+                   self._workspace(mem, stream, "dhg", (T, B, G, H)))
+            dvec_rows = self._workspace(mem, stream, "dvec_rows", (T, B, V, H)) if V else None
             if bs is not None:     # rows no step writes enter the sums as zeros
                 for a in {id(a): a for a in (dxp, dhg, dvec_rows) if a is not None}.values():
                     mem.zero(a)
