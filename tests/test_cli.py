@@ -182,17 +182,19 @@ def test_compile_cuda(cuda_dir):
         assert (d / p["library"]).read_bytes()[:4] == b"\x7fELF"
 
 
-def test_compile_tf32(tmp_path):
-    out = tmp_path / "tf32"
-    run_cli("compile", "-i", I, "-H", H, "--target", CUDA_TARGET, "--precision", "tf32",
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_compile_reduced_precision(precision, tmp_path):
+    out = tmp_path / precision
+    run_cli("compile", "-i", I, "-H", H, "--target", CUDA_TARGET, "--precision", precision,
             "--out", out)
     top = manifest(out)
-    assert (top["precision"], top["gemm"]) == ("tf32", "cublas")
+    assert (top["precision"], top["gemm"]) == (precision, "cublas")
     for p, d in parts(out):
         m = manifest(d)
-        assert (m["precision"], m["gemm"]) == ("tf32", "cublas") and p["library"]
+        assert (m["precision"], m["gemm"]) == (precision, "cublas") and p["library"]
+        assert ("halstm_to_bf16" in m["pipelines"]) == (precision == "bf16")
     shown = run_cli("inspect", out).output
-    assert "precision:      tf32" in shown and "gemm:           cublas" in shown
+    assert f"precision:      {precision}" in shown and "gemm:           cublas" in shown
 
 
 def test_compile_cross(cross_dir):
