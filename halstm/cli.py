@@ -215,9 +215,10 @@ def inspect(folder, as_json):
 @click.option("--peers", default="numpy,torch", show_default=True,
               help="Comma-separated peers to time beside halstm: numpy, torch (the "
                    "cell's torch.nn module, where torch has one), torch_tf32 and torch_bf16 "
-                   "(cuDNN with TF32, or in bfloat16; GPU targets only), torch_eager (the cell's step in PyTorch eager, stepped "
-                   "from Python), torch_lstm (torch.nn.LSTM at the same shape, whatever the "
-                   "cell), lstm (halstm's LSTM at the same shape); '' for none.")
+                   "(cuDNN with TF32, or in bfloat16; GPU targets only), torch_eager (the "
+                   "cell's step in PyTorch eager, stepped from Python), torch_lstm "
+                   "(torch.nn.LSTM at the same shape, whatever the cell), lstm (halstm's LSTM "
+                   "at the same shape); '' for none.")
 @click.option("--fwd/--fwdbwd", "fwd_only", default=None,
               help="Forward only, or forward+backward (default: both).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))

@@ -561,9 +561,10 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
                  + [dprev[s] for s in cell.states]
                  + ([p.stages["dvec_out"]] if dvec is not None else [])
                  + ([outs["dhg_bf16_out"]] if "dhg_bf16_out" in outs else []))
-    for f in p.outputs[:1 + (not cell.dxp_is_dhg)] + [outs.get("dhg_bf16_out")]:
-        if f is not None:
-            _fix_output(p, f, [H, G, None])             # numpy (B, G, H)
+    for f in p.outputs[:1 + (not cell.dxp_is_dhg)]:
+        _fix_output(p, f, [H, G, None])                 # numpy (B, G, H)
+    if "dhg_bf16_out" in outs:
+        _fix_output(p, outs["dhg_bf16_out"], [H, G, None])     # (B, G, H) bf16 bits
     if dvec is not None:
         _fix_output(p, p.stages["dvec_out"], [H, p.V, None])   # numpy (B, V, H)
     if vendor:

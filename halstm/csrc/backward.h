@@ -217,13 +217,12 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             step_args(v, t, rows, part, true, step.act);
             rc = halstm_step_bwd_vendor_argv(v.args);
             // dh_prev (rows, H of HP) += dhg (rows, G*H) W_hh (G*H, H)
+            // (dhg as the GEMM reads it: step_bwd_vendor stored its bf16 copy)
             const float *dhg_rows = (DXP_IS_DHG ? dxp : dhg) + (int64_t)t * B * G * H;
-            const void *a = rc ? nullptr : step.activations(dhg_rows, (int64_t)rows * G * H, true);
             if (!rc)
-                rc = a ? gemm_typed("the step's product dhg W_hh", false, false, rows, H, G * H,
-                                    a, G * H, step.w, H, OPERAND, 1.0f,
-                                    dstate[0] + (int64_t)nxt * B * HP, HP)
-                       : -1;
+                rc = gemm_typed("the step's product dhg W_hh", false, false, rows, H, G * H,
+                                step.activations(dhg_rows, (int64_t)rows * G * H, true), G * H,
+                                step.w, H, OPERAND, 1.0f, dstate[0] + (int64_t)nxt * B * HP, HP);
             if (!step_done(barrier, rc)) break;
         }
         return rc;

@@ -267,7 +267,7 @@ struct StepGemm {
 #endif
     }
     // src (elems) as the GEMM reads it; written: a step pipeline already
-    // stored its bf16 copy in act
+    // stored its bf16 copy in act (then never nullptr)
     const void *activations(const float *src, int64_t elems, bool written) {
 #if HALSTM_BF16
         if (written) return act;
