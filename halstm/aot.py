@@ -74,7 +74,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = pipeline.FORWARD_IDS if spec.direction == "fwd" else pipeline.BACKWARD_IDS
     else:
         kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
-    if spec.hidden_size < layout.fused_bwd_below and not spec.onehot:
+    if spec.hidden_size < layout.fused_bwd_below:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")

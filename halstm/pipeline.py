@@ -633,8 +633,10 @@ def _step_bwd_fused(p: Pipe) -> None:
     strides = ([Hp] + [G * H] * planes + [Hp] * (len(cell.states) - 1)
                + [p.V * H] * p.V + [Hp])
     for n, (q, stride) in enumerate(zip(out.output_buffers(), strides)):
-        _constrain(q, [H, None], [1, stride], bounds=n == 0)
+        _constrain(q, [H, None], [1, stride], bounds=n == 0 and not p.split_steps)
     p.shapes["dstep"] = [H, None]
+    if p.split_steps:
+        _unit_range(p, [(out.output_buffers()[0], H)])
     p.rdoms = {"jg": r}
 
 

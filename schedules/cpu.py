@@ -62,7 +62,8 @@ def layout(target: hl.Target) -> Layout:
     SPLIT_ROWS)."""
     P = panel(target)
     return Layout(panel=P, dw_cols=registers(target) * 3 // 4 // 6 * P, dw_rows=6, xp_panels=True,
-                  split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS))
+                  split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS),
+                  fused_bwd_below=FUSED_BWD_BELOW)
 
 
 def reducing_layout(layout: Layout, direction: str, G: int, H: int, knobs=None) -> Layout:
@@ -220,6 +221,9 @@ SPLIT_CALL_MACS = 1 << 23
 # AVX-512, 2 x 4 with AVX2, see step_bwd); ranges of the forward tile's 2
 # rows (AVX2) left the backward a tile of 1 row and lost.
 SPLIT_ROWS = 4
+# Every hidden size: one backward step pipeline a step, step_bwd_fused (see
+# there); a cell that reduces over units keeps step_bwd (reducing_layout).
+FUSED_BWD_BELOW = 1 << 30
 
 
 def _pointwise(f, vw):
@@ -429,33 +433,65 @@ def step_bwd(p, target):
                 d.parallel(b)
         _row_sums(p, first, b, vw)   # each row's sums inside its iteration
     r = p.rdoms["jg"]
-    # dh tiles whose accumulators fill half the vector registers (16 with
-    # AVX-512, 8 with AVX2): panels x rows = 4 x 4 or 2 x 4, fewer panels
-    # and more rows (up to 8) where those panels of W_hh^T (G*H*P floats
-    # each) would not fit in half an L2 (knob dh_panel_kib, 512 KiB; they
-    # are read once per row tile); below that many rows, 8 panels x 1 row
-    # (one row is FMA latency-bound). Tiles span panels that divide Hp / P
-    # and leave the driver at least two ranges of whole tiles
-    # (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd tiles).
     batch = p.param("saved").dim(2).extent()
+    wide, rows, narrow = _dh_tiles(p, target)
+    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
+          panels=wide, small=(batch < rows, narrow, "ko" if own else None),
+          par="ko" if own else None)
+    for s in p.cell.states[1:]:
+        _pointwise(p.stage("dprev_" + s), vw)
+
+
+def _dh_tiles(p, target, narrow=True) -> tuple:
+    """(wide, rows, narrow): tiles of the backward product dh = W_hh^T dhg,
+    wide panels x rows, or narrow panels x 1 row below that many rows.
+    The accumulators fill half the vector registers (16 with AVX-512, 8
+    with AVX2): 4 x 4 or 2 x 4, fewer panels and more rows (up to 8) where
+    those panels of W_hh^T (G*H*P floats each) would not fit in half an L2
+    (knob dh_panel_kib, 512 KiB; they are read once per row tile); below
+    that many rows, 8 panels x 1 row (one row is FMA latency-bound). Tiles
+    span panels that divide Hp / P and leave the driver at least two
+    ranges of whole tiles (bench/RESULTS.md, "Schedule decisions":
+    cpu.step_bwd tiles). Sets the driver's ranges: whole tiles of `wide`
+    panels where every step of the loop has `rows` rows or more, else of
+    whole tiles of both kinds (more threads where the wide tiles are
+    narrower, e.g. 8 instead of 4 at H=512 with AVX-512); ranges of rows
+    up to 1 MiB of W_hh (see SPLIT_ROWS). narrow False: below `rows` rows,
+    tiles of wide panels x 1 row."""
     half = max(1, p.Hp // p.P // 2)
     fit = max(1, (knob(p, "dh_panel_kib") << 10) // (p.G * p.H * p.P * 4))
     accumulators = registers(target) // 2
     wide = _panels(p.Hp, p.P, min(accumulators // 4, half, fit))
     rows = min(8, accumulators // wide)
-    narrow = _panels(p.Hp, p.P, min(8, half))
-    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
-          panels=wide, small=(batch < rows, narrow, "ko" if own else None),
-          par="ko" if own else None)
-    # ranges of whole tiles: of `wide` panels where every step of the loop
-    # has `rows` rows or more, else of whole tiles of both kinds (more
-    # threads where the wide tiles are narrower, e.g. 8 instead of 4 at
-    # H=512 with AVX-512)
+    narrow = _panels(p.Hp, p.P, min(8, half)) if narrow else wide
     p.split_quantum, p.split_quantum_small = wide, math.lcm(wide, narrow)
     p.split_small_below = rows
-    p.split_batch_bytes = 1 << 20      # ranges of rows below (see SPLIT_ROWS)
-    for s in p.cell.states[1:]:
-        _pointwise(p.stage("dprev_" + s), vw)
+    p.split_batch_bytes = 1 << 20
+    return wide, rows, narrow
+
+
+def step_bwd_fused(p, target):
+    """A backward step as one loop nest over tiles of its units k and rows
+    (pipeline.py _step_bwd_fused): per tile, the product dh = W_hh^T
+    dhg_next in registers (the tiles of step_bwd's product), then the
+    pointwise backward of those units and rows and its stores. Each of the
+    driver's threads computes the pointwise part of its own units only
+    (step_bwd's threads each compute it for every unit, since their product
+    reads them all), with one barrier a step as before
+    (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd_fused)."""
+    k, b = p.vars["k"], p.vars["b"]
+    r = p.rdoms["jg"]
+    out, acc = p.stage("out"), p.stage("dh_acc")
+    batch = p.param("saved").dim(2).extent()
+    # units past H (when P does not divide H) are computed and not stored:
+    # the tiles at that edge are whole, one kind of them
+    aligned = p.H % p.P == 0
+    wide, rows, narrow = _dh_tiles(p, target, narrow=aligned)
+    if not aligned:
+        acc.bound_extent(k, p.P * wide)
+    _tile(out, acc, k, p.P, [(b, rows, GUARD)], [r.x, r.y], panels=wide,
+          vec_tail=ROUND if p.H % p.P == 0 else GUARD, small=(batch < rows, narrow, None),
+          par=None if p.split_steps else "ko")
 
 
 def gather(p, target):

@@ -201,7 +201,7 @@ def _cuda_pipe(cell, kind, K, H):
 # On CUDA the backward reads the weights as given (no pack_bwd; the
 # autoschedulers take the cuda schedule's layout).
 @pytest.mark.parametrize("schedule", GPU)
-def test_fused_backward_step_below_h512_on_the_cuda_schedule(schedule):
+def test_fused_backward_step_below_h512_on_cuda_everywhere_on_cpu(schedule):
     import halide as hl
     layout = schedules.for_target(CUDA_TARGET, schedule).layout(hl.Target(CUDA_TARGET))
     for hidden, fused in ((37, True), (511, True), (512, False), (1024, False)):
@@ -211,8 +211,11 @@ def test_fused_backward_step_below_h512_on_the_cuda_schedule(schedule):
         assert kinds == (want, "grads"), (hidden, kinds)
         assert aot.pipeline_kinds(aot.Spec("lstm", I, hidden, "fwd", CUDA_TARGET, schedule),
                                   layout) == ("pack", "proj", "step", "step_infer")
+    # the cpu schedule: one backward step pipeline a step at every hidden size
     cpu = schedules.for_target("host", "cpu").layout(hl.Target("host"))
-    assert aot.pipeline_kinds(aot.Spec("lstm", I, H, "bwd"), cpu) == ("pack_bwd", "step_bwd", "grads")
+    for hidden in (37, 512, 1024):
+        assert (aot.pipeline_kinds(aot.Spec("lstm", I, hidden, "bwd"), cpu)
+                == ("pack_bwd", "step_bwd_fused", "grads"))
 
 
 # The cuda schedule computes the per-step products as lanes products

@@ -153,7 +153,11 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
                 dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
                 dprev[s] = dstate_row(dstate[s], nxt, B, H, rows);
             }
-            void *args[10 + 4 * NS + 2 * G + NV];
+            if (!PART_HAS_ROWS(rows)) {   // (a part of rows past the step's: no call)
+                if (!step_done(barrier, 0)) break;
+                continue;
+            }
+            void *args[12 + 4 * NS + 2 * G + NV];
             int n = 0;
             args[n++] = saved_t.hb(), args[n++] = h0.hb();
             for (int s = 1; s < NS; s++) args[n++] = prev[s].hb();
@@ -163,20 +167,26 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
             args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
             if (NV) args[n++] = vvec.hb();
+#if HALSTM_SPLIT
+            // the outputs: this thread's part of the units or rows; the inputs whole
+            args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
+#endif
+            dh = PART(dh, H, 1);
             args[n++] = dh.hb();
             View dplanes[G];
-            for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = plane(dxp_t, g)).hb();
+            for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = PART(plane(dxp_t, g), H, 1)).hb();
 #if !DXP_IS_DHG
             float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + (int64_t)t * B * G * H;
             View eplanes[G];
-            for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = plane(dhg_t, g)).hb();
+            for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = PART(plane(dhg_t, g), H, 1)).hb();
 #endif
-            for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
+            for (int s = 1; s < NS; s++) args[n++] = (dprev[s] = PART(dprev[s], H, 1)).hb();
             // dvec channel c: a plane of dvec_rows[t] (B, NV, H) (call -1: unused, scratch)
             View vplanes[NV > 0 ? NV : 1];
             float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + (int64_t)t * B * NV * H;
             for (int c = 0; c < NV; c++)
-                args[n++] = (vplanes[c] = View(dvec_t + c * H, {{H, 1}, {rows, NV * H}})).hb();
+                args[n++] = (vplanes[c] = PART(View(dvec_t + c * H, {{H, 1}, {rows, NV * H}}), H, 1)).hb();
+            add_out = PART(add_out, H, 1);
             args[n++] = add_out.hb();
             rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;
