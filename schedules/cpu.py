@@ -103,7 +103,7 @@ def _vw(target, extent: int) -> int:
 
 
 def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None, panels=1,
-          chunk=None, extent=None):
+          chunk=None, extent=None, unroll_out=True):
     """Register-tile out(vec, ...): vec split by vec_w * panels, each
     vec_w-wide panel vectorized and the panels unrolled; each (var, factor,
     tail) in cols split (factor None: the whole small axis) and unrolled;
@@ -116,14 +116,17 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
     get a tile of 1 along it. `small`: (condition, panels, par) for a tile
     of that many panels and no batch tiling where condition holds (tiny
     batches, where a batch tile would waste FMAs). extent: the GUARD col's
-    extent where out is not an output (else its buffer's)."""
+    extent where out is not an output (else its buffer's). unroll_out
+    False: out's own tile loops (not acc's) stay loops, for an out whose
+    per-element work is large (less code to compile)."""
     runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
     tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
     untiled = [(v, 1, ROUND) if tail in (GUARD, ROUND) and f else (v, f, tail)
                for v, f, tail in cols]
     if small is not None:
         cond, small_panels, small_par = small
-        _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, small_par, vec_tail)
+        _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, small_par, vec_tail,
+               unroll=unroll_out)
     if runtime:
         dims = {a.name(): d for d, a in enumerate(out.args())}
         buf = out.output_buffers()[0] if extent is None else None
@@ -131,10 +134,11 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
         for v, f in runtime:
             c = (buf.dim(dims[v.name()]).extent() if extent is None else extent) >= f
             cond = c if cond is None else (cond & c)
-        _loops(out.specialize(cond), out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk)
-        _loops(out, out, vec, vec_w, panels, untiled, par, vec_tail, chunk)
+        _loops(out.specialize(cond), out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk,
+               unroll_out)
+        _loops(out, out, vec, vec_w, panels, untiled, par, vec_tail, chunk, unroll_out)
     else:
-        _loops(out, out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk)
+        _loops(out, out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk, unroll_out)
     # per tile: inside the innermost tile loop (all specializations name it alike)
     innermost = next((hl.Var(v.name() + "o") for v, f, _ in cols if f is not None),
                      hl.Var(vec.name() + "o"))
@@ -149,7 +153,7 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
     return out
 
 
-def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail, chunk=None):
+def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail, chunk=None, unroll=True):
     """The loop nest of one (specialization of a) tiled stage."""
     vo, vi = hl.Var(vec.name() + "o"), hl.Var(vec.name() + "i")
     vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
@@ -178,7 +182,7 @@ def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail, chunk=None):
     if chunk is not None:
         outer += chunks
     stage.reorder(*(inner + outer)).vectorize(vv)
-    for i in inner[1:]:
+    for i in inner[1:] if unroll else ():
         stage.unroll(i)
     if par is not None and chunk is not None and par == vo.name():
         # one parallel loop over (chunk, panel) pairs, chunk-major: the
@@ -396,7 +400,9 @@ step_infer = step
 
 
 def step_bwd(p, target):
-    """One thread (the driver runs ranges of units or rows on its threads,
+    """The backward step where the layout has no fused step (a cell that
+    reduces over units: reducing_layout; the others run step_bwd_fused).
+    One thread (the driver runs ranges of units or rows on its threads,
     split_steps): the pointwise backward for every unit (the product reads
     them all), then dh_prev = W_hh^T dhg for this thread's units. A cell
     that reduces over units: one loop over rows for the pointwise part and
@@ -490,8 +496,8 @@ def step_bwd_fused(p, target):
     if not aligned:
         acc.bound_extent(k, p.P * wide)
     _tile(out, acc, k, p.P, [(b, rows, GUARD)], [r.x, r.y], panels=wide,
-          vec_tail=ROUND if p.H % p.P == 0 else GUARD, small=(batch < rows, narrow, None),
-          par=None if p.split_steps else "ko")
+          vec_tail=ROUND if aligned else GUARD, small=(batch < rows, narrow, None),
+          par=None if p.split_steps else "ko", unroll_out=False)
 
 
 def gather(p, target):
