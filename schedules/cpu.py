@@ -400,15 +400,14 @@ step_infer = step
 
 
 def step_bwd(p, target):
-    """The backward step where the layout has no fused step (a cell that
-    reduces over units: reducing_layout; the others run step_bwd_fused).
-    One thread (the driver runs ranges of units or rows on its threads,
-    split_steps): the pointwise backward for every unit (the product reads
-    them all), then dh_prev = W_hh^T dhg for this thread's units. A cell
-    that reduces over units: one loop over rows for the pointwise part and
-    its sums (in parallel without split_steps), outputs other than the
-    product's operand computed in it rather than copied, then the product
-    (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    """The backward step of a cell that reduces over units (reducing_layout
+    has no fused step; the other cells run step_bwd_fused). One thread
+    where the driver runs ranges of rows on its threads (split_steps), else
+    rows in parallel: one loop over rows for the pointwise part and its
+    sums, outputs other than the product's operand computed in it rather
+    than copied, then dh_prev = W_hh^T dhg (bench/RESULTS.md, "Schedule
+    decisions": cpu.step rows)."""
+    assert p.reductions, "step_bwd: a cell that reduces over units (the others: step_bwd_fused)"
     v, H = p.vars, p.H
     k, b = v["k"], v["b"]
     vw = _vw(target, H)
@@ -416,11 +415,10 @@ def step_bwd(p, target):
     names = (product_in,) + tuple(n for n in ("dxp", "dvec" if p.V else None)
                                   if n and n != product_in)
     own = not p.split_steps
-    rows = own or p.reductions     # one loop over rows for the whole pointwise part
     first = None
     for name in names:
         copy = _pointwise(p.stage(name + "_out"), vw)
-        if rows and name != product_in:   # an output only: computed in the loop, no copy
+        if name != product_in:   # an output only: computed in the loop, no copy
             f = copy
         else:
             f = _pointwise(p.stage(name).compute_root(), vw)
@@ -428,16 +426,15 @@ def step_bwd(p, target):
                 copy.parallel(b)
         if own:
             f.parallel(b)
-        if rows and first is None:
+        if first is None:
             first = f
-        elif rows:
+        else:
             f.compute_with(first, b)
-    if p.reductions:
-        for s in p.cell.states[1:]:
-            d = p.stage("dprev_" + s).compute_with(first, b)
-            if own:
-                d.parallel(b)
-        _row_sums(p, first, b, vw)   # each row's sums inside its iteration
+    for s in p.cell.states[1:]:
+        d = p.stage("dprev_" + s).compute_with(first, b)
+        if own:
+            d.parallel(b)
+    _row_sums(p, first, b, vw)   # each row's sums inside its iteration
     r = p.rdoms["jg"]
     batch = p.param("saved").dim(2).extent()
     wide, rows, narrow = _dh_tiles(p, target)

@@ -134,6 +134,11 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             // step u's rows (step t+1's, which the product finishes, are as
             // many or fewer: its other rows of dhg_next are zeros)
             const int rows = step_rows(batch_sizes, u, B);
+            if (!PART_HAS_ROWS(rows)) {   // (a part of rows past the step's: no call)
+                if (!step_done(barrier, 0)) break;
+                continue;
+            }
+            // the inputs whole; the outputs this thread's part of the units or rows
             View saved_t(saved + (int64_t)u * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
             View dy_t = bh(dy, u, B, rows);
             View h0 = bh(states[0], u, B, rows), h1 = bh(states[0], u + 1, B, rows);
@@ -142,8 +147,9 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
                           {{H, 1}, {G, H}, {rows, G * H}});
             View dh_add = t == T - 1 ? dstate_row(dstate[0], 0, B, H, rows)
                                      : dstate_row(add, (t + 1) & 1, B, H, rows);
-            View add_out = dstate_row(add, t & 1, B, H, rows);
-            View dh = t < 0 ? dstate_row(dstate[0], T & 1, B, H, rows) : dstate_row(dh_scratch, 0, B, H, rows);
+            View add_out = PART(dstate_row(add, t & 1, B, H, rows), H, 1);
+            View dh = PART(t < 0 ? dstate_row(dstate[0], T & 1, B, H, rows)
+                                 : dstate_row(dh_scratch, 0, B, H, rows), H, 1);
             // a gate's plane of (B, G, H), its leading rows
             auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {rows, G * H}}); };
             float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
@@ -151,11 +157,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int s = 1; s < NS; s++) {   // (h's are above: h0, h1, dh_add, dh)
                 prev[s] = bh(states[s], u, B, rows), next[s] = bh(states[s], u + 1, B, rows);
                 dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
-                dprev[s] = dstate_row(dstate[s], nxt, B, H, rows);
-            }
-            if (!PART_HAS_ROWS(rows)) {   // (a part of rows past the step's: no call)
-                if (!step_done(barrier, 0)) break;
-                continue;
+                dprev[s] = PART(dstate_row(dstate[s], nxt, B, H, rows), H, 1);
             }
             void *args[12 + 4 * NS + 2 * G + NV];
             int n = 0;
@@ -168,10 +170,8 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
             if (NV) args[n++] = vvec.hb();
 #if HALSTM_SPLIT
-            // the outputs: this thread's part of the units or rows; the inputs whole
             args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
-            dh = PART(dh, H, 1);
             args[n++] = dh.hb();
             View dplanes[G];
             for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = PART(plane(dxp_t, g), H, 1)).hb();
@@ -180,13 +180,12 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             View eplanes[G];
             for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = PART(plane(dhg_t, g), H, 1)).hb();
 #endif
-            for (int s = 1; s < NS; s++) args[n++] = (dprev[s] = PART(dprev[s], H, 1)).hb();
+            for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
             // dvec channel c: a plane of dvec_rows[t] (B, NV, H) (call -1: unused, scratch)
             View vplanes[NV > 0 ? NV : 1];
             float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + (int64_t)t * B * NV * H;
             for (int c = 0; c < NV; c++)
                 args[n++] = (vplanes[c] = PART(View(dvec_t + c * H, {{H, 1}, {rows, NV * H}}), H, 1)).hb();
-            add_out = PART(add_out, H, 1);
             args[n++] = add_out.hb();
             rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;
