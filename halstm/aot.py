@@ -39,7 +39,9 @@ ENTRY_POINTS = {
         "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
         "b_hh (G*H,)", "vec (V, H): the vector parameters (unused, NULL, with V = 0)",
         "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
-        "ws xp (T, B, G, HP)",
+        "ws xp (N, G, HP): N = T*B, or on a CPU given batch_sizes bs, bs[0] + sum(bs[:-1]) "
+        "(runtime.step_rows_count)",
+        "ws x_rows (N, K) (one-hot: (N,) int32), on a CPU given batch_sizes (else unused, NULL)",
         "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)", "inout states[NS] (T+1, B, H)"]},
     "bwd": {"halstm_backward": [
         "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
@@ -47,10 +49,12 @@ ENTRY_POINTS = {
         "inout dstate[NS] (2, B, HP): in [0], out [T & 1]",
         "ws wq_ih (KP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
         "ws wq_hh (HP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
-        "ws dxp (T, B, G, H)", "ws dhg (T, B, G, H)",
+        "ws dxp (N, G, H)", "ws dhg (N, G, H)",
         "ws fused_bwd: 3*B*HP + 3*B*G*H + B*V*H floats, the first B*G*H zero, where the manifest's "
         "pipelines include halstm_step_bwd_fused (else unused)",
-        "ws dvec_rows (T, B, V, H) (unused, NULL, with V = 0)",
+        "ws dvec_rows (N, V, H) (unused, NULL, with V = 0)",
+        "ws rows: N*(K + H + KP) floats (one-hot: N*(1 + H)), on a CPU given batch_sizes "
+        "(else unused, NULL)",
         "out dx (T, B, KP), or NULL on a CPU target where dx is not wanted", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
         "out dw_hh (G*H, H)", "out db_hh (G*H,)", "out dvec (V, H) (unused, NULL, with V = 0)"]},
 }

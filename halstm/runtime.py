@@ -30,6 +30,15 @@ def row_lengths(batch_sizes, B: int) -> np.ndarray:
     return (np.asarray(batch_sizes)[None, :] > np.arange(B)[:, None]).sum(1)
 
 
+def step_rows_count(batch_sizes, T: int, B: int, device: str) -> int:
+    """N, the rows of the arrays over all steps' rows (xp, dxp, dhg; the
+    driver's rows.h): T*B, or on a CPU given batch sizes, each step's block
+    as large as the step before's (the first: its own)."""
+    if batch_sizes is None or device != "cpu":
+        return T * B
+    return int(batch_sizes[0]) + int(np.sum(batch_sizes[:-1]))
+
+
 def step_batch_sizes(lengths, T: int) -> np.ndarray:
     """The step batch sizes (T,) of sequences of `lengths` (B,), sorted
     longest first: row_lengths' inverse."""
@@ -99,10 +108,10 @@ class Library:
                                f"loading cuBLAS from {found}")
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
-            self._entry.argtypes = [_I, _I] + [_P] * 12
+            self._entry.argtypes = [_I, _I] + [_P] * 13
         else:
             self._entry = self._lib.halstm_backward
-            self._entry.argtypes = [_I, _I] + [_P] * 21
+            self._entry.argtypes = [_I, _I] + [_P] * 22
         self._entry.restype = _I
         self._ws = {}      # by (memory kind, stream, name)
         # One call at a time: the workspaces are shared between calls, and
@@ -227,12 +236,17 @@ class Library:
                     states[s][0] = s0
             saved = mem.empty((T, B, S, H)) if save else None
             Hp, P = self.Hp, self.P
+            N = step_rows_count(bs, T, B, self.device)
             ws = [self._workspace(mem, stream, "wp_ih", (Hp // P, K, G, P)),
                   self._workspace(mem, stream, "wp_hh", (Hp // P, H, G, P)),
-                  self._workspace(mem, stream, "xp", (T, B, G, Hp))]
+                  self._workspace(mem, stream, "xp", (N, G, Hp)),
+                  # x in the steps' rows (packed, on a CPU)
+                  (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
+                   if bs is not None and self.device == "cpu" else None)]
             self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
-                       *map(mem.ptr, ws), None if saved is None else mem.ptr(saved),
+                       *[None if a is None else mem.ptr(a) for a in ws],
+                       None if saved is None else mem.ptr(saved),
                        self._ptrs(mem, [states[s] for s in range(NS)]))
             return states, saved
 
@@ -277,15 +291,20 @@ class Library:
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
                 ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
                       self._workspace(mem, stream, "wq_hh", (Hp // P, G, H, P))]
-            dxp = self._workspace(mem, stream, "dxp", (T, B, G, H))
+            N = step_rows_count(bs, T, B, self.device)
+            dxp = self._workspace(mem, stream, "dxp", (N, G, H))
             dhg = (dxp if self.manifest["dxp_is_dhg"] else
-                   self._workspace(mem, stream, "dhg", (T, B, G, H)))
-            dvec_rows = self._workspace(mem, stream, "dvec_rows", (T, B, V, H)) if V else None
-            if bs is not None:     # rows no step writes enter the sums as zeros
+                   self._workspace(mem, stream, "dhg", (N, G, H)))
+            dvec_rows = self._workspace(mem, stream, "dvec_rows", (N, V, H)) if V else None
+            if bs is not None and self.device != "cpu":   # rows no step writes enter the sums as zeros
                 for a in {id(a): a for a in (dxp, dhg, dvec_rows) if a is not None}.values():
                     mem.zero(a)
             vec_ptr = self._vec(mem, vec)
             skip_dx = not need_dx and self.device == "cpu"
+            # x, h_{t-1} and dx in the steps' rows (packed, on a CPU)
+            rows_ws = (self._workspace(mem, stream, "rows", (
+                N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
+                if bs is not None and self.device == "cpu" else None)
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
@@ -294,7 +313,8 @@ class Library:
                        self._ptrs(mem, [states[s] for s in range(len(self.states))]),
                        mem.ptr(dy), self._ptrs(mem, dstate),
                        *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
-                                                                     dvec_rows, *out.values())])
+                                                                     dvec_rows, rows_ws,
+                                                                     *out.values())])
             if not V:
                 del out["dvec"]
             if not need_dx:

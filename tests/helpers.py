@@ -315,3 +315,37 @@ def assert_cli_error(result, *needles, code=2, alone=False):
     for needle in needles:
         assert needle in errors[0], (needle, errors[0])
     return errors[0]
+
+
+def check_lengths_against_alone(m, x, lengths, hx, dy, dfinal, rtol=RTOL):
+    """m (any cell, numpy API) on a batch with lengths against m on each
+    sequence alone, padded path: outputs (zero past each length), final
+    states and gradients (the weights' summed over the sequences). x (T, B,
+    ...) floats or class indices; hx, dfinal one (L, B, H) array per state."""
+    names = m._state_names
+
+    def run(x, hx, dy, dfinal, **kw):
+        y, finals = m(x, hx[0] if len(names) == 1 else tuple(hx), **kw)
+        finals = [finals] if len(names) == 1 else list(finals)
+        return y, finals, m.backward(dy, *dfinal)
+
+    y, finals, grads = run(x, hx, dy, dfinal, lengths=lengths)
+    want = {}
+    for b, n in enumerate(lengths):
+        one = lambda a: np.ascontiguousarray(a[:, b:b + 1])   # noqa: E731
+        ry, rfinals, rg = run(one(x[:n]), [one(a) for a in hx], one(dy[:n]),
+                              [one(a) for a in dfinal])
+        assert_close(f"y of sequence {b}", y[:n, b:b + 1], ry, rtol)
+        assert not y[n:, b].any(), f"outputs past length {n} of sequence {b}"
+        for s, f, rf in zip(names, finals, rfinals):
+            assert_close(f"{s}_n of sequence {b}", f[:, b:b + 1], rf, rtol)
+            assert_close(f"d {s}0 of sequence {b}", grads[f"{s}0"][:, b:b + 1], rg[f"{s}0"],
+                         rtol)
+        if "input" in grads:
+            assert_close(f"d input of sequence {b}", grads["input"][:n, b:b + 1],
+                         rg["input"], rtol)
+            assert not grads["input"][n:, b].any()
+        for k in m.state_dict():
+            want[k] = want.get(k, 0) + rg[k]
+    for k, v in want.items():
+        assert_close(f"d {k}", grads[k], v, rtol)

@@ -9,7 +9,7 @@ import pytest
 import halstm
 from halstm import cells, reference
 from halstm.cells import CellError, define, mean, relu, sigmoid, sqrt, tanh, vector
-from helpers import assert_close
+from helpers import assert_close, check_lengths_against_alone
 
 I, H = 5, 7            # odd sizes; every kernel here is built once per run
 SIZES = {"base": dict(T=4, B=3, L=2), "T1": dict(T=1, B=3, L=2), "B1": dict(T=4, B=1, L=2),
@@ -114,6 +114,17 @@ def test_reducing_steps_split_over_rows(hidden, batch, split, monkeypatch):
     assert set(grads3) == set(grads1)
     for k in grads1:
         assert_close(k, grads3[k], grads1[k], rtol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["peephole_lstm", "layernorm_lstm"])
+def test_lengths_match_each_sequence_alone(cell):
+    """Cells with vector parameters (their gradients summed over the steps'
+    rows) and one that reduces over units, on a batch with lengths
+    (unsorted, one of length 1): each sequence as if run alone."""
+    m = _randomized(halstm.Recurrent(cell, I, H, num_layers=2, seed=0), 1)
+    rng = np.random.default_rng(4)
+    x, hx, dy, dfinal = _problem(m, m._state_names, 6, 4, 2, rng)
+    check_lengths_against_alone(m, x, np.array([3, 6, 1, 5]), hx, dy, dfinal)
 
 
 def test_cell_without_bias():

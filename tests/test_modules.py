@@ -12,7 +12,7 @@ import pytest
 import halstm
 from halstm.pipeline import padded
 from helpers import (B, CASES, CLASSES, GATES, H, I, L, STATES, T, assert_close, backward, call,
-                     check_case, check_no_grad, make, ref_run)
+                     check_case, check_lengths_against_alone, check_no_grad, make, ref_run)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -574,6 +574,30 @@ def test_lengths_match_each_sequence_alone(cell, rng):
             want_grads[k] = want_grads.get(k, 0) + rg[k]
     for k, v in want_grads.items():
         assert_close(f"d {k}", grads[k], v)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lengths_split_over_threads_and_one_hot(cell, monkeypatch):
+    """Lengths where the steps run as three ranges of rows (split_rows'
+    sizes; the GEMMs over the steps' rows only, the padding left out), and
+    with class-index input: each equals every sequence run alone."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    rng = np.random.default_rng(11)
+    T, B = 80, 27
+    lengths = rng.integers(1, T + 1, B)
+    lengths[3] = T
+    m = make(cell)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    hx = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in STATES[cell]]
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((L, B, H)).astype(np.float32) for _ in STATES[cell]]
+    call(m, cell, x, hx if cell == "lstm" else hx[0], lengths=lengths)
+    backward(m, cell, dy, dfinal)
+    assert {lib.step_threads() for lib in m._libs.values()} == {3}
+    check_lengths_against_alone(m, x, lengths, hx, dy, dfinal)
+    ids = rng.integers(0, I, (9, 4))
+    check_lengths_against_alone(m, ids, np.array([4, 9, 1, 6]), [a[:, :4] for a in hx],
+                                dy[:9, :4], [a[:, :4] for a in dfinal])
 
 
 def test_lengths_errors():

@@ -34,10 +34,13 @@ int halstm_grads_ids_argv(void **);
 // dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
 // on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
 // workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
-//   dxp, dhg (T, B, G, H) (dhg unused when DXP_IS_DHG);
+//   dxp, dhg (N, G, H) (dhg unused when DXP_IS_DHG): N rows, step t's from
+//   rows.h's StepRows::row0(t) (T*B without batch sizes);
 //   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then
 //     3*B*HP + 2*B*G*H + B*NV*H floats
-//   dvec_rows (T, B, NV, H) (unused with NV = 0): the vector gradients per row
+//   dvec_rows (N, NV, H) (unused with NV = 0): the vector gradients per row
+//   rows_ws where StepRows is packed (else unused): x (N, K) floats or (N)
+//     int32 indices, h_{t-1} (N, H) and dx (N, KP) in that order
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H);
 //   dvec (NV, H)
 // dx NULL (CPU builds): the input gradient is not wanted and not computed
@@ -45,19 +48,25 @@ int halstm_grads_ids_argv(void **);
 // HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
 // batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
 // batch_sizes[t]) only, as in halstm_forward. Then the caller zeroes dxp,
-// dhg and dvec_rows (the rows no step writes enter the gradients' sums as
-// zeros), puts a row's final-state gradient where its last step reads it
+// dhg and dvec_rows where StepRows is padded (the rows no step writes enter
+// the gradients' sums as zeros), puts a row's final-state gradient where its last step reads it
 // (dstate[s][(T - length) & 1]; the fused step's dh_add rows: fused_ws's
 // add[length & 1]), and finds every dL/d(initial state) in [T & 1].
 int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *w_hh,
                     const float *vec, const float *saved, const float *const *states,
                     const float *dy, float *const *dstate, float *wq_ih, float *wq_hh,
-                    float *dxp, float *dhg, float *fused_ws, float *dvec_rows, float *dx,
+                    float *dxp, float *dhg, float *fused_ws, float *dvec_rows, float *rows_ws, float *dx,
                     float *dw_ih, float *db_ih, float *dw_hh, float *db_hh, float *dvec) {
     g_error[0] = 0;
     (void)dhg, (void)fused_ws;
     View vvec(vec, {{H, 1}, {NV, H}});
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+    const StepRows sr(T, B, batch_sizes);
+    if (sr.packed()) {   // (the rows no step writes enter the sums as zeros)
+        sr.zero_gaps(dxp, G * H);
+        if (!DXP_IS_DHG) sr.zero_gaps(dhg, G * H);
+        if (NV) sr.zero_gaps(dvec_rows, NV * H);
+    }
 #if HALSTM_RAW_BWD   // the products read the weights as given (no pack_bwd; wq unused)
     View &vwq_ih = vw_ih, &vwq_hh = vw_hh;
     const float *wq_key = w_hh;
@@ -83,10 +92,10 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         (void)part, (void)dhg_bits;
         const int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
         v.saved = View(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
-        v.dxp = PART(View(dxp + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
-        v.dhg = PART(View(dhg + (int64_t)t * B * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
+        v.dxp = PART(View(dxp + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
+        v.dhg = PART(View(dhg + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
         v.dy = bh(dy, t, B, rows);
-        v.dvec = PART(View(dvec_rows + (int64_t)t * B * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}),
+        v.dvec = PART(View(dvec_rows + sr.row0(t) * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}),
                       H, 2);
         for (int s = 0; s < NS; s++) {
             v.prev[s] = bh(states[s], t, B, rows), v.next[s] = bh(states[s], t + 1, B, rows);
@@ -143,7 +152,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             View dy_t = bh(dy, u, B, rows);
             View h0 = bh(states[0], u, B, rows), h1 = bh(states[0], u + 1, B, rows);
             const float *dhg_src = DXP_IS_DHG ? dxp : dhg;
-            View dhg_next(t == T - 1 ? zeros : dhg_src + (int64_t)(t + 1) * B * G * H,
+            View dhg_next(t == T - 1 ? zeros : dhg_src + sr.row0(t + 1) * G * H,
                           {{H, 1}, {G, H}, {rows, G * H}});
             View dh_add = t == T - 1 ? dstate_row(dstate[0], 0, B, H, rows)
                                      : dstate_row(add, (t + 1) & 1, B, H, rows);
@@ -152,7 +161,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
                                  : dstate_row(dh_scratch, 0, B, H, rows), H, 1);
             // a gate's plane of (B, G, H), its leading rows
             auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {rows, G * H}}); };
-            float *dxp_t = t < 0 ? scratch : dxp + (int64_t)t * B * G * H;
+            float *dxp_t = t < 0 ? scratch : dxp + sr.row0(t) * G * H;
             View prev[NS], next[NS], dnext[NS], dprev[NS];
             for (int s = 1; s < NS; s++) {   // (h's are above: h0, h1, dh_add, dh)
                 prev[s] = bh(states[s], u, B, rows), next[s] = bh(states[s], u + 1, B, rows);
@@ -176,14 +185,14 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             View dplanes[G];
             for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = PART(plane(dxp_t, g), H, 1)).hb();
 #if !DXP_IS_DHG
-            float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + (int64_t)t * B * G * H;
+            float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + sr.row0(t) * G * H;
             View eplanes[G];
             for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = PART(plane(dhg_t, g), H, 1)).hb();
 #endif
             for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
             // dvec channel c: a plane of dvec_rows[t] (B, NV, H) (call -1: unused, scratch)
             View vplanes[NV > 0 ? NV : 1];
-            float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + (int64_t)t * B * NV * H;
+            float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + sr.row0(t) * NV * H;
             for (int c = 0; c < NV; c++)
                 args[n++] = (vplanes[c] = PART(View(dvec_t + c * H, {{H, 1}, {rows, NV * H}}), H, 1)).hb();
             args[n++] = add_out.hb();
@@ -227,7 +236,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             rc = halstm_step_bwd_vendor_argv(v.args);
             // dh_prev (rows, H of HP) += dhg (rows, G*H) W_hh (G*H, H)
             // (dhg as the GEMM reads it: step_bwd_vendor stored its bf16 copy)
-            const float *dhg_rows = (DXP_IS_DHG ? dxp : dhg) + (int64_t)t * B * G * H;
+            const float *dhg_rows = (DXP_IS_DHG ? dxp : dhg) + sr.row0(t) * G * H;
             if (!rc)
                 rc = gemm_typed("the step's product dhg W_hh", false, false, rows, H, G * H,
                                 step.activations(dhg_rows, (int64_t)rows * G * H, true), G * H,
@@ -253,9 +262,20 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     rc = run_loop(key, 14 + 2 * NS, steps);
     if (rc) return rc;
     // dL/d(initial state) is now in dstate[s][T & 1] (the caller reads it there)
-    // batch and time merged: N = T*B rows
-    const int N = T * B;
-    View vhs(states[0], {{H, 1}, {N, H}});
+    // batch and time merged: N rows; where packed, x and h_{t-1} (states[0]'s
+    // first T steps) copied to the steps' rows, dx made there and put in place
+    // after
+    const int N = (int)sr.count();
+    float *x_rows = rows_ws, *h_rows = rows_ws + (int64_t)N * (HALSTM_ONEHOT ? 1 : K);
+    float *dx_rows = h_rows + (int64_t)N * H, *dx_out = dx;
+    const float *hs = states[0];
+    if (sr.packed()) {
+        sr.gather(x_rows, x, HALSTM_ONEHOT ? 1 : K);
+        sr.gather(h_rows, states[0], H);
+        x = x_rows, hs = h_rows;
+        if (dx) dx = dx_rows;
+    }
+    View vhs(hs, {{H, 1}, {N, H}});
     View vdxp(dxp, {{H, 1}, {G, H}, {N, G * H}});
     View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
     View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
@@ -280,7 +300,8 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     if (!rc) rc = gemm_rows("dW_ih = dxp^T x", true, false, G * H, K, N, dxp, G * H,
                             (const float *)x, K, 0.0f, dw_ih, K);
     if (!rc) rc = gemm_rows("dW_hh = dhg^T h", true, false, G * H, H, N, dhg_rows, G * H,
-                            states[0], H, 0.0f, dw_hh, H);
+                            hs, H, 0.0f, dw_hh, H);
+    (void)dx_out;
     return rc;
 #else
 #if HALSTM_ONEHOT
@@ -308,10 +329,12 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     args[n++] = vdb_hh.hb();
     if (NV) args[n++] = vdvec.hb();
 #if HALSTM_ONEHOT
-    return halstm_grads_ids_argv(args);
+    rc = halstm_grads_ids_argv(args);
 #else
-    return halstm_grads_argv(args);
+    rc = halstm_grads_argv(args);
 #endif
+    if (!rc && sr.packed() && dx_out) sr.scatter(dx_out, dx, KP);
+    return rc;
 #endif  // HALSTM_CUBLAS
 }
 #endif  // HALSTM_BACKWARD

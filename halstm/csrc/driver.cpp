@@ -28,12 +28,12 @@
 #include <cstdio>
 #include <initializer_list>
 #include <mutex>
+#include <vector>
 #if HALSTM_SPLIT
 #include <atomic>
 #include <sched.h>
 #include <string>
 #include <thread>
-#include <vector>
 #endif
 #ifdef HALSTM_CUDA
 #include <dlfcn.h>
@@ -60,6 +60,7 @@
 #include "cublas.h"       // vendor GEMMs (HALSTM_CUBLAS)
 #include "memory.h"       // Halide's large host allocations kept for reuse
 #include "threads.h"      // a time loop's steps split over the driver's threads
+#include "rows.h"         // where each step's rows lie in the arrays over all steps
 #include "forward.h"      // halstm_forward
 #include "backward.h"     // halstm_backward
 #include "model.h"        // the char LM's head and optimizer

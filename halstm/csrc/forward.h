@@ -27,8 +27,10 @@ int halstm_step_vendor_infer_argv(void **);
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
 // vector parameters (unused without, NV = 0)
-// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (T, B, G, HP), or
-// with HALSTM_XP_PANELS (HP/P, T, B, G, P)
+// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (N, G, HP), or
+// with HALSTM_XP_PANELS (HP/P, N, G, P): N rows, step t's from rows.h's
+// StepRows::row0(t) (T*B without batch sizes); x_rows (N, K) floats or (N)
+// int32 indices where StepRows is packed (else unused): x in that order.
 // out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
 // forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
 // initial state on entry, [t+1] the state after step t on return.
@@ -37,37 +39,43 @@ int halstm_step_vendor_infer_argv(void **);
 // rows of states[t+1] and saved[t] are not written.
 int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, const float *vec, float *wp_ih, float *wp_hh,
-                   float *xp, float *saved, float *const *states) {
+                   float *xp, void *x_rows, float *saved, float *const *states) {
     g_error[0] = 0;
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
     View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
     int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
     if (rc) return rc;
-    // batch and time merged: N = T*B rows
+    // batch and time merged: N rows (step t's from row0(t))
+    const StepRows sr(T, B, batch_sizes);
+    const int N = (int)sr.count();
+    if (sr.packed()) {
+        sr.gather(x_rows, x, HALSTM_ONEHOT ? 1 : K);
+        x = x_rows;
+    }
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
     View vvec(vec, {{H, 1}, {NV, H}});
-    // xp's rows [n0, n0 + rows) of N = T*B (rows n = t*B + b)
-    auto xp_rows = [&](int n0, int rows) {
-#if HALSTM_XP_PANELS   // (HP/P, T*B, G, P): panels of P units (pipeline.py _xp_out)
-        return View(xp + (int64_t)n0 * G * P, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, T * B * G * P}});
-#else                  // (T*B, G, HP)
-        return View(xp + (int64_t)n0 * G * HP, {{HP, 1}, {G, HP}, {rows, G * HP}});
+    // xp's rows [n0, n0 + rows) of N
+    auto xp_rows = [&](int64_t n0, int rows) {
+#if HALSTM_XP_PANELS   // (HP/P, N, G, P): panels of P units (pipeline.py _xp_out)
+        return View(xp + n0 * G * P, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, N * G * P}});
+#else                  // (N, G, HP)
+        return View(xp + n0 * G * HP, {{HP, 1}, {G, HP}, {rows, G * HP}});
 #endif
     };
-    View vxp = xp_rows(0, T * B);
+    View vxp = xp_rows(0, N);
 #if HALSTM_ONEHOT
-    View vids = View::ints(x, T * B);
+    View vids = View::ints(x, N);
     rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
 #elif HALSTM_CUBLAS
     rc = halstm_proj(vb_ih.hb(), vxp.hb());
     // then xp (T*B, G, HP) += x (T*B, K) W_ih^T
     if (!rc) {
-        const void *a = operand((const float *)x, (int64_t)T * B * K, BUF_A);
+        const void *a = operand((const float *)x, (int64_t)N * K, BUF_A);
         const void *w = operand(w_ih, (int64_t)G * H * K, BUF_B);
-        rc = a && w ? gemm_gates("the projection x W_ih^T", T * B, K, a, w, 1.0f, xp) : -1;
+        rc = a && w ? gemm_gates("the projection x W_ih^T", N, K, a, w, 1.0f, xp) : -1;
     }
 #else
-    View vx((const float *)x, {{K, 1}, {T * B, K}});
+    View vx((const float *)x, {{K, 1}, {N, K}});
     rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
 #endif
     if (rc) return rc;
@@ -106,7 +114,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 break;
             }
 #endif
-            View xp_t = xp_rows(t * B, rows);
+            View xp_t = xp_rows(sr.row0(t), rows);
             View hg_t(hg, {{HP, 1}, {G, HP}, {rows, G * HP}});
             View prev[NS], next[NS];
             for (int s = 0; s < NS; s++) {
