@@ -374,10 +374,12 @@ class _RNN:
             return self._mem.swap01(a) if self.on_gpu else self._array(a.transpose(1, 0, 2))
         return self._array(a)
 
-    def _seq_out(self, y, host, taped=True):
+    def _seq_out(self, y, host, taped=True, fresh=False):
         """(T, B, n) internal -> the caller's layout, as a new array (never a
         view of the tape, which backward still reads; taped False: no
-        backward will, and a device array may be a view of it)."""
+        backward will, and a device array may be a view of it; fresh: y
+        is a new numpy array nothing else holds, handed out as is where
+        its layout is the caller's)."""
         unbatched = self._tape[1]
         if self.batch_first and not unbatched:
             y = self._mem.swap01(y) if self.on_gpu else y.transpose(1, 0, 2)
@@ -385,7 +387,9 @@ class _RNN:
             y = y.copy()
         if unbatched:
             y = y.reshape(y.shape[0], y.shape[2])
-        return self._result(y, host) if self.on_gpu else np.array(y, order="C")
+        if self.on_gpu:
+            return self._result(y, host)
+        return y if fresh and y.flags.c_contiguous else np.array(y, order="C")
 
     def _initial(self, name, a, B, unbatched):
         """A caller's initial state (or state gradient) as an (L*D, B, H)
@@ -437,7 +441,7 @@ class _RNN:
         bs, ns = None, None
         if rows is not None:                         # sorted longest first
             order, _, ns, bs = rows
-            x = np.ascontiguousarray(x[:, order])
+            x = np.take(x, order, axis=1)
             init = [None if a is None else np.ascontiguousarray(a[:, order]) for a in init]
         D, L, save = self.num_directions, self.num_layers, is_grad_enabled()
         tape, masks, inp = [], [], x                 # tape[layer * D + d]
@@ -484,7 +488,7 @@ class _RNN:
             f = f.reshape(L * D, units) if unbatched else f
             finals.append(self._result(f, host))
         if rows is not None:
-            return self._seq_out(np.ascontiguousarray(inp[:, rows[1]]), host, False), finals
+            return self._seq_out(np.take(inp, rows[1], axis=1), host, False, fresh=True), finals
         return self._seq_out(inp, host, taped=save and D == 1 and not masks), finals
 
     def _backward(self, dy, dfinal, input_grad=True):
@@ -506,7 +510,7 @@ class _RNN:
         bs, ns = None, None
         if rows is not None:                                # the forward's row order
             order, _, ns, bs = rows
-            dy = np.ascontiguousarray(dy[:, order])
+            dy = np.take(dy, order, axis=1)
             dfinal = [None if a is None else np.ascontiguousarray(a[:, order]) for a in dfinal]
         # one layer and direction: the library's own state gradients are the
         # result (no copy)
@@ -552,9 +556,9 @@ class _RNN:
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if rows is not None:                                # back to the caller's order
             dinit = [np.ascontiguousarray(d[:, rows[1]]) for d in dinit]
-            dy = None if dy is None else np.ascontiguousarray(dy[:, rows[1]])
+            dy = None if dy is None else np.take(dy, rows[1], axis=1)
         if input_grad and not ids:
-            grads["input"] = self._seq_out(dy, host)
+            grads["input"] = self._seq_out(dy, host, fresh=True)   # (the library's dx, or made here)
         for d, s, n in zip(dinit, self._state_names, sizes):
             grads[f"{s}0"] = self._result(d.reshape(L * D, n) if unbatched else d, host)
         return grads

@@ -228,7 +228,9 @@ class Library:
             T, B, K = self._x_shape(x)
             bs = self._batch_sizes(batch_sizes, T, B)
             G, H, S, NS = self.G, self.H, self.S, len(self.states)
-            states = (mem.empty if bs is None else mem.zeros)((NS, T + 1, B, H))
+            # (with batch sizes a CPU library zeroes the rows past each step's)
+            states = (mem.zeros if bs is not None and self.device != "cpu" else
+                      mem.empty)((NS, T + 1, B, H))
             for s, s0 in enumerate(init):
                 if s0 is None:
                     mem.zero(states[s][0])

@@ -36,7 +36,8 @@ int halstm_step_vendor_infer_argv(void **);
 // initial state on entry, [t+1] the state after step t on return.
 // batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
 // batch_sizes[t]) only (sequences sorted by length, longest first); the other
-// rows of states[t+1] and saved[t] are not written.
+// rows of saved[t] are not written, those of states[t+1] are zeroed where
+// StepRows is packed (a CPU build), else not written.
 int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, const float *vec, float *wp_ih, float *wp_hh,
                    float *xp, void *x_rows, float *saved, float *const *states) {
@@ -51,6 +52,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     if (sr.packed()) {
         sr.gather(x_rows, x, HALSTM_ONEHOT ? 1 : K);
         x = x_rows;
+        for (int s = 0; s < NS; s++) sr.zero_padding(states[s] + (int64_t)B * H, H);
     }
     View vb_ih(b_ih, {{H, 1}, {G, H}}), vb_hh(b_hh, {{H, 1}, {G, H}});
     View vvec(vec, {{H, 1}, {NV, H}});

@@ -44,6 +44,10 @@ struct StepRows {
     void scatter(void *dst, const void *src, int w) const {
         copy_steps(dst, src, w, false);
     }
+    // dst (T, B, w): the rows past each step's zero.
+    void zero_padding(void *dst, int w) const {
+        copy_steps(dst, nullptr, w, false);
+    }
     // Zero the rows of dst (count, w) past each step's.
     void zero_gaps(void *dst, int w) const {
         for (int t = 0; t < T; t++)
@@ -66,7 +70,7 @@ struct StepRows {
         const int64_t padded = (int64_t)t * r.B, packed = r.row0(t);
         const int n = r.rows(t), room = c.to_packed ? r.capacity(t) : r.B;
         char *d = c.dst + (c.to_packed ? packed : padded) * row;
-        std::memcpy(d, c.src + (c.to_packed ? padded : packed) * row, n * row);
+        if (c.src) std::memcpy(d, c.src + (c.to_packed ? padded : packed) * row, n * row);
         std::memset(d + n * row, 0, (room - n) * row);
         return 0;
     }
