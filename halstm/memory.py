@@ -126,6 +126,16 @@ class Host:
         """dst (S, B, W)[slot[b], b, :w] = src (B, w)[b] for every row b."""
         dst[slot, np.arange(len(slot)), :src.shape[-1]] = src
 
+    @staticmethod
+    def take(a, index):
+        """A new (A, len(index), ...) array: a (A, B, ...)[:, index]."""
+        return np.take(a, index, axis=1)
+
+    @staticmethod
+    def pick(a, steps):
+        """A new (B, n) array: a (S, B, n)[steps[b], b] for every row b."""
+        return a[steps, np.arange(len(steps))]
+
 
 class Device:
     """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
@@ -163,6 +173,23 @@ class Device:
         a = dst.numpy()
         Host.scatter_rows(a, slot, src if isinstance(src, np.ndarray) else src.numpy())
         dst.copy_from(a)
+
+    def take(self, a, index):
+        """As Host.take, a copy per taken column (a is (A, B, n))."""
+        A, B, n = a.shape
+        out = self.cuda.empty((A, len(index), n))
+        for j, b in enumerate(index):
+            self.cuda.copy_2d(out, len(index) * n, a, B * n, n, A, dst_offset=j * n,
+                              src_offset=int(b) * n)
+        return out
+
+    def pick(self, a, steps):
+        """As Host.pick, a copy per row."""
+        S, B, n = a.shape
+        out = self.cuda.empty((B, n))
+        for b, s in enumerate(steps):
+            self.cuda.copy_2d(out, n, a, n, n, 1, dst_offset=b * n, src_offset=(int(s) * B + b) * n)
+        return out
 
     def leading(self, a, w):
         W = a.shape[-1]

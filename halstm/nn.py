@@ -23,10 +23,11 @@ tensor-core math with fp32 accumulation; storage, the states and the cell
 stay fp32. gemm="halide" or "cublas" picks who runs
 them (None: the target's default; see halstm.cublas).
 
-bidirectional=True, dropout=p (between layers, in training mode: train() /
-eval(); masks from numpy's generator seeded by `seed`), lengths= (a
-length per sequence) and proj_size=P (LSTM: h = W_hr m of P units, see
-halstm.projected) run on CPU targets; on a GPU, halstm.torch has them.
+lengths= (a length per sequence) runs on every target. bidirectional=True,
+dropout=p (between layers, in training mode: train() / eval(); masks from
+numpy's generator seeded by `seed`) and proj_size=P (LSTM: h = W_hr m of
+P units, see halstm.projected) run on CPU targets; on a GPU, halstm.torch
+has them.
 """
 from __future__ import annotations
 
@@ -408,9 +409,6 @@ class _RNN:
         (order, inverse, sorted lengths, step batch sizes (T,))."""
         if lengths is None:
             return None
-        if self.on_gpu:
-            raise ValueError("lengths: variable-length batches run on CPU targets here; "
-                             "on a GPU use halstm.torch with a PackedSequence")
         if unbatched:
             raise ValueError("lengths: expected a batch (an unbatched input has one sequence)")
         n = np.asarray(lengths)
@@ -441,8 +439,8 @@ class _RNN:
         bs, ns = None, None
         if rows is not None:                         # sorted longest first
             order, _, ns, bs = rows
-            x = np.take(x, order, axis=1)
-            init = [None if a is None else np.ascontiguousarray(a[:, order]) for a in init]
+            x = self._mem.take(x, order)
+            init = [None if a is None else self._mem.take(a, order) for a in init]
         D, L, save = self.num_directions, self.num_layers, is_grad_enabled()
         tape, masks, inp = [], [], x                 # tape[layer * D + d]
         ends = []                                    # [layer * D + d][state]: (B, H) or None
@@ -482,13 +480,13 @@ class _RNN:
             else:
                 f = self._mem.empty((L * D, B, units))
                 for i, t in enumerate(tape):
-                    f[i] = t[1][s][-1] if rows is None else t[1][s][ns, np.arange(B)]
+                    f[i] = t[1][s][-1] if rows is None else self._mem.pick(t[1][s], ns)
             if rows is not None:
-                f = np.ascontiguousarray(f[:, rows[1]])
+                f = self._mem.take(f, rows[1])
             f = f.reshape(L * D, units) if unbatched else f
             finals.append(self._result(f, host))
         if rows is not None:
-            return self._seq_out(np.take(inp, rows[1], axis=1), host, False, fresh=True), finals
+            return self._seq_out(self._mem.take(inp, rows[1]), host, False, fresh=True), finals
         return self._seq_out(inp, host, taped=save and D == 1 and not masks), finals
 
     def _backward(self, dy, dfinal, input_grad=True):
@@ -510,8 +508,8 @@ class _RNN:
         bs, ns = None, None
         if rows is not None:                                # the forward's row order
             order, _, ns, bs = rows
-            dy = np.take(dy, order, axis=1)
-            dfinal = [None if a is None else np.ascontiguousarray(a[:, order]) for a in dfinal]
+            dy = self._mem.take(dy, order)
+            dfinal = [None if a is None else self._mem.take(a, order) for a in dfinal]
         # one layer and direction: the library's own state gradients are the
         # result (no copy)
         grads = {}
@@ -555,8 +553,8 @@ class _RNN:
             dy = dx if layer == 0 or not masks else dx * masks[layer - 1]
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if rows is not None:                                # back to the caller's order
-            dinit = [np.ascontiguousarray(d[:, rows[1]]) for d in dinit]
-            dy = None if dy is None else np.take(dy, rows[1], axis=1)
+            dinit = [self._mem.take(d, rows[1]) for d in dinit]
+            dy = None if dy is None else self._mem.take(dy, rows[1])
         if input_grad and not ids:
             grads["input"] = self._seq_out(dy, host, fresh=True)   # (the library's dx, or made here)
         for d, s, n in zip(dinit, self._state_names, sizes):
@@ -586,7 +584,7 @@ class LSTM(_RNN):
         """x (T, B, I) (batch_first: (B, T, I)); hx None or (h0, c0) each
         (L*D, B, H), D = 2 if bidirectional else 1. Returns y (T, B, D*H),
         (h_n, c_n) each (L*D, B, H), rows layer*D + direction as torch's.
-        lengths (CPU targets): each sequence's length (B,) in [1, T]; a
+        lengths: each sequence's length (B,) in [1, T]; a
         sequence's steps past it are not run, its outputs there are zero,
         its final states are those after its last step, and backward
         ignores dy past it."""

@@ -13,6 +13,8 @@
 namespace {
 
 #ifndef HALSTM_MODEL
+#define PARALLEL_COPY_BYTES (1 << 20)
+
 struct StepRows {
     int T, B;
     const int *bs;
@@ -33,7 +35,9 @@ struct StepRows {
     int64_t row0(int t) const { return packed() ? start[t] : (int64_t)t * B; }
     int64_t count() const { return packed() ? start[T] : (int64_t)T * B; }
 
-    // Packed only, 4-byte elements, one task a step on Halide's thread pool.
+    // Packed only, 4-byte elements, one task a step: on Halide's thread pool
+    // from PARALLEL_COPY_BYTES (a fork and join of the pool costs about as
+    // much as copying a few hundred KiB).
     // dst (count, w) = src's step rows: row b of step t at src + (t*B + b)*w;
     // a block's other rows zero.
     void gather(void *dst, const void *src, int w) const {
@@ -76,7 +80,11 @@ struct StepRows {
     }
     void copy_steps(void *dst, const void *src, int w, bool to_packed) const {
         Copy c = {this, (char *)dst, (const char *)src, w, to_packed};
-        halide_do_par_for(nullptr, copy_step, 0, T, (uint8_t *)&c);
+        if ((double)T * B * w * 4 >= PARALLEL_COPY_BYTES) {
+            halide_do_par_for(nullptr, copy_step, 0, T, (uint8_t *)&c);
+        } else {
+            for (int t = 0; t < T; t++) copy_step(nullptr, t, (uint8_t *)&c);
+        }
     }
 };
 #endif  // !HALSTM_MODEL

@@ -5,8 +5,8 @@ import pytest
 
 import halstm
 from halstm import cuda, schedules
-from helpers import (B, CASES, CLASSES, H, I, T, assert_close, backward, call, check_case,
-                     check_no_grad, make, ref_run)
+from helpers import (B, CASES, CLASSES, H, I, L, STATES, T, assert_close, backward, call,
+                     check_case, check_lengths_against_alone, check_no_grad, make, ref_run)
 
 GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
 PUT = {"numpy": lambda a: a, "device": cuda.DeviceArray.from_numpy}
@@ -38,6 +38,26 @@ def test_device_input_keeps_everything_on_the_device(cell, gpu_target):
     y2, _ = call(m, cell, x.numpy())
     assert isinstance(y2, np.ndarray)
     np.testing.assert_array_equal(y2, y.numpy())
+
+
+@pytest.mark.parametrize("io", list(PUT))
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lengths_match_each_sequence_alone(cell, io, gpu_target):
+    """Lengths on a CUDA target (unsorted, one of length 1): each sequence
+    as if run alone; device input gives device results."""
+    rng = np.random.default_rng(3)
+    Tn, Bn = 9, 6
+    lengths = np.array([4, 9, 1, 6, 9, 2])
+    m = make(cell, target=gpu_target)
+    x = rng.standard_normal((Tn, Bn, I)).astype(np.float32)
+    hx = [rng.standard_normal((L, Bn, H)).astype(np.float32) for _ in STATES[cell]]
+    dy = rng.standard_normal((Tn, Bn, H)).astype(np.float32)
+    dfinal = [rng.standard_normal((L, Bn, H)).astype(np.float32) for _ in STATES[cell]]
+    check_lengths_against_alone(m, x, lengths, hx, dy, dfinal)
+    y, finals = call(m, cell, PUT[io](x), lengths=lengths)
+    assert isinstance(y, np.ndarray if io == "numpy" else cuda.DeviceArray)
+    want, _ = call(m, cell, x, lengths=lengths)
+    np.testing.assert_array_equal(np.asarray(y.numpy() if io == "device" else y), want)
 
 
 def test_a_cuda_error_leaves_the_module_usable(gpu_target):
