@@ -91,6 +91,14 @@ _pool = _HostPool()
 release_host_cache = _pool.release
 
 
+def reversed_steps(T: int, lengths) -> np.ndarray:
+    """(T, B) int: the step each (t, b) of a time reversal reads, each row
+    reversed within its length (lengths (B,)); steps past a length keep
+    their place, so the map is its own inverse."""
+    t = np.arange(T)[:, None]
+    return np.where(t < lengths, lengths - 1 - t, t)
+
+
 def ptr(a: np.ndarray) -> int:
     assert a.dtype == np.float32 and a.flags.c_contiguous, "runtime arrays must be contiguous f32"
     return a.ctypes.data
@@ -135,6 +143,33 @@ class Host:
     def pick(a, steps):
         """A new (B, n) array: a (S, B, n)[steps[b], b] for every row b."""
         return a[steps, np.arange(len(steps))]
+
+    @staticmethod
+    def reverse_time(a, lengths):
+        """A new (T, B, ...) array: a's rows each reversed in time within
+        the row's length (lengths (B,); None: all T); see reversed_steps."""
+        if lengths is None:
+            return np.ascontiguousarray(a[::-1])
+        src = reversed_steps(a.shape[0], lengths)
+        return np.take_along_axis(a, src.reshape(src.shape + (1,) * (a.ndim - 2)), axis=0)
+
+    @staticmethod
+    def concat(arrays):
+        """A new array: arrays joined along the last axis."""
+        return np.concatenate(arrays, axis=-1)
+
+    @staticmethod
+    def columns(a, start, w):
+        """A contiguous copy of a[..., start:start + w]."""
+        return np.ascontiguousarray(a[..., start:start + w])
+
+    @staticmethod
+    def add(a, b):
+        return a + b
+
+    @staticmethod
+    def mul(a, b):
+        return a * b
 
 
 class Device:
@@ -192,10 +227,44 @@ class Device:
         return out
 
     def leading(self, a, w):
+        return self.columns(a, 0, w)
+
+    def columns(self, a, start, w):
         W = a.shape[-1]
         out = self.cuda.empty(a.shape[:-1] + (w,))
-        self.cuda.copy_2d(out, w, a, W, w, a.size // max(W, 1))
+        self.cuda.copy_2d(out, w, a, W, w, a.size // max(W, 1), src_offset=start)
         return out
+
+    def concat(self, arrays):
+        """As Host.concat: a copy per array."""
+        W = sum(a.shape[-1] for a in arrays)
+        out, start = self.cuda.empty(arrays[0].shape[:-1] + (W,)), 0
+        for a in arrays:
+            w = a.shape[-1]
+            self.cuda.copy_2d(out, W, a, w, w, a.size // max(w, 1), dst_offset=start)
+            start += w
+        return out
+
+    @staticmethod
+    def _ops():
+        """The array kernels (halstm.model.library) of this machine's GPU."""
+        from .model import library
+        return library.kernels("host-cuda")
+
+    def reverse_time(self, a, lengths):
+        """As Host.reverse_time, by one gather of (t, b) rows."""
+        T, B = a.shape[:2]
+        src = np.broadcast_to(np.arange(T)[::-1, None], (T, B)) if lengths is None else \
+            reversed_steps(T, lengths)
+        ops = self._ops()
+        rows = ops.targets(src * B + np.arange(B))
+        return ops.rows(a.reshape(T * B, -1), rows).reshape(*a.shape)
+
+    def add(self, a, b):
+        return self._ops().add(a, b)
+
+    def mul(self, a, b):
+        return self._ops().mul(a, b)
 
 
 def for_device(device: str):

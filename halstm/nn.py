@@ -23,11 +23,11 @@ tensor-core math with fp32 accumulation; storage, the states and the cell
 stay fp32. gemm="halide" or "cublas" picks who runs
 them (None: the target's default; see halstm.cublas).
 
-lengths= (a length per sequence) runs on every target. bidirectional=True,
-dropout=p (between layers, in training mode: train() / eval(); masks from
-numpy's generator seeded by `seed`) and proj_size=P (LSTM: h = W_hr m of
-P units, see halstm.projected) run on CPU targets; on a GPU, halstm.torch
-has them.
+lengths= (a length per sequence), bidirectional=True and dropout=p
+(between layers, in training mode: train() / eval(); masks from numpy's
+generator seeded by `seed`, the same on every target) run on every
+target; proj_size=P (LSTM: h = W_hr m of P units, see halstm.projected)
+on CPU targets (on a GPU, halstm.torch has it).
 """
 from __future__ import annotations
 
@@ -123,9 +123,9 @@ class _RNN:
         self.proj_size = int(proj_size)
         self.on_gpu = "cuda" in str(target).split("-")
         if self.on_gpu:
-            if self.bidirectional or self.dropout or self.proj_size:
-                raise ValueError(f"bidirectional, dropout, proj_size: run on CPU targets in "
-                                 f"this API (got target {target!r}); on a GPU use halstm.torch")
+            if self.proj_size:
+                raise ValueError(f"proj_size: runs on CPU targets in this API (got target "
+                                 f"{target!r}); on a GPU use halstm.torch")
             try:
                 cuda.driver()
             except cuda.CudaError as e:
@@ -447,7 +447,7 @@ class _RNN:
         for layer in range(L):
             ys = []
             for d in range(D):
-                inp_d = inp if d == 0 else _reverse_time(inp, ns)
+                inp_d = inp if d == 0 else self._mem.reverse_time(inp, ns)
                 init_d = [_layer(s, layer * D + d) for s in init]
                 if self.proj_size:
                     y, end, t = projected.forward(
@@ -464,11 +464,12 @@ class _RNN:
                     tape.append((inp_d, states, saved))
                     ends.append(None)
                     y = states[0][1:]                # this direction's h over time (T, B, H)
-                ys.append(y if d == 0 else _reverse_time(y, ns))
-            inp = ys[0] if D == 1 else np.concatenate(ys, axis=2)   # (T, B, D*H)
+                ys.append(y if d == 0 else self._mem.reverse_time(y, ns))
+            inp = ys[0] if D == 1 else self._mem.concat(ys)   # (T, B, D*H)
             if self.dropout and self.training and layer < L - 1:
-                masks.append(self._dropout_mask(inp.shape))
-                inp = inp * masks[-1]
+                mask = self._dropout_mask(tuple(inp.shape))
+                masks.append(self._array(mask) if self.on_gpu else mask)
+                inp = self._mem.mul(inp, masks[-1])
         self._tape = (tape, unbatched, ids, rows, masks)
         finals = []
         for s in range(len(init)):
@@ -518,9 +519,9 @@ class _RNN:
         for layer in reversed(range(L)):
             dx = None                                       # (T, B, K) summed over directions
             for d in range(D):
-                dy_d = dy if D == 1 else np.ascontiguousarray(dy[:, :, d * H:(d + 1) * H])
+                dy_d = dy if D == 1 else self._mem.columns(dy, d * H, H)
                 if d:
-                    dy_d = _reverse_time(dy_d, ns)
+                    dy_d = self._mem.reverse_time(dy_d, ns)
                 dfinal_d = [_layer(a, layer * D + d) for a in dfinal]
                 sfx = self._suffix(layer, d)
                 if self.proj_size:
@@ -548,9 +549,9 @@ class _RNN:
                     else:
                         dinit[i][layer * D + d] = g[f"d{s}0"]
                 if "dx" in g:
-                    dx_d = g["dx"] if d == 0 else _reverse_time(g["dx"], ns)
-                    dx = dx_d if dx is None else dx + dx_d
-            dy = dx if layer == 0 or not masks else dx * masks[layer - 1]
+                    dx_d = g["dx"] if d == 0 else self._mem.reverse_time(g["dx"], ns)
+                    dx = dx_d if dx is None else self._mem.add(dx, dx_d)
+            dy = dx if layer == 0 or not masks else self._mem.mul(dx, masks[layer - 1])
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if rows is not None:                                # back to the caller's order
             dinit = [self._mem.take(d, rows[1]) for d in dinit]
@@ -560,17 +561,6 @@ class _RNN:
         for d, s, n in zip(dinit, self._state_names, sizes):
             grads[f"{s}0"] = self._result(d.reshape(L * D, n) if unbatched else d, host)
         return grads
-
-
-def _reverse_time(a, lengths):
-    """A new (T, B, ...) array: a's rows each reversed in time within the
-    row's length (lengths (B,); None: all T). Steps past a length keep
-    their place, so the map is its own inverse."""
-    if lengths is None:
-        return np.ascontiguousarray(a[::-1])
-    t = np.arange(a.shape[0])[:, None]
-    src = np.where(t < lengths, lengths - 1 - t, t)              # (T, B)
-    return np.take_along_axis(a, src.reshape(src.shape + (1,) * (a.ndim - 2)), axis=0)
 
 
 class LSTM(_RNN):

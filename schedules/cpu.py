@@ -625,13 +625,26 @@ def sumsq(p, target):
     p.stage("partial").compute_root().vectorize(p.vars["j"], panel(target))
 
 
+def _flat(f, i, target):
+    """A 1-D stage in parallel chunks of 2^14, vectorized."""
+    io = hl.Var("io")
+    f.split(i, io, i, 1 << 14, GUARD).parallel(io).vectorize(i, panel(target), GUARD)
+
+
 def _update(p, target):
-    i, io = p.vars["i"], hl.Var("io")
-    p.stage("update").split(i, io, i, 1 << 14, GUARD).parallel(io).vectorize(i, panel(target),
-                                                                            GUARD)
+    _flat(p.stage("update"), p.vars["i"], target)
+
+
+def _elementwise(p, target):
+    _flat(p.stage("out"), p.vars["i"], target)
 
 
 adam = sgd = _update
+add = mul = _elementwise
+
+
+def rows(p, target):
+    p.stage("out").parallel(p.vars["m"]).vectorize(p.vars["k"], panel(target), GUARD)
 
 
 def onehot(p, target):

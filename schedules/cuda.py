@@ -861,3 +861,14 @@ adam = sgd = _update
 
 def onehot(p, target):
     _model_tile2(p.stage("x"), p.vars["v"], p.vars["n"])
+
+
+def rows(p, target):
+    _model_tile2(p.stage("out"), p.vars["k"], p.vars["m"])
+
+
+def _elementwise(p, target):
+    _model_tile1(p.stage("out"), p.vars["i"], 256)
+
+
+add = mul = _elementwise

@@ -1,6 +1,7 @@
-"""The char LM's head and optimizer as Halide pipelines (halstm/model/kernels.py,
-library.py): the CPU schedule against numpy (charlm's head, optim's Adam,
-SGD and clipping); the CUDA schedule compiles here (runs in tests/gpu)."""
+"""The char LM's head and optimizer, and the modules' array operations, as
+Halide pipelines (halstm/model/kernels.py, library.py): the CPU schedule
+against numpy (charlm's head, optim's Adam, SGD and clipping, rows, add,
+mul); the CUDA schedule compiles here (runs in tests/gpu)."""
 import numpy as np
 import pytest
 
@@ -102,7 +103,8 @@ def test_cuda_schedules_compile_without_gpu(tmp_path):
     from halstm.model import library
     m = library.build(CUDA_TARGET, tmp_path)
     assert m["device"] == "cuda" and (tmp_path / m["library"]).is_file()
-    assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd", "onehot")]
+    assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd", "onehot",
+                                                             "rows", "add", "mul")]
 
 
 def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
@@ -146,3 +148,21 @@ def test_kernels_model_checks_targets():
 def test_onehot_kernel(k):
     ids = np.array([3, 0, 6, 6, 1], np.int32)
     np.testing.assert_array_equal(k.onehot(k.targets(ids), 7), np.eye(7, dtype=np.float32)[ids])
+
+
+@pytest.mark.parametrize("R, M, n", [(7, 5, 3), (1, 1, 1), (300, 700, 37)])
+def test_array_operations_match_numpy(k, R, M, n):
+    """rows gathers (zeros for a negative index, NaN kept), add and mul
+    are numpy's."""
+    rng = np.random.default_rng(R)
+    src = rng.standard_normal((R, n)).astype(np.float32)
+    src[0, 0] = np.nan
+    idx = rng.integers(-1, R, M)
+    got = k.rows(src, k.targets(idx))
+    want = np.where(idx[:, None] >= 0, src[np.maximum(idx, 0)], 0)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    a, b = src[:M % R + 1], rng.standard_normal((M % R + 1, n)).astype(np.float32)
+    np.testing.assert_array_equal(k.add(a, b), a + b)
+    np.testing.assert_array_equal(k.mul(a, b), a * b)
+    with pytest.raises(ValueError, match=r"b: expected shape"):
+        k.add(a, b[:, :0])

@@ -1,4 +1,5 @@
-// The char LM's head and optimizer entry points (HALSTM_MODEL).
+// The char LM's head and optimizer entry points, and the modules' array
+// operations on a GPU (HALSTM_MODEL).
 // Part of the driver: included once, by driver.cpp.
 
 extern "C" {
@@ -11,6 +12,28 @@ int halstm_model_sumsq(HB, HB);
 int halstm_model_adam(HB, HB, HB, HB, HB, float, float, float, float, float, HB, HB, HB);
 int halstm_model_sgd(HB, HB, HB, HB, float, float, float, HB, HB);
 int halstm_model_onehot(HB, HB);
+int halstm_model_rows(HB, HB, HB);
+int halstm_model_add(HB, HB, HB);
+int halstm_model_mul(HB, HB, HB);
+
+// src (R, n); idx (M) int32 -> out (M, n): row idx[m] of src, zeros where idx[m] < 0
+int halstm_rows(int R, int M, int n, const float *src, const void *idx, float *out) {
+    g_error[0] = 0;
+    View vsrc(src, {{n, 1}, {R, n}}), vidx = View::ints(idx, M), vout(out, {{n, 1}, {M, n}});
+    return halstm_model_rows(vsrc.hb(), vidx.hb(), vout.hb());
+}
+
+// a, b (n) -> out (n) = a + b, or (halstm_mul) a * b
+int halstm_add(int n, const float *a, const float *b, float *out) {
+    g_error[0] = 0;
+    View va(a, {{n, 1}}), vb(b, {{n, 1}}), vout(out, {{n, 1}});
+    return halstm_model_add(va.hb(), vb.hb(), vout.hb());
+}
+int halstm_mul(int n, const float *a, const float *b, float *out) {
+    g_error[0] = 0;
+    View va(a, {{n, 1}}), vb(b, {{n, 1}}), vout(out, {{n, 1}});
+    return halstm_model_mul(va.hb(), vb.hb(), vout.hb());
+}
 
 // ids (N) int32 -> out (N, V): one-hot rows (all zero where an id is not in [0, V))
 int halstm_onehot(int N, int V, const void *ids, float *out) {

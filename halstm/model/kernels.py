@@ -1,4 +1,5 @@
-"""The char LM's head and optimizer as Halide algorithms (no schedules).
+"""The char LM's head and optimizer, and the array operations the modules
+need on a GPU, as Halide algorithms (no schedules).
 
     head   y (N, H), W (V, H), b (V,), targets (N,) int32, scale
            -> loss (N,) = -log softmax(y W^T + b)[target], and the gradients
@@ -10,11 +11,15 @@
               clipped by the global norm sqrt(sum sq) to max_norm)
     sgd    p, g, buf (n,), sq (P,), scalars -> p, buf updated (optim.SGD)
     onehot ids (N,) int32 -> x (N, V) one-hot rows (V: the output's width)
+    rows   src (R, n), idx (M,) int32 -> out (M, n) = src[idx[m]], zero
+           where idx[m] < 0 (time reversal, batch reorders)
+    add    a, b (n,) -> out (n,) = a + b
+    mul    a, b (n,) -> out (n,) = a * b (dropout masks)
 
 Shapes above are numpy's; Halide's axes are the reverse (runtime.py). Sizes
 are runtime values: one compiled library serves every model. Stages are
 named for the schedules (schedules/cpu.py, schedules/cuda.py: functions
-head, sumsq, adam, sgd, onehot).
+of the same names).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import halide as hl
 
 from ..pipeline import Stages
 
-KINDS = ("head", "sumsq", "adam", "sgd", "onehot")
+KINDS = ("head", "sumsq", "adam", "sgd", "onehot", "rows", "add", "mul")
 SUMSQ_LANES = 1024     # sumsq: partial sums over g(j), g(j + LANES), ...
 
 
@@ -135,6 +140,32 @@ def _onehot() -> Pipe:
     x = hl.Func("x")
     x[v, n] = hl.select(v == ids[n], hl.f32(1), hl.f32(0))
     return Pipe("onehot", [ids], [x], {"x": x}, {"v": v, "n": n})
+
+
+def _rows() -> Pipe:
+    src = _f32("src", 2)                                    # src(k, r)
+    idx = _dense(hl.ImageParam(hl.Int(32), 1, "idx"))       # idx(m)
+    k, m = hl.Var("k"), hl.Var("m")
+    out = hl.Func("out")
+    row = hl.clamp(idx[m], 0, src.dim(1).extent() - 1)
+    out[k, m] = hl.select(idx[m] >= 0, src[k, row], hl.f32(0))
+    return Pipe("rows", [src, idx], [out], {"out": out}, {"k": k, "m": m})
+
+
+def _elementwise(kind, op) -> Pipe:
+    a, b = _f32("a", 1), _f32("b", 1)
+    i = hl.Var("i")
+    out = hl.Func("out")
+    out[i] = op(a[i], b[i])
+    return Pipe(kind, [a, b], [out], {"out": out}, {"i": i})
+
+
+def _add() -> Pipe:
+    return _elementwise("add", lambda a, b: a + b)
+
+
+def _mul() -> Pipe:
+    return _elementwise("mul", lambda a, b: a * b)
 
 
 def _sgd() -> Pipe:

@@ -1,4 +1,5 @@
-"""The char LM's head and optimizer pipelines (halstm/model/kernels.py),
+"""The char LM's head and optimizer pipelines, and the modules' array
+operations on a GPU (halstm/model/kernels.py),
 compiled ahead of time into one library per target and cached on disk like
 the recurrent layers' (halstm.cache): the same cache folder, lock, checksum
 and driver (halstm.driver.Model), so that a CUDA build takes
@@ -8,6 +9,7 @@ device pointers (halstm.cuda.DeviceArray) and copies nothing to the host.
     loss, dw, db, dy = k.head(y, w, b, targets, scale)
     k.sumsq(g, sq[i:i + 1]); k.adam(p, g, m, v, sq, c, e, b1, b2, max_norm)
     x = k.onehot(k.targets(ids), V)           # (N, V) one-hot rows
+    out = k.rows(src, k.targets(idx)); k.add(a, b); k.mul(a, b)   # array operations
 
 Arrays are numpy (CPU targets) or DeviceArrays (CUDA), float32, C-contiguous;
 targets int32 (numpy, uploaded on a CUDA target).
@@ -25,7 +27,7 @@ from .. import aot, cache, cuda, driver, schedules
 from ..errors import CompileError
 from ..runtime import SharedLibrary
 
-FORMAT = "halstm-model-kernels/2"
+FORMAT = "halstm-model-kernels/3"
 _HERE = Path(__file__).resolve().parent
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -102,6 +104,8 @@ class Kernels:
         L.halstm_adam.argtypes = [_I, _P, _P, _P, _P, _I, _P, _F, _F, _F, _F, _F]
         L.halstm_sgd.argtypes = [_I, _P, _P, _P, _I, _P, _F, _F, _F]
         L.halstm_onehot.argtypes = [_I, _I, _P, _P]
+        L.halstm_rows.argtypes = [_I, _I, _I, _P, _P, _P]
+        L.halstm_add.argtypes = L.halstm_mul.argtypes = [_I, _P, _P, _P]
 
     def _call(self, name, *args):
         self._shared.check(getattr(self._lib, name)(*args),
@@ -124,6 +128,31 @@ class Kernels:
         out = self.mem.empty((ids.shape[0], int(V)))
         ptr = ids.ctypes.data if isinstance(ids, np.ndarray) else ids.ptr
         self._call("halstm_onehot", ids.shape[0], int(V), ptr, self.mem.ptr(out))
+        return out
+
+    def rows(self, src, idx):
+        """src (R, n), idx (from .targets(), M) -> (M, n): row idx[m] of
+        src, zeros where idx[m] < 0."""
+        if not isinstance(idx, (np.ndarray, cuda.IntArray)) or len(idx.shape) != 1:
+            raise TypeError("idx: expected the (M,) result of Kernels.targets()")
+        R, n = src.shape
+        out = self.mem.empty((idx.shape[0], n))
+        ptr = idx.ctypes.data if isinstance(idx, np.ndarray) else idx.ptr
+        self._call("halstm_rows", R, idx.shape[0], n, self.mem.ptr(src), ptr, self.mem.ptr(out))
+        return out
+
+    def add(self, a, b):
+        """a + b, a new array of their shape."""
+        return self._elementwise("halstm_add", a, b)
+
+    def mul(self, a, b):
+        """a * b, a new array of their shape."""
+        return self._elementwise("halstm_mul", a, b)
+
+    def _elementwise(self, name, a, b):
+        out = self.mem.empty(tuple(a.shape))
+        self._call(name, a.size, self.mem.ptr(a), self._check("b", b, a.shape),
+                   self.mem.ptr(out))
         return out
 
     def head(self, y, w, b, targets, scale: float):

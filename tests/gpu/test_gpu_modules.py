@@ -60,6 +60,35 @@ def test_lengths_match_each_sequence_alone(cell, io, gpu_target):
     np.testing.assert_array_equal(np.asarray(y.numpy() if io == "device" else y), want)
 
 
+@pytest.mark.parametrize("lengths", [None, [4, 9, 1, 6, 9, 2]])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_bidirectional_and_dropout_match_the_cpu(cell, lengths, gpu_target):
+    """A bidirectional 2-layer module with dropout on a CUDA target equals
+    the same module on the CPU (the CPU's against torch.nn in
+    test_modules.py): the same seed gives the same masks; outputs, final
+    states and every gradient."""
+    rng = np.random.default_rng(8)
+    Tn, Bn = 9, 6
+    mods = [make(cell, bidirectional=True, dropout=0.3, seed=4, target=t)
+            for t in ("host", gpu_target)]
+    mods[1].load_state_dict({k: np.asarray(v) for k, v in mods[0].state_dict().items()})
+    x = rng.standard_normal((Tn, Bn, I)).astype(np.float32)
+    hx = [rng.standard_normal((2 * L, Bn, H)).astype(np.float32) for _ in STATES[cell]]
+    dy = rng.standard_normal((Tn, Bn, 2 * H)).astype(np.float32)
+    kw = {} if lengths is None else {"lengths": np.array(lengths)}
+    runs = []
+    for m in mods:
+        y, finals = call(m, cell, x, hx if cell == "lstm" else hx[0], **kw)
+        runs.append((y, finals, backward(m, cell, dy)))
+    (y0, f0, g0), (y1, f1, g1) = runs
+    assert_close("y", y1, y0, rtol=1e-4)
+    for s, a, b in zip(STATES[cell], f1, f0):
+        assert_close(f"{s}_n", a, b, rtol=1e-4)
+    assert set(g1) == set(g0)
+    for k in g0:
+        assert_close(k, g1[k], g0[k], rtol=1e-4)
+
+
 def test_a_cuda_error_leaves_the_module_usable(gpu_target):
     m = make("lstm", target=gpu_target)
     x = np.ones((T, B, I), np.float32)
