@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -251,14 +252,36 @@ class Device:
         from .model import library
         return library.kernels("host-cuda")
 
+    _INDICES_KEPT = 64
+    _indices_kept: OrderedDict = OrderedDict()
+    _indices_lock = threading.Lock()
+
+    def _indices(self, idx):
+        """idx (numpy ints) as the array kernels' int32 argument, each
+        content uploaded once (the last _INDICES_KEPT kept, read-only): a
+        batch's reversal recurs from forward to backward and call to call,
+        and an upload from pageable memory waits for the GPU's queue."""
+        idx = np.ascontiguousarray(idx, dtype=np.int32).reshape(-1)
+        key = idx.tobytes()
+        with self._indices_lock:
+            kept = self._indices_kept.get(key)
+            if kept is not None:
+                self._indices_kept.move_to_end(key)
+                return kept
+        kept = self._ops().targets(idx)
+        with self._indices_lock:
+            self._indices_kept[key] = kept
+            while len(self._indices_kept) > self._INDICES_KEPT:
+                self._indices_kept.popitem(last=False)
+        return kept
+
     def reverse_time(self, a, lengths):
         """As Host.reverse_time, by one gather of (t, b) rows."""
         T, B = a.shape[:2]
         src = np.broadcast_to(np.arange(T)[::-1, None], (T, B)) if lengths is None else \
             reversed_steps(T, lengths)
-        ops = self._ops()
-        rows = ops.targets(src * B + np.arange(B))
-        return ops.rows(a.reshape(T * B, -1), rows).reshape(*a.shape)
+        rows = self._indices(src * B + np.arange(B))
+        return self._ops().rows(a.reshape(T * B, -1), rows).reshape(*a.shape)
 
     def add(self, a, b):
         return self._ops().add(a, b)

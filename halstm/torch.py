@@ -608,9 +608,7 @@ class _Recurrent(torch.nn.Module):
         (padding stays in place), or None: reverse all T steps."""
         if lengths is None:
             return None
-        t = np.arange(T)[:, None]
-        n = lengths[None, :]
-        return _ints(np.where(t < n, n - 1 - t, t), device)
+        return _ints(memory.reversed_steps(T, lengths), device)
 
     @staticmethod
     def _reverse(a: Tensor, rev) -> Tensor:
