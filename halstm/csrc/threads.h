@@ -106,11 +106,14 @@ View part_of(View v, const Part &part, int units, int rows) {
 // (a step that reduces over units) rows whatever W_hh's size, else one
 // thread, and where W_hh is that small, ranges down to one row: such a
 // step has no other way to use more cores than B / HALSTM_SPLIT_ROWS.
-// Barrier NULL when one
+// Ranges of rows carry equal shares of the steps' rows where the batch
+// has sizes per step (sorted longest first: the first range holds fewer
+// rows). Barrier NULL when one
 // thread runs it all. Returns the first nonzero code; a worker's error
 // message is copied into this thread's.
 template <class F>
-int run_split(double macs, int T, int B, int least_rows, F body) {
+int run_split(double macs, int T, int B, const int *batch_sizes, F body) {
+    const int least_rows = T > 0 ? step_rows(batch_sizes, T - 1, B) : B;   // the last step's
     static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0 && HP / P % HALSTM_SPLIT_QUANTUM_SMALL == 0,
                   "tiles of whole quanta");
     const int quantum = least_rows < HALSTM_SPLIT_SMALL_BELOW ? HALSTM_SPLIT_QUANTUM_SMALL
@@ -130,8 +133,30 @@ int run_split(double macs, int T, int B, int least_rows, F body) {
     g_last_threads.store(n);
     const Part whole{0, panels, 0, B};
     if (n == 1) return body(whole, nullptr);
+    // bounds[r]: the first unit of range r; ranges of rows by equal shares
+    // of the row-steps (unit u's: its rows' lengths; the last unit also has
+    // the rows past the whole units), else of the units
+    std::vector<int> bounds(n + 1);
+    for (int r = 0; r <= n; r++) bounds[r] = (int)((int64_t)r * units / n);
+    if (by_rows && batch_sizes) {
+        std::vector<int64_t> work(units + 1, 0);   // work[u]: row-steps of units [0, u)
+        for (int t = 0; t < T; t++)
+            for (int u = 0; u < units; u++) {
+                const int r0 = u * least, r1 = u == units - 1 ? B : r0 + least;
+                const int rows = batch_sizes[t] < r1 ? batch_sizes[t] : r1;
+                work[u + 1] += rows > r0 ? rows - r0 : 0;
+            }
+        for (int u = 0; u < units; u++) work[u + 1] += work[u];
+        for (int r = 1, u = 0; r < n; r++) {
+            while (u < units && work[u] * n < work[units] * r) u++;
+            if (u > 0 && work[units] * r - work[u - 1] * n < work[u] * n - work[units] * r)
+                u--;   // (the nearer of the two bounds around the share)
+            const int lo = bounds[r - 1] + 1, hi = units - (n - r);
+            bounds[r] = u < lo ? lo : u > hi ? hi : u;
+        }
+    }
     auto part = [&](int r) {
-        int lo = (int)((int64_t)r * units / n), hi = (int)((int64_t)(r + 1) * units / n);
+        int lo = bounds[r], hi = bounds[r + 1];
         if (by_rows)   // the last range also takes the rows past the whole units
             return Part{0, panels, lo * least, (r == n - 1 ? B : hi * least) - lo * least};
         return Part{lo * quantum, (hi - lo) * quantum, 0, B};
@@ -208,8 +233,7 @@ inline bool step_done(void *barrier, int rc) {
 template <class F>
 int run_steps(int T, int B, const int *batch_sizes, F part_steps) {
 #if HALSTM_SPLIT
-    const int least_rows = T > 0 ? step_rows(batch_sizes, T - 1, B) : B;   // the last step's
-    return run_split((double)G * H * H * B, T, B, least_rows,
+    return run_split((double)G * H * H * B, T, B, batch_sizes,
                      [&](const Part &part, SpinBarrier *barrier) { return part_steps(part, barrier); });
 #else
     (void)T, (void)B, (void)batch_sizes;
