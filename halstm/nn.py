@@ -32,8 +32,10 @@ on CPU targets (on a GPU, halstm.torch has it).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -252,10 +254,12 @@ class _RNN:
         self._version += 1
 
     # ---- kernels ----------------------------------------------------------
-    def _lib(self, layer: int, direction: str, onehot: bool = False, extra: int = 0) -> Library:
-        """The library of `layer`'s input size (plus `extra` inputs)."""
+    def _lib(self, layer: int, direction: str, onehot: bool = False, extra: int = 0,
+             lane: int = 0) -> Library:
+        """The library of `layer`'s input size (plus `extra` inputs); lane:
+        which instance (its own workspaces and lock: two directions at once)."""
         K = self._input_size(layer) + extra
-        key = (K, direction) + (("onehot",) if onehot else ())
+        key = (K, direction, lane) + (("onehot",) if onehot else ())
         with self._libs_lock:
             if key not in self._libs:
                 spec = aot.Spec(self.cell, K, self.hidden_size, direction, self.target,
@@ -426,6 +430,21 @@ class _RNN:
         keep = self._rng.random(shape, dtype=np.float32) >= p
         return keep.astype(np.float32) / np.float32(1 - p) if p < 1 else keep.astype(np.float32)
 
+    def _each_direction(self, fn, lib) -> list:
+        """[fn(d, threads) for every direction d]. A CPU module's two
+        directions (without a projection) run at once where the last call
+        of their library (lib) would have split its steps over half the
+        cores or fewer: the reverse one on a thread of its own, each call's
+        steps on its half of the cores (threads; None: all, one direction
+        after the other)."""
+        D, cores = self.num_directions, _cores()
+        wanted = 0 if D == 1 or self.on_gpu or self.proj_size else lib.step_threads_wanted()
+        if not 0 < wanted <= cores // 2:
+            return [fn(d, None) for d in range(D)]
+        with ThreadPoolExecutor(1) as pool:
+            reverse = pool.submit(fn, 1, cores - cores // 2)
+            return [fn(0, cores // 2), reverse.result()]
+
     def _forward(self, x, init, lengths=None):
         """Run every layer and direction; init: per state an (L*D, B, H)
         array; lengths: None, or each sequence's length (B,): the kernels
@@ -445,8 +464,8 @@ class _RNN:
         tape, masks, inp = [], [], x                 # tape[layer * D + d]
         ends = []                                    # [layer * D + d][state]: (B, H) or None
         for layer in range(L):
-            ys = []
-            for d in range(D):
+            def one(d, threads):
+                """Direction d of this layer: (y (T, B, H) in time order, tape, end)."""
                 inp_d = inp if d == 0 else self._mem.reverse_time(inp, ns)
                 init_d = [_layer(s, layer * D + d) for s in init]
                 if self.proj_size:
@@ -454,17 +473,22 @@ class _RNN:
                         self._lib(layer, "fwd", extra=self.proj_size), self._lib(layer, "fwd"),
                         inp_d, self._layer_weights(layer, d), self._layer_proj(layer, d),
                         init_d, self._layer_vec(layer, d), save, bs)
-                    tape.append(t)
-                    ends.append(end)
                 else:
                     w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer, d)
-                    states, saved = self._lib(layer, "fwd", ids and layer == 0).forward(
-                        inp_d, w_ih, b_ih, w_hh, b_hh, init_d, save=save,
-                        vec=self._layer_vec(layer, d), batch_sizes=bs)
-                    tape.append((inp_d, states, saved))
-                    ends.append(None)
+                    lib = self._lib(layer, "fwd", ids and layer == 0, lane=d if threads else 0)
+                    states, saved = lib.forward(inp_d, w_ih, b_ih, w_hh, b_hh, init_d, save=save,
+                                                vec=self._layer_vec(layer, d), batch_sizes=bs,
+                                                threads=threads)
+                    t, end = (inp_d, states, saved), None
                     y = states[0][1:]                # this direction's h over time (T, B, H)
-                ys.append(y if d == 0 else self._mem.reverse_time(y, ns))
+                return (y if d == 0 else self._mem.reverse_time(y, ns)), t, end
+
+            ys = []
+            for y, t, end in self._each_direction(one, self._lib(layer, "fwd",
+                                                                  ids and layer == 0)):
+                ys.append(y)
+                tape.append(t)
+                ends.append(end)
             inp = ys[0] if D == 1 else self._mem.concat(ys)   # (T, B, D*H)
             if self.dropout and self.training and layer < L - 1:
                 mask = self._dropout_mask(tuple(inp.shape))
@@ -517,27 +541,37 @@ class _RNN:
         sizes = [H] + [self.hidden_size] * (len(dfinal) - 1)    # h's units, the others'
         dinit = [None if L * D == 1 else self._mem.empty((L * D, B, n)) for n in sizes]
         for layer in reversed(range(L)):
-            dx = None                                       # (T, B, K) summed over directions
-            for d in range(D):
+            def one(d, threads):
+                """Direction d of this layer's gradients (the library's keys;
+                dx in time order)."""
                 dy_d = dy if D == 1 else self._mem.columns(dy, d * H, H)
                 if d:
                     dy_d = self._mem.reverse_time(dy_d, ns)
                 dfinal_d = [_layer(a, layer * D + d) for a in dfinal]
-                sfx = self._suffix(layer, d)
                 if self.proj_size:
                     g = projected.backward(
                         self._lib(layer, "bwd", extra=self.proj_size), self._lib(layer, "bwd"),
                         tape[layer * D + d], self._layer_weights(layer, d),
                         self._layer_proj(layer, d), dy_d, dfinal_d, self._layer_vec(layer, d),
                         bs, need_dx=input_grad or layer > 0)
-                    grads[f"weight_hr{sfx}"] = g["dw_hr"]
                 else:
                     inp, states, saved = tape[layer * D + d]
                     w_ih, _, w_hh, _ = self._layer_weights(layer, d)
-                    g = self._lib(layer, "bwd", ids and layer == 0).backward(
-                        inp, w_ih, w_hh, saved, states, dy_d, dfinal_d,
-                        need_dx=input_grad or layer > 0, vec=self._layer_vec(layer, d),
-                        batch_sizes=bs)
+                    lib = self._lib(layer, "bwd", ids and layer == 0, lane=d if threads else 0)
+                    g = lib.backward(inp, w_ih, w_hh, saved, states, dy_d, dfinal_d,
+                                     need_dx=input_grad or layer > 0,
+                                     vec=self._layer_vec(layer, d), batch_sizes=bs,
+                                     threads=threads)
+                if d and "dx" in g:
+                    g["dx"] = self._mem.reverse_time(g["dx"], ns)
+                return g
+
+            dx = None                                       # (T, B, K) summed over directions
+            for d, g in enumerate(self._each_direction(one, self._lib(layer, "bwd",
+                                                                     ids and layer == 0))):
+                sfx = self._suffix(layer, d)
+                if "dw_hr" in g:
+                    grads[f"weight_hr{sfx}"] = g["dw_hr"]
                 grads[f"weight_ih{sfx}"], grads[f"weight_hh{sfx}"] = g["dw_ih"], g["dw_hh"]
                 if self.bias and self._matrix_bias:
                     grads[f"bias_ih{sfx}"], grads[f"bias_hh{sfx}"] = g["db_ih"], g["db_hh"]
@@ -549,8 +583,7 @@ class _RNN:
                     else:
                         dinit[i][layer * D + d] = g[f"d{s}0"]
                 if "dx" in g:
-                    dx_d = g["dx"] if d == 0 else self._mem.reverse_time(g["dx"], ns)
-                    dx = dx_d if dx is None else self._mem.add(dx, dx_d)
+                    dx = g["dx"] if dx is None else self._mem.add(dx, g["dx"])
             dy = dx if layer == 0 or not masks else self._mem.mul(dx, masks[layer - 1])
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if rows is not None:                                # back to the caller's order
@@ -561,6 +594,13 @@ class _RNN:
         for d, s, n in zip(dinit, self._state_names, sizes):
             grads[f"{s}0"] = self._result(d.reshape(L * D, n) if unbatched else d, host)
         return grads
+
+
+def _cores() -> int:
+    """Threads halstm's CPU kernels may use: HL_NUM_THREADS, else the CPUs
+    this process may run on (as the driver counts them)."""
+    n = int(os.environ.get("HL_NUM_THREADS") or 0)
+    return n if n > 0 else len(os.sched_getaffinity(0))
 
 
 class LSTM(_RNN):

@@ -112,6 +112,7 @@ class Library:
         else:
             self._entry = self._lib.halstm_backward
             self._entry.argtypes = [_I, _I] + [_P] * 22
+        self._lib.halstm_set_call_threads.argtypes = [_I]
         self._entry.restype = _I
         self._ws = {}      # by (memory kind, stream, name)
         # One call at a time: the workspaces are shared between calls, and
@@ -171,12 +172,24 @@ class Library:
         splits steps itself (manifest layout split_steps); else 0."""
         return self._lib.halstm_step_threads()
 
-    def _call(self, stream, *args) -> None:
+    def step_threads_wanted(self) -> int:
+        """Threads the last time loop's steps would have run on had every
+        CPU been free (their work and parts decide); 0 as step_threads."""
+        return self._lib.halstm_step_threads_wanted()
+
+    def _call(self, stream, *args, threads=None) -> None:
         m = self.manifest
         if self.device == "cuda":
             self._lib.halstm_cuda_set_stream(stream)
-        self._shared.check(self._entry(*args), f"{m['cell']} {m['direction']} kernel "
-                                               f"({m['target']}, schedule {m['schedule']})")
+        if threads:
+            self._lib.halstm_set_call_threads(int(threads))
+        try:
+            rc = self._entry(*args)
+        finally:
+            if threads:
+                self._lib.halstm_set_call_threads(0)
+        self._shared.check(rc, f"{m['cell']} {m['direction']} kernel "
+                               f"({m['target']}, schedule {m['schedule']})")
 
     @staticmethod
     def _ptrs(mem, arrays) -> ctypes.Array:
@@ -207,7 +220,7 @@ class Library:
         return mem.ptr(vec)
 
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None, batch_sizes=None,
-                mem=None, stream=None):
+                mem=None, stream=None, threads=None):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array (or None: zeros) per state; vec: the cell's
         vector parameters (V, H), one row per channel (None without).
@@ -222,7 +235,8 @@ class Library:
         the first batch_sizes[t] rows only (sequences sorted by length,
         longest first); a row's states past its length stay zero.
         stream: a CUDA library's CUstream handle for this call (None: the
-        legacy default stream)."""
+        legacy default stream). threads: the most threads this call's
+        steps split over (CPU; None: set_num_threads' or the CPUs')."""
         mem = mem or self.mem
         with self._lock:
             T, B, K = self._x_shape(x)
@@ -249,14 +263,14 @@ class Library:
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, [states[s] for s in range(NS)]))
+                       self._ptrs(mem, [states[s] for s in range(NS)]), threads=threads)
             return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None,
-                 batch_sizes=None, mem=None, stream=None):
+                 batch_sizes=None, mem=None, stream=None, threads=None):
         """BPTT of one layer. states as forward returned them; dfinal: one
         (B, H) gradient (or None: zeros) per final state; vec, batch_sizes,
-        mem and stream as forward's (with batch sizes, a row's final-state
+        mem, stream and threads as forward's (with batch sizes, a row's final-state
         gradient enters at its own last step, and its dy past it is unread).
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh, dvec (V, H) for a cell
         with vector parameters, and d<state>0 (B, H).
@@ -316,7 +330,8 @@ class Library:
                        mem.ptr(dy), self._ptrs(mem, dstate),
                        *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
                                                                      dvec_rows, rows_ws,
-                                                                     *out.values())])
+                                                                     *out.values())],
+                       threads=threads)
             if not V:
                 del out["dvec"]
             if not need_dx:

@@ -751,6 +751,28 @@ def test_layer_feature_errors(kw, match):
         halstm.LSTM(I, H, num_layers=2, **kw)
 
 
+def test_bidirectional_directions_run_at_once(monkeypatch):
+    """Where a layer's steps want half the cores or fewer (here one thread:
+    H=37, B=3; four threads asked for), the second call runs the two
+    directions at once on two instances of the library; its results equal
+    the first call's, which ran them in turn."""
+    monkeypatch.setenv("HL_NUM_THREADS", "4")
+    m = make("gru", bidirectional=True)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, 2 * H)).astype(np.float32)
+    runs = []
+    for _ in range(2):
+        y, h_n = m(x)
+        runs.append((y, h_n, m.backward(dy)))
+    assert {k[2] for k in m._libs} == {0, 1}                # lanes: both directions at once
+    (y0, h0, g0), (y1, h1, g1) = runs
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(h1, h0)
+    for k in g0:
+        np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
+
+
 def test_bidirectional_hx_shape_error():
     m = make("lstm", bidirectional=True)
     with pytest.raises(ValueError, match=r"h0: expected shape \(4, 3, 37\)"):

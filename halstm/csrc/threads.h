@@ -60,12 +60,15 @@ struct SpinBarrier {
 };
 
 std::atomic<int> g_threads{0};      // halstm_set_num_threads; 0: unset
+thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
 std::atomic<int> g_last_threads{0}; // threads the last time loop ran on
+std::atomic<int> g_last_wanted{0};  // ... and would have, had every CPU been free
 
-// Threads this process may use: as set by halstm_set_num_threads, else
+// Threads a call may use: as set for the calling thread
+// (halstm_set_call_threads), else by halstm_set_num_threads, else
 // HL_NUM_THREADS as for Halide's own pool, else the CPUs it may run on.
 int threads_available() {
-    int n = g_threads.load();
+    int n = t_call_threads > 0 ? t_call_threads : g_threads.load();
     if (n > 0) return n;
     const char *env = getenv("HL_NUM_THREADS");
     n = env ? atoi(env) : 0;
@@ -124,13 +127,12 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body) {
     const bool by_rows = (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * least;
     // (rows only: a step that reduces over units runs whole on one thread)
     const int units = by_rows ? B / least : HALSTM_SPLIT_ROWS_ONLY ? 1 : groups;
-    int n = threads_available();
     double worth = macs / HALSTM_SPLIT_MACS;
-    if (worth < n) n = worth < 1 ? 1 : (int)worth;
-    if (macs * T < HALSTM_SPLIT_CALL_MACS) n = 1;   // starting a thread costs more
-    if (n > units) n = units;
-    if (n < 1) n = 1;
+    int wanted = worth < 1 ? 1 : worth > units ? units : (int)worth;
+    if (macs * T < HALSTM_SPLIT_CALL_MACS) wanted = 1;   // starting a thread costs more
+    const int n = wanted < threads_available() ? wanted : threads_available();
     g_last_threads.store(n);
+    g_last_wanted.store(wanted);
     const Part whole{0, panels, 0, B};
     if (n == 1) return body(whole, nullptr);
     // bounds[r]: the first unit of range r; ranges of rows by equal shares
@@ -251,6 +253,27 @@ void halstm_set_num_threads(int n) {
     halide_set_num_threads(n);
 #if HALSTM_SPLIT
     g_threads.store(n > 0 ? n : 0);
+#endif
+}
+
+// Threads for the steps of the calls the calling thread makes from now
+// (HALSTM_SPLIT; 0: as halstm_set_num_threads, HL_NUM_THREADS or the CPUs
+// say): two calls at once, each on its share of the cores.
+void halstm_set_call_threads(int n) {
+#if HALSTM_SPLIT
+    t_call_threads = n > 0 ? n : 0;
+#else
+    (void)n;
+#endif
+}
+
+// Threads the last time loop's steps would have run on had every CPU been
+// free: its steps' work and parts decide (HALSTM_SPLIT; else 0).
+int halstm_step_threads_wanted(void) {
+#if HALSTM_SPLIT
+    return g_last_wanted.load();
+#else
+    return 0;
 #endif
 }
 
