@@ -292,6 +292,10 @@ class Library:
             # row of length n starts from [(T - n) & 1]; the fused step reads
             # step t's dh_add rows from add[(t + 1) & 1]: n's from add[n & 1]
             lengths = None if bs is None else row_lengths(bs, B)
+            add = None   # the fused step's dh_add rows: a row's first call reads zeros or d
+            if fused is not None and lengths is not None:
+                add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
+                mem.zero(add)      # (the last call left its rows there)
             dstate = []
             for s, d in enumerate(dfinal):
                 a = mem.zeros((2, B, Hp))
@@ -299,8 +303,7 @@ class Library:
                     mem.put_leading(a[0], d)
                 elif d is not None:
                     mem.scatter_rows(a, (T - lengths) & 1, d)
-                    if fused is not None and s == 0:
-                        add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
+                    if add is not None and s == 0:
                         mem.scatter_rows(add, lengths & 1, d)
                 dstate.append(a)
             ws = [None, None]       # no pack_bwd: the products read the weights as given

@@ -600,6 +600,24 @@ def test_lengths_split_over_threads_and_one_hot(cell, monkeypatch):
                                 dy[:9, :4], [a[:, :4] for a in dfinal])
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lengths_backward_again_without_final_gradients(cell):
+    """A second backward with lengths and no final-state gradients equals
+    the first: each sequence's first step reads zeros for the later
+    steps' dh, not what the last call left in the fused step's rows."""
+    rng = np.random.default_rng(12)
+    m = make(cell, num_layers=1)
+    x = rng.standard_normal((9, 6, I)).astype(np.float32)
+    dy = rng.standard_normal((9, 6, H)).astype(np.float32)
+    lengths = np.array([4, 9, 1, 6, 9, 2])
+    runs = []
+    for _ in range(2):
+        m(x, lengths=lengths)
+        runs.append(m.backward(dy))
+    for k in runs[0]:
+        np.testing.assert_array_equal(runs[1][k], runs[0][k], err_msg=k)
+
+
 def test_lengths_errors():
     m = make("lstm")
     x = np.zeros((7, 3, I), np.float32)
