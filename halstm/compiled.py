@@ -159,5 +159,5 @@ def load(path, seed=None):
         if lib.manifest["cell"] != cell:
             raise LibraryError(f"{path / MANIFEST}: 'cell': {cell!r}, but {part['dir']} holds "
                                f"kernels of cell {lib.manifest['cell']!r}")
-        m._libs[(part["input_size"], part["direction"])] = lib
+        m._libs[(part["input_size"], part["direction"], 0)] = lib   # (lane 0: nn._RNN._lib)
     return m
