@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import aot, cuda
+from . import aot, cuda, machine
 from . import memory, projected
 from .runtime import Library, step_batch_sizes
 
@@ -600,7 +600,7 @@ def _cores() -> int:
     """Threads halstm's CPU kernels may use: HL_NUM_THREADS, else the CPUs
     this process may run on (as the driver counts them)."""
     n = int(os.environ.get("HL_NUM_THREADS") or 0)
-    return n if n > 0 else len(os.sched_getaffinity(0))
+    return n if n > 0 else machine.cores()
 
 
 class LSTM(_RNN):

@@ -30,11 +30,11 @@ def row_lengths(batch_sizes, B: int) -> np.ndarray:
     return (np.asarray(batch_sizes)[None, :] > np.arange(B)[:, None]).sum(1)
 
 
-def step_rows_count(batch_sizes, T: int, B: int, device: str) -> int:
+def step_rows_count(batch_sizes, T: int, B: int, packed: bool) -> int:
     """N, the rows of the arrays over all steps' rows (xp, dxp, dhg; the
-    driver's rows.h): T*B, or on a CPU given batch sizes, each step's block
+    driver's rows.h): T*B, or packed (Library._packed), each step's block
     as large as the step before's (the first: its own)."""
-    if batch_sizes is None or device != "cpu":
+    if not packed:
         return T * B
     return int(batch_sizes[0]) + int(np.sum(batch_sizes[:-1]))
 
@@ -172,6 +172,11 @@ class Library:
         splits steps itself (manifest layout split_steps); else 0."""
         return self._lib.halstm_step_threads()
 
+    def _packed(self, bs) -> bool:
+        """Whether the driver keeps the steps' rows packed (rows.h StepRows:
+        CPU builds given batch sizes)."""
+        return bs is not None and self.device == "cpu"
+
     def step_threads_wanted(self) -> int:
         """Threads the last time loop's steps would have run on had every
         CPU been free (their work and parts decide); 0 as step_threads."""
@@ -242,9 +247,9 @@ class Library:
             T, B, K = self._x_shape(x)
             bs = self._batch_sizes(batch_sizes, T, B)
             G, H, S, NS = self.G, self.H, self.S, len(self.states)
-            # (with batch sizes a CPU library zeroes the rows past each step's)
-            states = (mem.zeros if bs is not None and self.device != "cpu" else
-                      mem.empty)((NS, T + 1, B, H))
+            packed = self._packed(bs)
+            # (packed, the library zeroes the rows past each step's itself)
+            states = (mem.zeros if bs is not None and not packed else mem.empty)((NS, T + 1, B, H))
             for s, s0 in enumerate(init):
                 if s0 is None:
                     mem.zero(states[s][0])
@@ -252,13 +257,13 @@ class Library:
                     states[s][0] = s0
             saved = mem.empty((T, B, S, H)) if save else None
             Hp, P = self.Hp, self.P
-            N = step_rows_count(bs, T, B, self.device)
+            N = step_rows_count(bs, T, B, packed)
             ws = [self._workspace(mem, stream, "wp_ih", (Hp // P, K, G, P)),
                   self._workspace(mem, stream, "wp_hh", (Hp // P, H, G, P)),
                   self._workspace(mem, stream, "xp", (N, G, Hp)),
-                  # x in the steps' rows (packed, on a CPU)
+                  # x in the steps' rows
                   (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
-                   if bs is not None and self.device == "cpu" else None)]
+                   if packed else None)]
             self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
@@ -310,20 +315,21 @@ class Library:
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
                 ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
                       self._workspace(mem, stream, "wq_hh", (Hp // P, G, H, P))]
-            N = step_rows_count(bs, T, B, self.device)
+            packed = self._packed(bs)
+            N = step_rows_count(bs, T, B, packed)
             dxp = self._workspace(mem, stream, "dxp", (N, G, H))
             dhg = (dxp if self.manifest["dxp_is_dhg"] else
                    self._workspace(mem, stream, "dhg", (N, G, H)))
             dvec_rows = self._workspace(mem, stream, "dvec_rows", (N, V, H)) if V else None
-            if bs is not None and self.device != "cpu":   # rows no step writes enter the sums as zeros
+            if bs is not None and not packed:   # rows no step writes enter the sums as zeros
                 for a in {id(a): a for a in (dxp, dhg, dvec_rows) if a is not None}.values():
                     mem.zero(a)
             vec_ptr = self._vec(mem, vec)
             skip_dx = not need_dx and self.device == "cpu"
-            # x, h_{t-1} and dx in the steps' rows (packed, on a CPU)
+            # x, h_{t-1} and dx in the steps' rows
             rows_ws = (self._workspace(mem, stream, "rows", (
                 N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
-                if bs is not None and self.device == "cpu" else None)
+                if packed else None)
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}

@@ -121,23 +121,26 @@ class Kernels:
         t = np.ascontiguousarray(t, dtype=np.int32).reshape(-1)
         return cuda.IntArray(t) if self.on_gpu else t
 
+    @staticmethod
+    def _indices(name, a) -> int:
+        """The pointer of a, checked to be an (N,) result of .targets()."""
+        if not isinstance(a, (np.ndarray, cuda.IntArray)) or len(a.shape) != 1:
+            raise TypeError(f"{name}: expected the (N,) result of Kernels.targets()")
+        return a.ctypes.data if isinstance(a, np.ndarray) else a.ptr
+
     def onehot(self, ids, V: int):
         """ids (from .targets(), N) -> (N, V) one-hot rows."""
-        if not isinstance(ids, (np.ndarray, cuda.IntArray)) or len(ids.shape) != 1:
-            raise TypeError("ids: expected the (N,) result of Kernels.targets()")
+        ptr = self._indices("ids", ids)
         out = self.mem.empty((ids.shape[0], int(V)))
-        ptr = ids.ctypes.data if isinstance(ids, np.ndarray) else ids.ptr
         self._call("halstm_onehot", ids.shape[0], int(V), ptr, self.mem.ptr(out))
         return out
 
     def rows(self, src, idx):
         """src (R, n), idx (from .targets(), M) -> (M, n): row idx[m] of
         src, zeros where idx[m] < 0."""
-        if not isinstance(idx, (np.ndarray, cuda.IntArray)) or len(idx.shape) != 1:
-            raise TypeError("idx: expected the (M,) result of Kernels.targets()")
+        ptr = self._indices("idx", idx)
         R, n = src.shape
         out = self.mem.empty((idx.shape[0], n))
-        ptr = idx.ctypes.data if isinstance(idx, np.ndarray) else idx.ptr
         self._call("halstm_rows", R, idx.shape[0], n, self.mem.ptr(src), ptr, self.mem.ptr(out))
         return out
 
