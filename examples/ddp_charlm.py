@@ -14,6 +14,7 @@ that equality.
 """
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -95,6 +96,13 @@ def main():
                   f"process{'es' if world > 1 else ''}, {device}; {source})", flush=True)
     if distributed:
         dist.destroy_process_group()
+        # torch's gloo teardown can deadlock at interpreter exit: the
+        # process group's destructor joins gloo's thread while holding the
+        # GIL, and that thread may be freeing work that needs the GIL. The
+        # run is over and its output flushed, so leave without teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
