@@ -242,20 +242,45 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
     return states, saved if save else x.new_empty((0,))
 
 
+def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
+                      need_dx) -> dict:
+    """BPTT of one layer: the library's gradients (runtime.Library.backward);
+    dfinal: per state its final's gradient, or None for none."""
+    lib, mem = _library(spec, "bwd", x.device)
+    bs = None if batch_sizes is None else batch_sizes.numpy()
+    return lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
+                        [None if d is None else d.contiguous() for d in dfinal],
+                        need_dx=need_dx, vec=vec, batch_sizes=bs, mem=mem,
+                        stream=_stream(x.device))
+
+
 def _backward_impl(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, saved: Tensor,
                    states: Tensor, dy: Tensor, dfinal: list[Tensor],
                    batch_sizes: Tensor | None, spec: str,
                    need_dx: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """BPTT of one layer: dx (T, B, K) (need_dx, else (0,)), dw_ih, db_ih,
     dw_hh, db_hh, dvec (V, H) (or (0,)), dinit (NS, B, H)."""
-    lib, mem = _library(spec, "bwd", x.device)
-    bs = None if batch_sizes is None else batch_sizes.numpy()
-    g = lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
-                     [d.contiguous() for d in dfinal], need_dx=need_dx, vec=vec,
-                     batch_sizes=bs, mem=mem, stream=_stream(x.device))
-    dinit = torch.stack([g[f"d{s}0"] for s in lib.states])
+    g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
+                          need_dx)
+    dinit = torch.stack([g[k] for k in _state_grad_keys(spec)])
     return (g["dx"] if need_dx else x.new_empty((0,)), g["dw_ih"], g["db_ih"], g["dw_hh"],
             g["db_hh"], g["dvec"] if "dvec" in g else x.new_empty((0,)), dinit)
+
+
+def _state_grad_keys(spec: str) -> list[str]:
+    return [f"d{s}0" for s in cells.definition(_unspec(spec)[0]).states]
+
+
+def _finals(states: Tensor, batch_sizes: Tensor | None) -> list[Tensor]:
+    """Each state's final (B, H) from states (NS, T+1, B, H): after the last
+    step, or with batch sizes after each row's own last step. Copies, so
+    that a caller may change them in place (as torch.nn's h_n, c_n)."""
+    T, B = states.shape[1] - 1, states.shape[2]
+    if batch_sizes is None:
+        return [states[s, T].clone() for s in range(len(states))]
+    steps = _ints(row_lengths(batch_sizes.numpy(), B), states.device)
+    rows = _ints(np.arange(B), states.device)
+    return [states[s][steps, rows] for s in range(len(states))]
 
 
 _layer = torch.library.custom_op("halstm::layer", _forward_impl, mutates_args=())
@@ -323,26 +348,62 @@ _layer.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _Layer(torch.autograd.Function):
+    """One layer, one direction, eagerly: outputs y (T, B, H) (a view of the
+    kernels' states), saved (for backward) and each state's final (B, H).
+    Backward gets only the gradients the loss made (None for the others)
+    and hands them to the library as they are: dy, and each final's, which
+    the library adds at each row's last step."""
+
     @staticmethod
     def forward(ctx, x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
         states, saved = _forward_impl(x, w_ih, b_ih, w_hh, b_hh, vec, list(init), batch_sizes,
                                       spec, save)
+        ctx.set_materialize_grads(False)
         ctx.spec, ctx.saved = spec, save
         ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
         ctx.mark_non_differentiable(saved)
-        return states, saved
+        return (states[0, 1:], saved, *_finals(states, batch_sizes))
 
     @staticmethod
-    def backward(ctx, dstates, dsaved):
-        *g, dinit = _grads(ctx, dstates, _backward_impl)
-        return (*g, None, None, None, *dinit.unbind(0))
+    def backward(ctx, dy, dsaved, *dfinal):
+        if not ctx.saved:
+            raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+        x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
+        if dy is None:                       # (a loss of the finals alone)
+            dy = x.new_zeros((states.shape[1] - 1, *states.shape[2:]))
+        need_dx = ctx.needs_input_grad[0]
+        g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy, list(dfinal), batch_sizes,
+                              ctx.spec, need_dx)
+        return (g["dx"] if need_dx else None, g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
+                g.get("dvec") if vec is not None else None, None, None, None,
+                *[g[k] for k in _state_grad_keys(ctx.spec)])
 
 
 def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
-    """states (NS, T+1, B, H) of one layer over x (see _forward_impl)."""
+    """One layer over x (see _forward_impl): y (T, B, H) and each state's
+    final (B, H) (at each row's length, with batch sizes)."""
     if torch.compiler.is_compiling():
-        return _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
-    return _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)[0]
+        states = _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
+        return states[0, 1:], _finals(states, batch_sizes)
+    y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
+    return y, finals
+
+
+class _Gather(torch.autograd.Function):
+    """Rows of a (N, C) tensor by distinct indices; backward copies the
+    gradient's rows back into zeros (index_select's own backward adds them,
+    index_add, several times slower)."""
+
+    @staticmethod
+    def forward(ctx, a, index):
+        ctx.save_for_backward(index)
+        ctx.rows = len(a)
+        return a.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, d):
+        index, = ctx.saved_tensors
+        return d.new_zeros((ctx.rows, d.shape[-1])).index_copy_(0, index, d), None
 
 
 # ---- the modules ------------------------------------------------------------
@@ -483,8 +544,8 @@ class _Recurrent(torch.nn.Module):
                 zero if b_hh is None else b_hh, vectors, get("weight_hr"))
 
     def _direction(self, x, init, batch_sizes, weights, spec, save, given):
-        """One layer, one direction over x (T, B, K): (y (T, B, R), states
-        after each step (NS, T, B, H)).
+        """One layer, one direction over x (T, B, K): y (T, B, R) and each
+        state's final (B, R for h, else H).
 
         With a projection (h = W_hr m, R units), the kernels run the cell
         on m: W_hh h = (W_hh W_hr) m, so the recurrent weight is W_hh W_hr
@@ -495,58 +556,78 @@ class _Recurrent(torch.nn.Module):
         vec = None if vectors is None else torch.cat(
             [a.view(-1, self.hidden_size) for a in vectors.values()])
         if w_hr is None:
-            states = _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)
-            return states[0, 1:], states[:, 1:]
+            return _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)
         w_m = w_hh @ w_hr
         if not given:
             m0 = init[0].new_zeros((init[0].shape[0], self.hidden_size))
-            seq = _run_layer(x, w_ih, b_ih, w_m, b_hh, vec, [m0, *init[1:]], batch_sizes,
-                             spec, save)[:, 1:]
+            m, finals = _run_layer(x, w_ih, b_ih, w_m, b_hh, vec, [m0, *init[1:]], batch_sizes,
+                                   spec, save)
         else:
             step = _step_functions[self.cell]
             first = step(x[0] @ w_ih.T + b_ih, init[0] @ w_hh.T + b_hh, init, vectors)
-            seq = torch.stack(first)[:, None]                     # (NS, 1, B, H)
-            if len(x) > 1:    # steps 1.. in the kernels, the rows longer than 1 step:
-                n = len(seq[0, 0]) if batch_sizes is None else int(batch_sizes[1])
-                rest = _run_layer(x[1:, :n], w_ih, b_ih, w_m, b_hh, vec,   # (its states[:, 0]
-                                  [a[:n] for a in first],                  # is step 0's)
-                                  None if batch_sizes is None else batch_sizes[1:], spec, save)
-                if n < len(seq[0, 0]):      # the rows that ended after step 0
-                    ended = torch.cat([seq[:, :, n:], seq.new_zeros(
-                        (len(seq), len(x) - 1, len(seq[0, 0]) - n, self.hidden_size))], 1)
-                    rest = torch.cat([rest, ended], 2)
-                seq = rest
-        return seq[0] @ w_hr.T, seq
+            m, finals = first[0][None], list(first)             # (1, B, H), per state (B, H)
+            if len(x) > 1:    # steps 1.. in the kernels, the rows longer than 1 step
+                B = len(first[0])
+                n = B if batch_sizes is None else int(batch_sizes[1])
+                rest, finals = _run_layer(x[1:, :n], w_ih, b_ih, w_m, b_hh, vec,
+                                          [a[:n] for a in first],
+                                          None if batch_sizes is None else batch_sizes[1:],
+                                          spec, save)
+                if n < B:           # the rows that ended after step 0
+                    rest = torch.cat([rest, rest.new_zeros((len(x) - 1, B - n,
+                                                            self.hidden_size))], 1)
+                    finals = [torch.cat([f, a[n:]]) for f, a in zip(finals, first)]
+                m = torch.cat([m, rest])
+        return m @ w_hr.T, [finals[0] @ w_hr.T, *finals[1:]]
 
     # ---- the call ---------------------------------------------------------
     def _run(self, input, hx):
         """(output, finals: per state (L*D, B, H)) with torch's input forms."""
-        packed = isinstance(input, rnn_utils.PackedSequence)
-        if packed:   # padded (T, B, I), rows sorted longest first, by one scatter
-            rows = _check_input(self, input.data)
-            bs = input.batch_sizes
-            T, B = len(bs), int(bs[0])
-            where = self._packed_rows(bs, rows.device)
-            x = rows.new_zeros((T, B, rows.shape[-1])).index_put(where, rows)
-            lengths = row_lengths(bs.numpy(), B)
-            batch_sizes, unbatched = bs.to(torch.int32), False
-            order = input.sorted_indices
-        else:
-            input = _check_input(self, input)
-            if input.dim() not in (2, 3):
-                raise ValueError(f"input: expected a 3-D (seq, batch, input_size) tensor "
-                                 f"({'batch first' if self.batch_first else 'time first'}) "
-                                 f"or 2-D unbatched (seq, input_size), got {input.dim()}-D "
-                                 f"{tuple(input.shape)}")
-            unbatched = input.dim() == 2
-            x = input.unsqueeze(1) if unbatched else (
-                input.transpose(0, 1) if self.batch_first else input)
-            batch_sizes, lengths, order = None, None, None
+        if isinstance(input, rnn_utils.PackedSequence):
+            return self._run_packed(input, hx)
+        input = _check_input(self, input)
+        if input.dim() not in (2, 3):
+            raise ValueError(f"input: expected a 3-D (seq, batch, input_size) tensor "
+                             f"({'batch first' if self.batch_first else 'time first'}) "
+                             f"or 2-D unbatched (seq, input_size), got {input.dim()}-D "
+                             f"{tuple(input.shape)}")
+        unbatched = input.dim() == 2
+        x = input.unsqueeze(1) if unbatched else (
+            input.transpose(0, 1) if self.batch_first else input)
+        y, finals = self._layers(x, hx, unbatched)
+        if unbatched:
+            return y.squeeze(1), [f.squeeze(1) for f in finals]
+        return (y.transpose(0, 1) if self.batch_first else y), finals
+
+    @torch.compiler.disable(reason="halstm.torch runs a PackedSequence eagerly: its batch "
+                                   "sizes and row indices are host data")
+    def _run_packed(self, input, hx):
+        """_run of a PackedSequence: its rows scattered into a zero-padded
+        (T, B, I) (rows sorted longest first), the output gathered back."""
+        rows = _check_input(self, input.data)
+        bs = input.batch_sizes
+        T, B = len(bs), int(bs[0])
+        index = self._packed_index(bs, rows.device)
+        x = rows.new_zeros((T * B, rows.shape[-1])).index_copy(0, index, rows)
+        y, finals = self._layers(x.view(T, B, -1), hx, False, bs, input.sorted_indices)
+        out = rnn_utils.PackedSequence(_Gather.apply(y.reshape(T * B, -1), index),
+                                       input.batch_sizes, input.sorted_indices,
+                                       input.unsorted_indices)
+        if input.unsorted_indices is not None:
+            finals = [f.index_select(1, input.unsorted_indices) for f in finals]
+        return out, finals
+
+    def _layers(self, x, hx, unbatched, bs=None, order=None):
+        """Every layer and direction over x (T, B, K): y (T, B, D*R) and per
+        state its finals (L*D, B, H). bs: a packed batch's step sizes (rows
+        sorted longest first; order: the caller's row of each, for hx)."""
         if x.shape[-1] != self.input_size or 0 in x.shape:
             raise ValueError(f"input: expected input_size {self.input_size} features and no "
                              f"empty axis, got shape {tuple(x.shape)}")
         T, B, _ = x.shape
         L, D, H = self.num_layers, self._directions, self.hidden_size
+        lengths = None if bs is None else row_lengths(bs.numpy(), B)
+        batch_sizes = None if bs is None else bs.to(torch.int32)
         init = self._initial(hx, B, unbatched, x)
         if order is not None:            # hx comes in the caller's row order
             init = [s.index_select(1, order) for s in init]
@@ -554,53 +635,48 @@ class _Recurrent(torch.nn.Module):
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
-        if lengths is not None:    # where each row's final state is: seq[:, length - 1, row]
-            ends = (_ints(lengths - 1, x.device), _ints(np.arange(B), x.device))
         side = _side_stream(x.device) if D == 2 else None
         for layer in range(L):
+            # each direction's input, initial states and weights, made on the
+            # current stream (a leaf's gradient then comes back on it)
+            args = [(x if d == 0 else self._reverse(x, rev), [s[layer * D + d] for s in init],
+                     self._weights(layer, sfx, zero)) for d, sfx in enumerate(("", "_reverse")[:D])]
             outs = []
             if side is not None:     # the reverse direction runs beside, on its own stream
                 main = torch.cuda.current_stream(x.device)
                 side.wait_stream(main)
-            for d, sfx in enumerate(("", "_reverse")[:D]):
+            for d, (inp, init_d, weights) in enumerate(args):
                 beside = side is not None and d == 1
                 with torch.cuda.stream(side) if beside else contextlib.nullcontext():
-                    inp = x if d == 0 else self._reverse(x, rev)
                     spec = _spec(self.cell, inp.shape[-1], H, self.schedule, self.precision,
                                  lane=int(beside))
-                    y, seq = self._direction(inp, [s[layer * D + d] for s in init], batch_sizes,
-                                             self._weights(layer, sfx, zero), spec, save,
+                    y, fin = self._direction(inp, init_d, batch_sizes, weights, spec, save,
                                              hx is not None)
                     outs.append(y if d == 0 else self._reverse(y, rev))
-                    for s, a in enumerate([y, *seq[1:]]):   # (h: y at the end, projected)
-                        finals[s].append(a[T - 1] if lengths is None else a[ends])
-            if side is not None:     # main reads what side made; side read x
+                for s, a in enumerate(fin):
+                    finals[s].append(a)
+            if side is not None:     # main reads what side made; side read what main made
                 main.wait_stream(side)
-                x.record_stream(side)
-                for a in (seq, outs[1]):
+                inp, init_d, (*ws, vectors, w_hr) = args[1]
+                for a in (inp, *init_d, *ws, *(vectors or {}).values(), w_hr):
+                    if a is not None:
+                        a.record_stream(side)
+                for a in (outs[1], *[f[-1] for f in finals]):
                     a.record_stream(main)
             x = outs[0] if D == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer < L - 1:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
-        finals = [torch.stack(f) for f in finals]
-        if packed:
-            out = rnn_utils.PackedSequence(x[where], input.batch_sizes, input.sorted_indices,
-                                           input.unsorted_indices)
-            if input.unsorted_indices is not None:
-                finals = [f.index_select(1, input.unsorted_indices) for f in finals]
-            return out, finals
-        if unbatched:
-            return x.squeeze(1), [f.squeeze(1) for f in finals]
-        return (x.transpose(0, 1) if self.batch_first else x), finals
+        return x, [torch.stack(f) for f in finals]
 
     @staticmethod
-    def _packed_rows(batch_sizes, device):
-        """(t, b) of each row of a packed sequence's data: data[n] is
-        padded[t[n], b[n]] (torch's pad_packed_sequence copies step by step)."""
+    def _packed_index(batch_sizes, device):
+        """Where each row of a packed sequence's data lies in the padded
+        (T*B) rows: data[n] is padded[t, b] at t*B + b (torch's
+        pad_packed_sequence copies step by step)."""
         bs = batch_sizes.numpy()
         t = np.repeat(np.arange(len(bs)), bs)
         first = np.cumsum(bs) - bs
-        return _ints(t, device), _ints(np.arange(len(t)) - first[t], device)
+        return _ints(t * bs[0] + np.arange(len(t)) - first[t], device)
 
     @staticmethod
     def _reverse_index(T, B, lengths, device):
@@ -756,10 +832,9 @@ class _Cell(torch.nn.Module):
         zero = x.new_zeros((self._stack._gates * H,))
         b_ih, b_hh = getattr(self, "bias_ih", None), getattr(self, "bias_hh", None)
         spec = _spec(self._stack.cell, self.input_size, H, None)
-        states = _run_layer(x, self.weight_ih, zero if b_ih is None else b_ih, self.weight_hh,
+        _, out = _run_layer(x, self.weight_ih, zero if b_ih is None else b_ih, self.weight_hh,
                             zero if b_hh is None else b_hh, None, hx, None, spec,
                             torch.is_grad_enabled())
-        out = [states[s, 1] for s in range(n)]
         return [o.reshape(H) for o in out] if unbatched else out
 
 

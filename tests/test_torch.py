@@ -163,6 +163,30 @@ def test_compile_fullgraph_matches_eager(proj):
         assert_close(f"compiled d {k}", grads2[k], grads[k])
 
 
+def test_compile_runs_a_packed_batch_eagerly():
+    """A PackedSequence under torch.compile: a graph break, eager results
+    (fullgraph=True refuses it)."""
+    m = hnn.GRU(I, H, num_layers=2, bidirectional=True)
+    x = torch.randn(7, 4, I)
+
+    def step(model):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, LENGTHS[4], enforce_sorted=False)
+        y, h = model(packed)
+        (y.data.square().sum() + h.sum()).backward()
+        return y.data.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    y, grads = step(m)
+    m.zero_grad()
+    y2, grads2 = step(torch.compile(m, backend="aot_eager"))
+    assert torch.equal(y2, y)
+    for k in grads:
+        assert torch.equal(grads2[k], grads[k]), k
+    torch._dynamo.reset()        # (else the compiled frames above are reused)
+    with pytest.raises(Exception, match="PackedSequence eagerly"):
+        torch.compile(m, fullgraph=True, backend="aot_eager")(
+            torch.nn.utils.rnn.pack_padded_sequence(x, LENGTHS[4], enforce_sorted=False))
+
+
 def test_deterministic():
     m = hnn.GRU(I, H, num_layers=2, bidirectional=True)
     x = torch.randn(7, 3, I)
@@ -384,3 +408,30 @@ def test_autocast_runs_float32():
     assert got.dtype == torch.float32
     assert_close("autocast output", got.detach(), m(x.bfloat16().float())[0].detach())
     assert_close("autocast output vs float32 input", got.detach(), want.detach(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("cell, layers, bidir, form, output", [
+    ("lstm", 1, False, "padded", "y"), ("lstm", 2, True, "packed", "c_n"),
+    ("gru", 2, False, "padded", "h_n"), ("lstm", 1, False, "packed", "h_n")])
+def test_gradients_of_one_output_alone(cell, layers, bidir, form, output):
+    """A loss of y alone, or of one final state alone (changed in place
+    first, as torch.nn's may be): every gradient as torch.nn's."""
+    m, ref = _pair(cell, layers, bidir, False)
+    x = torch.randn(7, 5, I, generator=torch.Generator().manual_seed(2))
+    results = []
+    for module in (m, ref):
+        xi = x.clone().requires_grad_()
+        inp = xi if form == "padded" else torch.nn.utils.rnn.pack_padded_sequence(
+            xi, LENGTHS[5], enforce_sorted=False)
+        y, hn = module(inp)
+        y = y.data if form == "packed" else y
+        if output == "y":
+            loss = (y * y).sum()
+        else:
+            final = _finals(hn)[0 if output == "h_n" else 1]
+            final.mul_(2)
+            loss = (final * final).sum()
+        loss.backward()
+        results.append([y.detach(), xi.grad] + [p.grad for p in module.parameters()])
+    for k, (a, b) in enumerate(zip(*results)):
+        assert_close(f"result {k}", a, b)
