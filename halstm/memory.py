@@ -109,6 +109,7 @@ class Host:
     """Arrays of a CPU library: numpy."""
 
     kind = "cpu"
+    keep_workspaces = True       # (runtime.Library._workspace)
     empty, ptr = staticmethod(empty), staticmethod(ptr)
 
     @staticmethod
@@ -177,6 +178,7 @@ class Device:
     """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
 
     kind = "cuda"
+    keep_workspaces = True
 
     def __init__(self):
         from . import cuda   # (imported only where a CUDA library is used)

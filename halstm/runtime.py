@@ -126,7 +126,12 @@ class Library:
         call (the char LM's backward spent about 15% of its time in page
         faults on the 2-core VM). One per CUDA stream, since calls on two
         streams may run at once (calls on one stream run in turn). zeros:
-        zero-filled when made (for parts that calls only read)."""
+        zero-filled when made (for parts that calls only read). A memory
+        whose keep_workspaces is False gets fresh ones every call (torch's
+        CUDA graphs: memory made while a graph is recorded belongs to its
+        pool, and must not outlive the call)."""
+        if not mem.keep_workspaces:
+            return (mem.zeros if zeros else mem.empty)(tuple(shape))
         key = (mem.kind, stream, name)
         a = self._ws.get(key)
         if a is None or tuple(a.shape) != tuple(shape):

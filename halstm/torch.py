@@ -47,10 +47,14 @@ class PerformanceWarning(UserWarning):
 
 class _Tensors:
     """halstm.memory's interface over torch tensors of one device: the
-    library's arrays come from torch's allocator."""
+    library's arrays come from torch's allocator. keep_workspaces False:
+    a library's workspaces are made for each call (the custom operators on
+    a GPU: torch.compile(mode="reduce-overhead") records them into a CUDA
+    graph whose memory pool must not hold arrays kept past a call)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, keep_workspaces: bool = True):
         self.device, self.kind = device, f"torch:{device}"
+        self.keep_workspaces = keep_workspaces
 
     def empty(self, shape):
         if self.device.type == "cpu":
@@ -107,8 +111,10 @@ def _unspec(spec: str):
     return cell, int(K), int(H), schedule or None, precision
 
 
-def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, _Tensors]:
-    """The compiled library of spec for a tensor on `device`, and its memory."""
+def _library(spec: str, direction: str, device: torch.device,
+             per_call: bool = False) -> tuple[Library, _Tensors]:
+    """The compiled library of spec for a tensor on `device`, and its memory
+    (per_call: whose workspaces are made for each call on a GPU)."""
     cell, K, H, schedule, precision = _unspec(spec)
     if device.type == "cuda":
         if (device.index or 0) != 0:
@@ -128,9 +134,10 @@ def _library(spec: str, direction: str, device: torch.device) -> tuple[Library, 
             spec = aot.Spec(cell, K, H, direction, target, schedule,
                             precision=precision if target != "host" else "fp32")
             _libs[key] = Library(*aot.library(spec))
-        if device not in _mems:
-            _mems[device] = _Tensors(device)
-        return _libs[key], _mems[device]
+        kept = not (per_call and device.type == "cuda")
+        if (device, kept) not in _mems:
+            _mems[device, kept] = _Tensors(device, kept)
+        return _libs[key], _mems[device, kept]
 
 
 _warned = False
@@ -234,8 +241,16 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
                   vec: Tensor | None, init: list[Tensor], batch_sizes: Tensor | None, spec: str,
                   save: bool) -> tuple[Tensor, Tensor]:
     """x (T, B, K) -> states (NS, T+1, B, H) (initial states at [:, 0]),
-    saved (T, B, S, H) for backward (save), else (0,)."""
-    lib, mem = _library(spec, "fwd", x.device)
+    saved (T, B, S, H) for backward (save), else (0,). (The custom
+    operator's: workspaces per call.)"""
+    return _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
+                            per_call=True)
+
+
+def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
+                     per_call=False) -> tuple[Tensor, Tensor]:
+    """_forward_impl; per_call as _library's."""
+    lib, mem = _library(spec, "fwd", x.device, per_call)
     bs = None if batch_sizes is None else batch_sizes.numpy()
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
                                 vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device))
@@ -243,10 +258,11 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
 
 
 def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
-                      need_dx) -> dict:
+                      need_dx, per_call=False) -> dict:
     """BPTT of one layer: the library's gradients (runtime.Library.backward);
-    dfinal: per state its final's gradient, or None for none."""
-    lib, mem = _library(spec, "bwd", x.device)
+    dfinal: per state its final's gradient, or None for none; per_call as
+    _library's."""
+    lib, mem = _library(spec, "bwd", x.device, per_call)
     bs = None if batch_sizes is None else batch_sizes.numpy()
     return lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
                         [None if d is None else d.contiguous() for d in dfinal],
@@ -261,7 +277,7 @@ def _backward_impl(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, sa
     """BPTT of one layer: dx (T, B, K) (need_dx, else (0,)), dw_ih, db_ih,
     dw_hh, db_hh, dvec (V, H) (or (0,)), dinit (NS, B, H)."""
     g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
-                          need_dx)
+                          need_dx, per_call=True)
     dinit = torch.stack([g[k] for k in _state_grad_keys(spec)])
     return (g["dx"] if need_dx else x.new_empty((0,)), g["dw_ih"], g["db_ih"], g["dw_hh"],
             g["db_hh"], g["dvec"] if "dvec" in g else x.new_empty((0,)), dinit)
@@ -356,8 +372,8 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
-        states, saved = _forward_impl(x, w_ih, b_ih, w_hh, b_hh, vec, list(init), batch_sizes,
-                                      spec, save)
+        states, saved = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, list(init),
+                                         batch_sizes, spec, save)
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.saved = spec, save
         ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)

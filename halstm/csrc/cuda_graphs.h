@@ -44,6 +44,7 @@ struct Graphs {
     int (*push)(void *) = nullptr;
     int (*pop)(void **) = nullptr;
     int (*error_name)(int, const char **) = nullptr;
+    int (*is_capturing)(void *, int *) = nullptr;
 
     Slot slots[SLOTS];
     uint64_t clock = 0;
@@ -77,7 +78,8 @@ struct Graphs {
             !sym(lib, "cuGraphLaunch", launch) || !sym(lib, "cuGraphDestroy", graph_destroy) ||
             !sym(lib, "cuGraphExecDestroy", exec_destroy) ||
             !sym(lib, "cuCtxPushCurrent_v2", push) || !sym(lib, "cuCtxPopCurrent_v2", pop) ||
-            !sym(lib, "cuGetErrorName", error_name)) {
+            !sym(lib, "cuGetErrorName", error_name) ||
+            !sym(lib, "cuStreamIsCapturing", is_capturing)) {
             return;  // a driver without graphs: direct launches
         }
         void *prev;
@@ -104,13 +106,23 @@ struct Graphs {
         return nullptr;
     }
 
+    // Whether the calling thread's stream is being captured by the caller
+    // (torch.compile's mode="reduce-overhead", torch.cuda.graph): then a
+    // loop's kernels go straight into the caller's graph, since a graph of
+    // ours would be launched from the caller's graph, and its pointers
+    // would be those of the caller's private memory pool.
+    bool caller_capturing() const {
+        int status = 0;  // CU_STREAM_CAPTURE_STATUS_ACTIVE is 1
+        return is_capturing && is_capturing(g_stream, &status) == 0 && status == 1;
+    }
+
     // Run `steps` (the loop's Halide calls, returning the first nonzero
     // code) for `key` (T, B, pointers): from a cached graph, or captured
     // into a new one, or directly.
     template <class F>
     int run(const uint64_t *key, int n, F steps) {
         std::lock_guard<std::mutex> guard(lock);
-        if (!enabled || !warmed || n > KEY) {
+        if (!enabled || !warmed || n > KEY || caller_capturing()) {
             // the first call runs directly: Halide loads its kernels then
             int rc = steps();
             warmed = rc == 0;

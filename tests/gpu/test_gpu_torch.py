@@ -1,6 +1,8 @@
 """halstm.torch on CUDA tensors against torch.nn on the CPU (fp32; cuDNN's
 packed path differs from fp32 by up to 4e-4 on an H100) loaded with the
 same state dict; streams; tensors stay on the device."""
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -105,19 +107,48 @@ def test_layernorm_cell_on_cuda_matches_cpu():
 def test_bidirectional_directions_run_beside_each_other():
     """The reverse direction runs on a side stream with its own library
     instance (lane 1); repeated forward+backward without a host sync gives
-    bitwise the same results each time (no race between the streams)."""
+    bitwise the same results each time (no race between the streams), and
+    the leaves' gradients come back on the stream that made them (torch
+    warns otherwise)."""
     torch.manual_seed(0)
     m = hnn.GRU(64, 256, num_layers=2, bidirectional=True).cuda()
     x = torch.randn(30, 16, 64, device="cuda")
+    h0 = torch.randn(4, 16, 256, device="cuda")
     runs = []
-    for _ in range(4):
-        m.zero_grad()
-        xi = x.clone().requires_grad_()
-        out, hn, loss = _losses(m, xi, None)
-        loss.backward()
-        runs.append([out.detach().clone(), hn[0].detach().clone(), xi.grad.clone()]
-                    + [p.grad.clone() for p in m.parameters()])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            m.zero_grad()
+            xi, hi = x.clone().requires_grad_(), h0.clone().requires_grad_()
+            y, hn = m(xi, hi)
+            w = torch.linspace(-1, 1, y.numel(), device="cuda").reshape(y.shape)
+            ((y * w).sum() + (hn * hn).sum()).backward()
+            runs.append([y.detach().clone(), hn.detach().clone(), xi.grad.clone(), hi.grad.clone()]
+                        + [p.grad.clone() for p in m.parameters()])
+    assert not [w for w in seen if "stream" in str(w.message)], [str(w.message) for w in seen]
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert torch.equal(a, b)
     assert any(spec.endswith("|1") for spec, _, target in hnn._libs if "cuda" in target)
+
+
+def test_compile_reduce_overhead_matches_eager():
+    """torch.compile(mode="reduce-overhead") records the layers' kernels
+    into torch's CUDA graph (warm-up, recording, replays): outputs and
+    gradients as eager."""
+    torch.manual_seed(0)
+    m = hnn.LSTM(64, 256, num_layers=2).cuda()
+    x = torch.randn(20, 16, 64, device="cuda")
+
+    def step(model):
+        m.zero_grad(set_to_none=False)
+        y, (h, c) = model(x)
+        ((y * y).sum() + h.sum() + c.sum()).backward()
+        return [y.detach().clone()] + [p.grad.clone() for p in m.parameters()]
+
+    want = step(m)
+    compiled = torch.compile(m, mode="reduce-overhead")
+    for _ in range(4):
+        got = step(compiled)
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert_close(f"result {k}", a, b)
