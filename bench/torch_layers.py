@@ -34,7 +34,7 @@ def _check(name, got, want, tol=1e-3):
 
 def variants(s, device, seed=0, only=""):
     """name -> a function running forward+backward once (the names that
-    contain `only`)."""
+    contain one of `only`'s comma-separated parts)."""
     I, H, B, T, L = s["I"], s["H"], s["B"], s["T"], s["L"]
     torch.manual_seed(seed)
     ref = torch.nn.LSTM(I, H, L).to(device)
@@ -78,7 +78,8 @@ def variants(s, device, seed=0, only=""):
              "halstm.torch bidir": module(bi, x, torch.cat([dy, dy], -1)),
              "torch.nn bidir": module(bi_ref, x, torch.cat([dy, dy], -1)),
              "halstm.torch proj": module(pj, x, dyp), "torch.nn proj": module(pj_ref, x, dyp)}
-    calls = {k: v for k, v in calls.items() if only in k}
+    calls = {k: v for k, v in calls.items() if any(
+        k == o[:-1] if o.endswith("$") else o in k for o in only.split(","))}
     with torch.no_grad():
         for name, m, r, inp in (("halstm.torch", mine, ref, x), ("halstm.torch packed", mine,
                                 ref, packed), ("halstm.torch bidir", bi, bi_ref, x),
@@ -96,7 +97,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the medians here")
-    ap.add_argument("--only", default="", help="the variants whose name contains this")
+    ap.add_argument("--only", default="", help="the variants whose name contains one of "
+                    "these (comma-separated; a name ending in $ is matched whole)")
     a = ap.parse_args()
     shapes = benchmark.shapes()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)

@@ -368,7 +368,10 @@ class _Layer(torch.autograd.Function):
     kernels' states), saved (for backward) and each state's final (B, H).
     Backward gets only the gradients the loss made (None for the others)
     and hands them to the library as they are: dy, and each final's, which
-    the library adds at each row's last step."""
+    the library adds at each row's last step. The finals are copies, and
+    may be changed in place; y, where autograd records it, may not (torch
+    raises at once; torch.nn's LSTM keeps y for backward and raises at
+    backward()); under torch.no_grad it may."""
 
     @staticmethod
     def forward(ctx, x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
