@@ -431,19 +431,13 @@ class _RNN:
         return keep.astype(np.float32) / np.float32(1 - p) if p < 1 else keep.astype(np.float32)
 
     def _each_direction(self, fn, lib) -> list:
-        """[fn(d, threads) for every direction d]. A CPU module's two
-        directions (without a projection) run at once where the last call
-        of their library (lib) would have split its steps over half the
-        cores or fewer: the reverse one on a thread of its own, each call's
-        steps on its half of the cores (threads; None: all, one direction
-        after the other)."""
-        D, cores = self.num_directions, _cores()
-        wanted = 0 if D == 1 or self.on_gpu or self.proj_size else lib.step_threads_wanted()
-        if not 0 < wanted <= cores // 2:
+        """[fn(d, threads) for every direction d]: a CPU module's two
+        directions without a projection by run_directions, others one
+        after the other (threads None)."""
+        D = self.num_directions
+        if D == 1 or self.on_gpu or self.proj_size:
             return [fn(d, None) for d in range(D)]
-        with ThreadPoolExecutor(1) as pool:
-            reverse = pool.submit(fn, 1, cores - cores // 2)
-            return [fn(0, cores // 2), reverse.result()]
+        return run_directions(fn, lib)
 
     def _forward(self, x, init, lengths=None):
         """Run every layer and direction; init: per state an (L*D, B, H)
@@ -594,6 +588,22 @@ class _RNN:
         for d, s, n in zip(dinit, self._state_names, sizes):
             grads[f"{s}0"] = self._result(d.reshape(L * D, n) if unbatched else d, host)
         return grads
+
+
+def run_directions(fn, lib) -> list:
+    """[fn(0, threads), fn(1, threads)]: a CPU layer's two directions, at
+    once where the last call of their library (lib) would have split its
+    steps over half the cores or fewer (the reverse one on a thread of its
+    own, each call's steps on its half of the cores: threads), else one
+    after the other (threads None: all of them). fn(1, n) must call a
+    library instance of its own (a lane) when n is given."""
+    cores = _cores()
+    wanted = lib.step_threads_wanted()
+    if not 0 < wanted <= cores // 2:
+        return [fn(0, None), fn(1, None)]
+    with ThreadPoolExecutor(1) as pool:
+        reverse = pool.submit(fn, 1, cores - cores // 2)
+        return [fn(0, cores // 2), reverse.result()]
 
 
 def _cores() -> int:

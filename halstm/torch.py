@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils import rnn as rnn_utils
 
-from . import aot, cells, memory
+from . import aot, cells, memory, nn
 from .reference import torch_ops
 from .runtime import Library, row_lengths
 
@@ -248,26 +248,29 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
 
 
 def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
-                     per_call=False) -> tuple[Tensor, Tensor]:
-    """_forward_impl; per_call as _library's."""
+                     per_call=False, threads=None) -> tuple[Tensor, Tensor]:
+    """_forward_impl; per_call as _library's; threads as Library.forward's."""
     lib, mem = _library(spec, "fwd", x.device, per_call)
     bs = None if batch_sizes is None else batch_sizes.numpy()
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
-                                vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device))
+                                vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
+                                threads=threads)
     return states, saved if save else x.new_empty((0,))
 
 
 def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
-                      need_dx, per_call=False) -> dict:
+                      need_dx, per_call=False, threads=None) -> dict:
     """BPTT of one layer: the library's gradients (runtime.Library.backward);
     dfinal: per state its final's gradient, or None for none; per_call as
-    _library's."""
+    _library's; threads as Library.backward's."""
     lib, mem = _library(spec, "bwd", x.device, per_call)
     bs = None if batch_sizes is None else batch_sizes.numpy()
+    if dy is None:                       # (a loss of the finals alone)
+        dy = x.new_zeros((states.shape[1] - 1, *states.shape[2:]))
     return lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
                         [None if d is None else d.contiguous() for d in dfinal],
                         need_dx=need_dx, vec=vec, batch_sizes=bs, mem=mem,
-                        stream=_stream(x.device))
+                        stream=_stream(x.device), threads=threads)
 
 
 def _backward_impl(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, saved: Tensor,
@@ -388,8 +391,6 @@ class _Layer(torch.autograd.Function):
         if not ctx.saved:
             raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
         x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
-        if dy is None:                       # (a loss of the finals alone)
-            dy = x.new_zeros((states.shape[1] - 1, *states.shape[2:]))
         need_dx = ctx.needs_input_grad[0]
         g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy, list(dfinal), batch_sizes,
                               ctx.spec, need_dx)
@@ -423,6 +424,66 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, d):
         index, = ctx.saved_tensors
         return d.new_zeros((ctx.rows, d.shape[-1])).index_copy_(0, index, d), None
+
+
+def _lane(spec: str, lane: int) -> str:
+    return spec[:spec.rindex("|") + 1] + str(lane)
+
+
+class _Directions(torch.autograd.Function):
+    """Both directions of a CPU layer without a projection, eagerly, in
+    one Function, so that nn.run_directions can run them at once in
+    forward and in backward (autograd runs a CPU graph's nodes one after
+    the other). Inputs: x, x_rev (x reversed in time within each row's
+    length), batch_sizes, spec, save, then per direction w_ih, b_ih, w_hh,
+    b_hh, vec and its initial states. Outputs: per direction y (T, B, H)
+    (the reverse one in x_rev's time order) and saved, then per direction
+    its finals (as _Layer's)."""
+
+    @staticmethod
+    def forward(ctx, x, x_rev, batch_sizes, spec, save, *flat):
+        n = len(flat) // 2
+        per = [flat[:n], flat[n:]]          # per direction: w_ih, b_ih, w_hh, b_hh, vec, *init
+
+        def one(d, threads):
+            w_ih, b_ih, w_hh, b_hh, vec, *init = per[d]
+            return _library_forward((x, x_rev)[d], w_ih, b_ih, w_hh, b_hh, vec, init,
+                                    batch_sizes, _lane(spec, d if threads else 0), save,
+                                    threads=threads)
+
+        (states0, saved0), (states1, saved1) = nn.run_directions(
+            one, _library(spec, "fwd", x.device)[0])
+        ctx.set_materialize_grads(False)
+        ctx.spec, ctx.saved, ctx.states = spec, save, len(states0)
+        ctx.save_for_backward(x, x_rev, batch_sizes, states0, saved0, states1, saved1,
+                              *[a for d in (0, 1) for a in (per[d][0], per[d][2], per[d][4])])
+        ctx.mark_non_differentiable(saved0, saved1)
+        return (states0[0, 1:], states1[0, 1:], saved0, saved1,
+                *_finals(states0, batch_sizes), *_finals(states1, batch_sizes))
+
+    @staticmethod
+    def backward(ctx, dy0, dy1, ds0, ds1, *dfinal):
+        if not ctx.saved:
+            raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+        x, x_rev, batch_sizes, states0, saved0, states1, saved1, *w = ctx.saved_tensors
+        NS = ctx.states
+        inputs = [(x, states0, saved0, dy0, dfinal[:NS]), (x_rev, states1, saved1, dy1,
+                                                           dfinal[NS:])]
+
+        def one(d, threads):
+            inp, states, saved, dy, dfin = inputs[d]
+            w_ih, w_hh, vec = w[3 * d:3 * d + 3]
+            return _library_backward(inp, w_ih, w_hh, vec, saved, states, dy, list(dfin),
+                                     batch_sizes, _lane(ctx.spec, d if threads else 0),
+                                     ctx.needs_input_grad[d], threads=threads)
+
+        gs = nn.run_directions(one, _library(ctx.spec, "bwd", x.device)[0])
+        keys = _state_grad_keys(ctx.spec)
+        out = [g.get("dx") for g in gs] + [None, None, None]
+        for d, g in enumerate(gs):
+            out += [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
+                    g.get("dvec") if w[3 * d + 2] is not None else None, *[g[k] for k in keys]]
+        return tuple(out)
 
 
 # ---- the modules ------------------------------------------------------------
@@ -562,6 +623,21 @@ class _Recurrent(torch.nn.Module):
         return (get("weight_ih"), zero if b_ih is None else b_ih, get("weight_hh"),
                 zero if b_hh is None else b_hh, vectors, get("weight_hr"))
 
+    def _vec(self, vectors):
+        """The vector parameters as one (V, H) tensor (None without)."""
+        return None if vectors is None else torch.cat(
+            [a.view(-1, self.hidden_size) for a in vectors.values()])
+
+    def _both_directions(self, args, batch_sizes, spec, save):
+        """Both directions of a CPU layer without a projection by one
+        _Directions call: (y, y_rev), (finals, finals_rev)."""
+        flat = [[w_ih, b_ih, w_hh, b_hh, self._vec(vectors), *init_d]
+                for _, init_d, (w_ih, b_ih, w_hh, b_hh, vectors, _) in args]
+        y0, y1, _, _, *fins = _Directions.apply(args[0][0], args[1][0], batch_sizes, spec, save,
+                                                *flat[0], *flat[1])
+        NS = len(self._states)
+        return (y0, y1), (fins[:NS], fins[NS:])
+
     def _direction(self, x, init, batch_sizes, weights, spec, save, given):
         """One layer, one direction over x (T, B, K): y (T, B, R) and each
         state's final (B, R for h, else H).
@@ -572,8 +648,7 @@ class _Recurrent(torch.nn.Module):
         time loop. A given h_0 has no m: step 0 then runs here, in torch
         (given: hx was passed; without, m_0 = 0 stands for h_0 = 0)."""
         w_ih, b_ih, w_hh, b_hh, vectors, w_hr = weights
-        vec = None if vectors is None else torch.cat(
-            [a.view(-1, self.hidden_size) for a in vectors.values()])
+        vec = self._vec(vectors)
         if w_hr is None:
             return _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)
         w_m = w_hh @ w_hr
@@ -660,29 +735,37 @@ class _Recurrent(torch.nn.Module):
             # current stream (a leaf's gradient then comes back on it)
             args = [(x if d == 0 else self._reverse(x, rev), [s[layer * D + d] for s in init],
                      self._weights(layer, sfx, zero)) for d, sfx in enumerate(("", "_reverse")[:D])]
-            outs = []
-            if side is not None:     # the reverse direction runs beside, on its own stream
-                main = torch.cuda.current_stream(x.device)
-                side.wait_stream(main)
-            for d, (inp, init_d, weights) in enumerate(args):
-                beside = side is not None and d == 1
-                with torch.cuda.stream(side) if beside else contextlib.nullcontext():
-                    spec = _spec(self.cell, inp.shape[-1], H, self.schedule, self.precision,
-                                 lane=int(beside))
-                    y, fin = self._direction(inp, init_d, batch_sizes, weights, spec, save,
-                                             hx is not None)
-                    outs.append(y if d == 0 else self._reverse(y, rev))
-                for s, a in enumerate(fin):
-                    finals[s].append(a)
-            if side is not None:     # main reads what side made; side read what main made
-                main.wait_stream(side)
-                inp, init_d, (*ws, vectors, w_hr) = args[1]
-                for a in (inp, *init_d, *ws, *(vectors or {}).values(), w_hr):
-                    if a is not None:
-                        a.record_stream(side)
-                for a in (outs[1], *[f[-1] for f in finals]):
-                    a.record_stream(main)
-            x = outs[0] if D == 1 else torch.cat(outs, -1)
+            if D == 2 and x.device.type == "cpu" and not self.proj_size \
+                    and not torch.compiler.is_compiling():
+                spec = _spec(self.cell, x.shape[-1], H, self.schedule, self.precision)
+                (y0, y1), fins = self._both_directions(args, batch_sizes, spec, save)
+                for s in range(len(finals)):
+                    finals[s] += [fins[0][s], fins[1][s]]
+                x = torch.cat([y0, self._reverse(y1, rev)], -1)
+            else:
+                outs = []
+                if side is not None:     # the reverse direction runs beside, on its own stream
+                    main = torch.cuda.current_stream(x.device)
+                    side.wait_stream(main)
+                for d, (inp, init_d, weights) in enumerate(args):
+                    beside = side is not None and d == 1
+                    with torch.cuda.stream(side) if beside else contextlib.nullcontext():
+                        spec = _spec(self.cell, inp.shape[-1], H, self.schedule, self.precision,
+                                     lane=int(beside))
+                        y, fin = self._direction(inp, init_d, batch_sizes, weights, spec, save,
+                                                 hx is not None)
+                        outs.append(y if d == 0 else self._reverse(y, rev))
+                    for s, a in enumerate(fin):
+                        finals[s].append(a)
+                if side is not None:     # main reads what side made; side read what main made
+                    main.wait_stream(side)
+                    inp, init_d, (*ws, vectors, w_hr) = args[1]
+                    for a in (inp, *init_d, *ws, *(vectors or {}).values(), w_hr):
+                        if a is not None:
+                            a.record_stream(side)
+                    for a in (outs[1], *[f[-1] for f in finals]):
+                        a.record_stream(main)
+                x = outs[0] if D == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer < L - 1:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
         return x, [torch.stack(f) for f in finals]

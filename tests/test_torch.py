@@ -435,3 +435,28 @@ def test_gradients_of_one_output_alone(cell, layers, bidir, form, output):
         results.append([y.detach(), xi.grad] + [p.grad for p in module.parameters()])
     for k, (a, b) in enumerate(zip(*results)):
         assert_close(f"result {k}", a, b)
+
+
+def test_bidirectional_directions_run_at_once(monkeypatch):
+    """A CPU layer's two directions in one Function: where its steps want
+    half the cores or fewer (H=37, B=5; four threads asked for), calls
+    after the first run them at once on two library instances (lanes 0
+    and 1), forward and backward, with results bitwise those of the first
+    call (directions in turn) and as torch.nn's (packed, 2 layers)."""
+    monkeypatch.setenv("HL_NUM_THREADS", "4")
+    m, ref = _pair("lstm", 2, True, False, seed=3)
+    x = torch.randn(7, 5, I, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for module in (m, m, ref):
+        xi = x.clone().requires_grad_()
+        out, finals, loss = _run(module, xi, None, "packed", torch.tensor(LENGTHS[5]))
+        loss.backward()
+        runs.append([out.detach(), *[f.detach() for f in finals], xi.grad]
+                    + [p.grad.clone() for p in module.parameters()])
+        module.zero_grad()
+    lanes = {spec.rsplit("|", 1)[1] for spec, _, target in hnn._libs
+             if spec.startswith(f"lstm|{2 * H}|") and target == "host"}
+    assert lanes == {"0", "1"}, lanes
+    for k, (a, b, want) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), k
+        assert_close(f"result {k}", a, want)
