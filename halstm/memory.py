@@ -5,10 +5,10 @@ their code does not branch on the device.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
-from collections import OrderedDict
 
 import numpy as np
 
@@ -254,28 +254,9 @@ class Device:
         from .model import library
         return library.kernels("host-cuda")
 
-    _INDICES_KEPT = 64
-    _indices_kept: OrderedDict = OrderedDict()
-    _indices_lock = threading.Lock()
-
     def _indices(self, idx):
-        """idx (numpy ints) as the array kernels' int32 argument, each
-        content uploaded once (the last _INDICES_KEPT kept, read-only): a
-        batch's reversal recurs from forward to backward and call to call,
-        and an upload from pageable memory waits for the GPU's queue."""
-        idx = np.ascontiguousarray(idx, dtype=np.int32).reshape(-1)
-        key = idx.tobytes()
-        with self._indices_lock:
-            kept = self._indices_kept.get(key)
-            if kept is not None:
-                self._indices_kept.move_to_end(key)
-                return kept
-        kept = self._ops().targets(idx)
-        with self._indices_lock:
-            self._indices_kept[key] = kept
-            while len(self._indices_kept) > self._INDICES_KEPT:
-                self._indices_kept.popitem(last=False)
-        return kept
+        """idx (numpy ints) as the array kernels' int32 argument (_uploaded)."""
+        return _uploaded(np.ascontiguousarray(idx, dtype=np.int32).reshape(-1).tobytes())
 
     def reverse_time(self, a, lengths):
         """As Host.reverse_time, by one gather of (t, b) rows."""
@@ -299,3 +280,12 @@ def for_device(device: str):
     if device == "cpu":
         return Host()
     raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _uploaded(content: bytes):
+    """int32 indices (their bytes) on the GPU, each content uploaded once
+    and kept (the last 64; read-only): a batch's reversal recurs from
+    forward to backward and call to call, and an upload from pageable
+    memory waits for the GPU's queue."""
+    return Device._ops().targets(np.frombuffer(content, dtype=np.int32))

@@ -20,11 +20,11 @@ sequences longer than t.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
 import warnings
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -167,32 +167,24 @@ def _to(a: Tensor, device) -> Tensor:
     return a.pin_memory().to(device, non_blocking=True)
 
 
-_INTS_KEPT = 64
-_ints_kept: OrderedDict = OrderedDict()
-
-
 def _ints(a, device) -> Tensor:
     """Small integers (a packed batch's index arrays, numpy) as an int64
-    tensor on `device`. On a GPU each content is uploaded once and kept
-    (the last _INTS_KEPT; read-only): a packed batch's indices recur
-    between its forward and backward and from call to call, and each
-    upload costs the host tens of microseconds (pinning, copy, launch)."""
+    tensor on `device` (on a GPU by _uploaded)."""
     a = np.ascontiguousarray(a, dtype=np.int64)
     device = torch.device(device)
     if device.type != "cuda":
         return torch.from_numpy(a)
-    key = (device, a.shape, a.tobytes())
-    with _lock:
-        t = _ints_kept.get(key)
-        if t is not None:
-            _ints_kept.move_to_end(key)
-            return t
-    t = _to(torch.from_numpy(a), device)
-    with _lock:
-        _ints_kept[key] = t
-        while len(_ints_kept) > _INTS_KEPT:
-            _ints_kept.popitem(last=False)
-    return t
+    return _uploaded(device, a.shape, a.tobytes())
+
+
+@functools.lru_cache(maxsize=64)
+def _uploaded(device: torch.device, shape: tuple, content: bytes) -> Tensor:
+    """int64 values (their bytes) on a GPU, each content uploaded once and
+    kept (the last 64; read-only): a packed batch's indices recur between
+    its forward and backward and from call to call, and each upload costs
+    the host tens of microseconds (pinning, copy, launch)."""
+    return _to(torch.from_numpy(np.frombuffer(content, dtype=np.int64).reshape(shape).copy()),
+               device)
 
 
 _TorchOps = torch_ops(torch)     # the cell language's operations on tensors
@@ -638,6 +630,34 @@ class _Recurrent(torch.nn.Module):
         NS = len(self._states)
         return (y0, y1), (fins[:NS], fins[NS:])
 
+    def _each_direction(self, args, batch_sizes, save, given, side):
+        """Each direction of a layer by its own call (_direction): ys (the
+        reverse one in its input's time order) and per direction its
+        finals. With a side stream (a CUDA bidirectional layer, eagerly)
+        the reverse direction runs on it, with its own library instance
+        (lane 1), beside the forward one on the current stream."""
+        if side is not None:
+            main = torch.cuda.current_stream(args[0][0].device)
+            side.wait_stream(main)
+        ys, fins = [], []
+        for d, (inp, init_d, weights) in enumerate(args):
+            beside = side is not None and d == 1
+            with torch.cuda.stream(side) if beside else contextlib.nullcontext():
+                spec = _spec(self.cell, inp.shape[-1], self.hidden_size, self.schedule,
+                             self.precision, lane=int(beside))
+                y, fin = self._direction(inp, init_d, batch_sizes, weights, spec, save, given)
+            ys.append(y)
+            fins.append(fin)
+        if side is not None:     # main reads what side made; side read what main made
+            main.wait_stream(side)
+            inp, init_d, (*ws, vectors, w_hr) = args[1]
+            for a in (inp, *init_d, *ws, *(vectors or {}).values(), w_hr):
+                if a is not None:
+                    a.record_stream(side)
+            for a in (ys[1], *fins[1]):
+                a.record_stream(main)
+        return ys, fins
+
     def _direction(self, x, init, batch_sizes, weights, spec, save, given):
         """One layer, one direction over x (T, B, K): y (T, B, R) and each
         state's final (B, R for h, else H).
@@ -729,7 +749,7 @@ class _Recurrent(torch.nn.Module):
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
-        side = _side_stream(x.device) if D == 2 else None
+        side = _side_stream(x.device) if D == 2 else None   # (CUDA, eager)
         for layer in range(L):
             # each direction's input, initial states and weights, made on the
             # current stream (a leaf's gradient then comes back on it)
@@ -738,34 +758,13 @@ class _Recurrent(torch.nn.Module):
             if D == 2 and x.device.type == "cpu" and not self.proj_size \
                     and not torch.compiler.is_compiling():
                 spec = _spec(self.cell, x.shape[-1], H, self.schedule, self.precision)
-                (y0, y1), fins = self._both_directions(args, batch_sizes, spec, save)
-                for s in range(len(finals)):
-                    finals[s] += [fins[0][s], fins[1][s]]
-                x = torch.cat([y0, self._reverse(y1, rev)], -1)
+                ys, fins = self._both_directions(args, batch_sizes, spec, save)
             else:
-                outs = []
-                if side is not None:     # the reverse direction runs beside, on its own stream
-                    main = torch.cuda.current_stream(x.device)
-                    side.wait_stream(main)
-                for d, (inp, init_d, weights) in enumerate(args):
-                    beside = side is not None and d == 1
-                    with torch.cuda.stream(side) if beside else contextlib.nullcontext():
-                        spec = _spec(self.cell, inp.shape[-1], H, self.schedule, self.precision,
-                                     lane=int(beside))
-                        y, fin = self._direction(inp, init_d, batch_sizes, weights, spec, save,
-                                                 hx is not None)
-                        outs.append(y if d == 0 else self._reverse(y, rev))
-                    for s, a in enumerate(fin):
-                        finals[s].append(a)
-                if side is not None:     # main reads what side made; side read what main made
-                    main.wait_stream(side)
-                    inp, init_d, (*ws, vectors, w_hr) = args[1]
-                    for a in (inp, *init_d, *ws, *(vectors or {}).values(), w_hr):
-                        if a is not None:
-                            a.record_stream(side)
-                    for a in (outs[1], *[f[-1] for f in finals]):
-                        a.record_stream(main)
-                x = outs[0] if D == 1 else torch.cat(outs, -1)
+                ys, fins = self._each_direction(args, batch_sizes, save, hx is not None, side)
+            for fin in fins:
+                for s, a in enumerate(fin):
+                    finals[s].append(a)
+            x = ys[0] if D == 1 else torch.cat([ys[0], self._reverse(ys[1], rev)], -1)
             if self.dropout and self.training and layer < L - 1:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
         return x, [torch.stack(f) for f in finals]
