@@ -317,6 +317,11 @@ def _(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx)
             x.new_empty((V, H) if V else (0,)), x.new_empty((NS, B, H)))
 
 
+def _check_saved(ctx) -> None:
+    if not ctx.saved:
+        raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+
+
 def _grads(ctx, dstates, backward):
     """The gradients of a layer's inputs from those of its states (NS, T+1,
     B, H): y is states[0, 1:], the final states are states[:, T] (or at
@@ -325,8 +330,7 @@ def _grads(ctx, dstates, backward):
     gradient is part of dy at the row's last step; the other states' are
     read where each row ends. Returns (dx or None, dw_ih, db_ih, dw_hh,
     db_hh, dvec or None, dinit (NS, B, H))."""
-    if not ctx.saved:
-        raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+    _check_saved(ctx)
     x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
     T, B = x.shape[0], x.shape[1]
     if batch_sizes is None:
@@ -380,8 +384,7 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dsaved, *dfinal):
-        if not ctx.saved:
-            raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+        _check_saved(ctx)
         x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy, list(dfinal), batch_sizes,
@@ -455,8 +458,7 @@ class _Directions(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy0, dy1, ds0, ds1, *dfinal):
-        if not ctx.saved:
-            raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+        _check_saved(ctx)
         x, x_rev, batch_sizes, states0, saved0, states1, saved1, *w = ctx.saved_tensors
         NS = ctx.states
         inputs = [(x, states0, saved0, dy0, dfinal[:NS]), (x_rev, states1, saved1, dy1,
