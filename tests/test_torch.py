@@ -142,9 +142,9 @@ def test_training_follows_torch():
     assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
 
 
-@pytest.mark.parametrize("proj", [0, I])
-def test_compile_fullgraph_matches_eager(proj):
-    m = hnn.LSTM(I, H, num_layers=2, proj_size=proj)
+@pytest.mark.parametrize("proj, bidir", [(0, False), (I, False), (0, True)])
+def test_compile_fullgraph_matches_eager(proj, bidir):
+    m = hnn.LSTM(I, H, num_layers=2, proj_size=proj, bidirectional=bidir)
     x = torch.randn(7, 3, I)
     hx = (torch.randn(2, 3, proj or H), torch.randn(2, 3, H)) if proj else None
 
