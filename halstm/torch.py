@@ -421,6 +421,39 @@ class _Gather(torch.autograd.Function):
         return d.new_zeros((ctx.rows, d.shape[-1])).index_copy_(0, index, d), None
 
 
+class _Rows(torch.autograd.Function):
+    """Rows of a CPU tensor moved by numpy: out (n, C) with out[dst] =
+    a[src] (None: every row in order; distinct indices), zeros elsewhere.
+    numpy copies on the calling thread, where a torch op of this size
+    would wake torch's OpenMP threads, which then spin (libgomp's default)
+    on the cores halstm's kernel threads need next."""
+
+    @staticmethod
+    def forward(ctx, a, src, dst, n):
+        ctx.src, ctx.dst, ctx.rows = src, dst, len(a)
+        return _move_rows(a, src, dst, n)
+
+    @staticmethod
+    def backward(ctx, d):
+        return _move_rows(d, ctx.dst, ctx.src, ctx.rows), None, None, None
+
+
+def _move_rows(a: Tensor, src, dst, n: int) -> Tensor:
+    a = a.detach().numpy()                           # (rows, C)
+    if dst is None:
+        out = memory.empty((n, a.shape[1]))
+        np.take(a, np.arange(len(a)) if src is None else src, axis=0, out=out, mode="clip")
+    else:
+        out = np.zeros((n, a.shape[1]), np.float32)
+        out[dst] = a if src is None else a[src]
+    return torch.from_numpy(out)
+
+
+def _numpy_rows(a: Tensor) -> bool:
+    """Whether _Rows moves a's rows (CPU, eager)."""
+    return a.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _lane(spec: str, lane: int) -> str:
     return spec[:spec.rindex("|") + 1] + str(lane)
 
@@ -723,11 +756,17 @@ class _Recurrent(torch.nn.Module):
         rows = _check_input(self, input.data)
         bs = input.batch_sizes
         T, B = len(bs), int(bs[0])
-        index = self._packed_index(bs, rows.device)
-        x = rows.new_zeros((T * B, rows.shape[-1])).index_copy(0, index, rows)
+        index = self._packed_index(bs)
+        if _numpy_rows(rows):
+            x = _Rows.apply(rows, None, index, T * B)
+        else:
+            index = _ints(index, rows.device)
+            x = rows.new_zeros((T * B, rows.shape[-1])).index_copy(0, index, rows)
         y, finals = self._layers(x.view(T, B, -1), hx, False, bs, input.sorted_indices)
-        out = rnn_utils.PackedSequence(_Gather.apply(y.reshape(T * B, -1), index),
-                                       input.batch_sizes, input.sorted_indices,
+        y = y.reshape(T * B, -1)
+        data = _Rows.apply(y, index, None, len(index)) if _numpy_rows(y) else \
+            _Gather.apply(y, index)
+        out = rnn_utils.PackedSequence(data, input.batch_sizes, input.sorted_indices,
                                        input.unsorted_indices)
         if input.unsorted_indices is not None:
             finals = [f.index_select(1, input.unsorted_indices) for f in finals]
@@ -772,28 +811,35 @@ class _Recurrent(torch.nn.Module):
         return x, [torch.stack(f) for f in finals]
 
     @staticmethod
-    def _packed_index(batch_sizes, device):
+    def _packed_index(batch_sizes) -> np.ndarray:
         """Where each row of a packed sequence's data lies in the padded
         (T*B) rows: data[n] is padded[t, b] at t*B + b (torch's
         pad_packed_sequence copies step by step)."""
         bs = batch_sizes.numpy()
         t = np.repeat(np.arange(len(bs)), bs)
         first = np.cumsum(bs) - bs
-        return _ints(t * bs[0] + np.arange(len(t)) - first[t], device)
+        return t * bs[0] + np.arange(len(t)) - first[t]
 
     @staticmethod
     def _reverse_index(T, B, lengths, device):
-        """(T, B) time indices reversing each sequence within its length
-        (padding stays in place), or None: reverse all T steps."""
-        if lengths is None:
-            return None
-        return _ints(memory.reversed_steps(T, lengths), device)
+        """Each sequence reversed within its length (padding stays in
+        place): (rows, steps) with rows the source row in (T*B) of each
+        row, for _Rows on a CPU, and steps the (T, B) time indices on
+        `device` (None: reverse all T steps)."""
+        steps = memory.reversed_steps(T, np.full(B, T) if lengths is None else lengths)
+        rows = (steps * B + np.arange(B)).reshape(-1)
+        return rows, None if lengths is None else _ints(steps, device)
 
     @staticmethod
     def _reverse(a: Tensor, rev) -> Tensor:
-        if rev is None:
+        """a (T, B, C) reversed in time by _reverse_index's rev."""
+        rows, steps = rev
+        if _numpy_rows(a):
+            T, B, C = a.shape
+            return _Rows.apply(a.reshape(T * B, C), rows, None, T * B).view(T, B, C)
+        if steps is None:
             return a.flip(0)
-        return a.gather(0, rev[:, :, None].expand(a.shape)).contiguous()
+        return a.gather(0, steps[:, :, None].expand(a.shape)).contiguous()
 
     def _initial(self, hx, B, unbatched, x):
         """Per state an (L*D, B, H) tensor: the caller's, or zeros."""
