@@ -404,29 +404,14 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
     return y, finals
 
 
-class _Gather(torch.autograd.Function):
-    """Rows of a (N, C) tensor by distinct indices; backward copies the
-    gradient's rows back into zeros (index_select's own backward adds them,
-    index_add, several times slower)."""
-
-    @staticmethod
-    def forward(ctx, a, index):
-        ctx.save_for_backward(index)
-        ctx.rows = len(a)
-        return a.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, d):
-        index, = ctx.saved_tensors
-        return d.new_zeros((ctx.rows, d.shape[-1])).index_copy_(0, index, d), None
-
-
 class _Rows(torch.autograd.Function):
-    """Rows of a CPU tensor moved by numpy: out (n, C) with out[dst] =
-    a[src] (None: every row in order; distinct indices), zeros elsewhere.
-    numpy copies on the calling thread, where a torch op of this size
-    would wake torch's OpenMP threads, which then spin (libgomp's default)
-    on the cores halstm's kernel threads need next."""
+    """Rows moved: out (n, C) with out[dst] = a[src] (None: every row in
+    order; distinct indices, numpy), zeros elsewhere; backward the inverse
+    move. On the CPU by numpy on the calling thread, where a torch op of
+    this size would wake torch's OpenMP threads, which then spin
+    (libgomp's default) on the cores halstm's kernel threads need next; on
+    a GPU by index_select / index_copy_ (index_select's own backward adds
+    rows, index_add, several times slower)."""
 
     @staticmethod
     def forward(ctx, a, src, dst, n):
@@ -439,6 +424,12 @@ class _Rows(torch.autograd.Function):
 
 
 def _move_rows(a: Tensor, src, dst, n: int) -> Tensor:
+    if a.device.type != "cpu":
+        if src is not None:
+            a = a.index_select(0, _ints(src, a.device))
+        if dst is None:
+            return a
+        return a.new_zeros((n, a.shape[1])).index_copy_(0, _ints(dst, a.device), a)
     a = a.detach().numpy()                           # (rows, C)
     if dst is None:
         out = memory.empty((n, a.shape[1]))
@@ -450,7 +441,8 @@ def _move_rows(a: Tensor, src, dst, n: int) -> Tensor:
 
 
 def _numpy_rows(a: Tensor) -> bool:
-    """Whether _Rows moves a's rows (CPU, eager)."""
+    """Whether _reverse moves a's rows by _Rows (CPU, eager; a GPU or
+    torch.compile: flip or gather)."""
     return a.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
@@ -757,15 +749,9 @@ class _Recurrent(torch.nn.Module):
         bs = input.batch_sizes
         T, B = len(bs), int(bs[0])
         index = self._packed_index(bs)
-        if _numpy_rows(rows):
-            x = _Rows.apply(rows, None, index, T * B)
-        else:
-            index = _ints(index, rows.device)
-            x = rows.new_zeros((T * B, rows.shape[-1])).index_copy(0, index, rows)
+        x = _Rows.apply(rows, None, index, T * B)
         y, finals = self._layers(x.view(T, B, -1), hx, False, bs, input.sorted_indices)
-        y = y.reshape(T * B, -1)
-        data = _Rows.apply(y, index, None, len(index)) if _numpy_rows(y) else \
-            _Gather.apply(y, index)
+        data = _Rows.apply(y.reshape(T * B, -1), index, None, len(index))
         out = rnn_utils.PackedSequence(data, input.batch_sizes, input.sorted_indices,
                                        input.unsorted_indices)
         if input.unsorted_indices is not None:
