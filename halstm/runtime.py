@@ -307,8 +307,9 @@ class Library:
                 add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
                 mem.zero(add)      # (the last call left its rows there)
             dstate = []
+            dstates = mem.zeros((len(dfinal), 2, B, Hp))   # (one zero-fill for all)
             for s, d in enumerate(dfinal):
-                a = mem.zeros((2, B, Hp))
+                a = dstates[s]
                 if d is not None and lengths is None:
                     mem.put_leading(a[0], d)
                 elif d is not None:

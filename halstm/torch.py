@@ -389,15 +389,23 @@ class _Layer(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy, list(dfinal), batch_sizes,
                               ctx.spec, need_dx)
-        return (g["dx"] if need_dx else None, g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
-                g.get("dvec") if vec is not None else None, None, None, None,
-                *[g[k] for k in _state_grad_keys(ctx.spec)])
+        return _wanted(ctx, (g.get("dx"), g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
+                             g.get("dvec"), None, None, None,
+                             *[g[k] for k in _state_grad_keys(ctx.spec)]))
+
+
+def _wanted(ctx, grads: tuple) -> tuple:
+    """grads with None for each input that needs none (a None initial
+    state, a vec of a cell without vector parameters, an input not
+    requiring grad)."""
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
 def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
     """One layer over x (see _forward_impl): y (T, B, H) and each state's
     final (B, H) (at each row's length, with batch sizes)."""
     if torch.compiler.is_compiling():
+        init = [x.new_zeros((x.shape[1], w_hh.shape[1])) if a is None else a for a in init]
         states = _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
         return states[0, 1:], _finals(states, batch_sizes)
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
@@ -499,10 +507,10 @@ class _Directions(torch.autograd.Function):
         gs = nn.run_directions(one, _library(ctx.spec, "bwd", x.device)[0])
         keys = _state_grad_keys(ctx.spec)
         out = [g.get("dx") for g in gs] + [None, None, None]
-        for d, g in enumerate(gs):
-            out += [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
-                    g.get("dvec") if w[3 * d + 2] is not None else None, *[g[k] for k in keys]]
-        return tuple(out)
+        for g in gs:
+            out += [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"], g.get("dvec"),
+                    *[g[k] for k in keys]]
+        return _wanted(ctx, tuple(out))
 
 
 # ---- the modules ------------------------------------------------------------
@@ -628,18 +636,22 @@ class _Recurrent(torch.nn.Module):
         return s
 
     # ---- one layer's parameters ------------------------------------------
-    def _weights(self, layer: int, sfx: str, zero: Tensor):
+    def _weights(self, layer: int, sfx: str):
         """w_ih, b_ih, w_hh, b_hh, vectors {name: (H,) or (G*H,)} (None
-        without), w_hr (None without a projection)."""
+        without), w_hr (None without a projection). A bias left out
+        (bias=False, or a cell without matrix biases) is zeros."""
         def get(name):
             return getattr(self, f"{name}_l{layer}{sfx}", None)
+        w_ih = get("weight_ih")
+        H, zero = self.hidden_size, None
         b_ih, b_hh = get("bias_ih"), get("bias_hh")
+        if b_ih is None or b_hh is None:
+            zero = w_ih.new_zeros((self._gates * H,))
         vectors = None
-        if self._all_vectors:      # a bias left out (bias=False) is zeros
-            H = self.hidden_size
-            vectors = {v.name: zero.new_zeros(((self._gates if v.per_gate else 1) * H,))
+        if self._all_vectors:
+            vectors = {v.name: w_ih.new_zeros(((self._gates if v.per_gate else 1) * H,))
                        if get(v.name) is None else get(v.name) for v in self._all_vectors}
-        return (get("weight_ih"), zero if b_ih is None else b_ih, get("weight_hh"),
+        return (w_ih, zero if b_ih is None else b_ih, get("weight_hh"),
                 zero if b_hh is None else b_hh, vectors, get("weight_hr"))
 
     def _vec(self, vectors):
@@ -699,10 +711,8 @@ class _Recurrent(torch.nn.Module):
         if w_hr is None:
             return _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)
         w_m = w_hh @ w_hr
-        if not given:
-            m0 = init[0].new_zeros((init[0].shape[0], self.hidden_size))
-            m, finals = _run_layer(x, w_ih, b_ih, w_m, b_hh, vec, [m0, *init[1:]], batch_sizes,
-                                   spec, save)
+        if not given:      # (init: Nones; m_0 = 0)
+            m, finals = _run_layer(x, w_ih, b_ih, w_m, b_hh, vec, init, batch_sizes, spec, save)
         else:
             step = _step_functions[self.cell]
             first = step(x[0] @ w_ih.T + b_ih, init[0] @ w_hh.T + b_hh, init, vectors)
@@ -770,9 +780,8 @@ class _Recurrent(torch.nn.Module):
         lengths = None if bs is None else row_lengths(bs.numpy(), B)
         batch_sizes = None if bs is None else bs.to(torch.int32)
         init = self._initial(hx, B, unbatched, x)
-        if order is not None:            # hx comes in the caller's row order
+        if order is not None and hx is not None:    # hx comes in the caller's row order
             init = [s.index_select(1, order) for s in init]
-        zero = x.new_zeros((self._gates * H,))
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
@@ -781,7 +790,7 @@ class _Recurrent(torch.nn.Module):
             # each direction's input, initial states and weights, made on the
             # current stream (a leaf's gradient then comes back on it)
             args = [(x if d == 0 else self._reverse(x, rev), [s[layer * D + d] for s in init],
-                     self._weights(layer, sfx, zero)) for d, sfx in enumerate(("", "_reverse")[:D])]
+                     self._weights(layer, sfx)) for d, sfx in enumerate(("", "_reverse")[:D])]
             if D == 2 and x.device.type == "cpu" and not self.proj_size \
                     and not torch.compiler.is_compiling():
                 spec = _spec(self.cell, x.shape[-1], H, self.schedule, self.precision)
@@ -794,7 +803,8 @@ class _Recurrent(torch.nn.Module):
             x = ys[0] if D == 1 else torch.cat([ys[0], self._reverse(ys[1], rev)], -1)
             if self.dropout and self.training and layer < L - 1:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
-        return x, [torch.stack(f) for f in finals]
+        # (one layer and direction: its finals are copies already)
+        return x, [torch.stack(f) if len(f) > 1 else f[0].unsqueeze(0) for f in finals]
 
     @staticmethod
     def _packed_index(batch_sizes) -> np.ndarray:
@@ -828,12 +838,13 @@ class _Recurrent(torch.nn.Module):
         return a.gather(0, steps[:, :, None].expand(a.shape)).contiguous()
 
     def _initial(self, hx, B, unbatched, x):
-        """Per state an (L*D, B, H) tensor: the caller's, or zeros."""
+        """Per state an (L*D, B, H) tensor: the caller's; without hx, L*D
+        Nones (zeros, which the kernels make in place)."""
         LD, H = self.num_layers * self._directions, self.hidden_size
         n = len(self._states)
         size = {s: self.proj_size or H if s == "h" else H for s in self._states}
         if hx is None:
-            return [x.new_zeros((LD, B, size[s])) for s in self._states]
+            return [[None] * LD for _ in self._states]
         given = (hx,) if n == 1 else hx
         if n > 1 and (not isinstance(hx, (tuple, list)) or len(hx) != n):
             raise TypeError(f"hx: expected None or a tuple of {n} tensors "
