@@ -52,7 +52,7 @@ ENTRY_POINTS = {
         "ws dxp (N, G, H)", "ws dhg (N, G, H)",
         "ws fused_bwd: 3*B*HP + 3*B*G*H + B*V*H floats, the first B*G*H zero, where the manifest's "
         "pipelines include halstm_step_bwd_fused (else unused)",
-        "ws dvec_rows (N, V, H) (unused, NULL, with V = 0)",
+        "ws dvec_rows (2, B, V, H) (unused, NULL, with V = 0)",
         "ws rows: N*(K + H + KP) floats (one-hot: N*(1 + H)), on a CPU given batch_sizes "
         "(else unused, NULL)",
         "out dx (T, B, KP), or NULL on a CPU target where dx is not wanted", "out dw_ih (G*H, K)", "out db_ih (G*H,)",

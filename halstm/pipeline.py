@@ -346,6 +346,19 @@ def _vec(p: Pipe) -> tuple:
     return [vec], _clamp(vec, (0,))
 
 
+def _dvec_sums(p: Pipe, dims) -> tuple:
+    """A backward step's input of the vector gradients so far: ([the
+    input] or [] without vector parameters, Func(j, channel, b) with
+    `dims` clamped). Numpy (B, V, H): per batch row, its sums over the
+    steps after this one; a step's output adds its own (the driver
+    alternates two such arrays), so the gradients' pipeline sums B rows,
+    not T*B."""
+    if not p.V:
+        return [], None
+    sums = _param(p, "dvec_sums", [p.H, p.V, None])
+    return [sums], _clamp(sums, dims)
+
+
 def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and (save) the saved channels, so that a schedule can
@@ -531,8 +544,10 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
     outs = {"dxp_out": _output(dxp)}
     if not cell.dxp_is_dhg:
         outs["dhg_out"] = _output(dhg)
-    if dvec is not None:
-        outs["dvec_out"] = _output(dvec)
+    sums, sums_in = _dvec_sums(p, (2,))
+    if dvec is not None:   # (not a copy of dvec: it reads no output buffer)
+        outs["dvec_out"] = hl.Func("dvec_out")
+        outs["dvec_out"][dvec.args()] = sums_in[dvec.args()] + dvec[dvec.args()]
     if vendor and p.vendor_bf16:   # dhg's bf16 bits: the driver's product reads them
         outs["dhg_bf16_out"] = hl.Func("dhg_bf16_out")
         outs["dhg_bf16_out"][j, gate, b] = _bf16_bits(dhg[j, gate, b])
@@ -551,7 +566,8 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
                                   lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states] + ([] if vendor else [w_hh]) + vec)
+                + [dy] + [dnext[s] for s in cell.states] + ([] if vendor else [w_hh]) + vec
+                + sums)
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, **outs, **({} if vendor else {"dh_prev_acc": dh_acc}),
                 **{"dprev_" + s: dprev[s] for s in cell.states}, **inputs}
@@ -566,7 +582,7 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
     if "dhg_bf16_out" in outs:
         _fix_output(p, outs["dhg_bf16_out"], [H, G, None])     # (B, G, H) bf16 bits
     if dvec is not None:
-        _fix_output(p, p.stages["dvec_out"], [H, p.V, None])   # numpy (B, V, H)
+        _fix_output(p, p.stages["dvec_out"], [H, p.V, None])   # numpy (B, V, H): the sums
     if vendor:
         _fix_output(p, dh_prev, [H, None], [1, Hp])     # (B, Hp) rows, H used
     else:
@@ -620,12 +636,14 @@ def _step_bwd_fused(p: Pipe) -> None:
         values += [dhg[k, g, b] for g in range(G)]
     planes = len(values) - 1
     values += [dprev[s][k, b] for s in cell.states[1:]]
-    values += [dvec[k, c, b] for c in range(p.V)]
+    sums, sums_in = _dvec_sums(p, (0, 2))
+    values += [sums_in[k, c, b] + dvec[k, c, b] for c in range(p.V)]
     values.append(dprev["h"][k, b] if dprev["h"] is not None else hl.f32(0))
     out = hl.Func("dstep")
     out[k, b] = hl.Tuple(values)
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, w_hh] + vec)
+                + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, w_hh] + vec
+                + sums)
     p.stages = {"out": out, "dh_acc": dh_acc, "dhg_in": dhg_in}
     p.outputs = [out]
     # dh and the state rows: (B, Hp) rows; dxp and dhg: a gate's plane of
@@ -724,6 +742,10 @@ def _bias_grads(p: Pipe, stages: dict, rn, dxp, dhg, products: tuple) -> None:
     G, K, H = p.G, p.K, p.H
     j, gate = p.vars["j"], p.vars["gate"]
     for name, d in (("db_ih", dxp), ("db_hh", dhg)):
+        if not p.cell.matrix_bias:     # (no such parameters: zeros, no sums)
+            stages[name] = hl.Func(name)
+            stages[name][j, gate] = hl.f32(0)
+            continue
         if name == "db_hh" and p.cell.dxp_is_dhg:   # dhg is dxp (the LSTM): the same sums
             stages[name] = hl.Func(name)
             stages[name][j, gate] = stages["db_ih"][j, gate]
@@ -734,11 +756,12 @@ def _bias_grads(p: Pipe, stages: dict, rn, dxp, dhg, products: tuple) -> None:
     names = tuple(v for v in order if v in products or v.startswith("db"))
     extents = {"dx": [p.Kp, None], "dw_ih": [K, H, G], "db_ih": [H, G], "dw_hh": [H, H, G],
                "db_hh": [H, G], "dvec": [H, p.V]}
-    if p.V:   # the vector parameters' gradients: sums over rows, as the biases'
-        dvec = _param(p, "dvec_rows", [H, p.V, None])     # numpy (N, V, H)
+    if p.V:   # the vector parameters' gradients: the steps' sums per batch row, summed
+        dvec = _param(p, "dvec_rows", [H, p.V, None])     # numpy (B, V, H)
         p.inputs.append(dvec)
+        rv = p.rdoms["v"] = hl.RDom([(0, dvec.dim(2).extent())], "r_v")
         stages["dvec_acc"], stages["dvec"] = _matmul("dvec", [j, gate], hl.f32(0),
-                                                     lambda: dvec[j, gate, rn.x])
+                                                     lambda: dvec[j, gate, rv.x])
         names += ("dvec",)
     p.outputs = [stages[v] for v in names]
     for v in names:

@@ -326,10 +326,13 @@ class Library:
             dxp = self._workspace(mem, stream, "dxp", (N, G, H))
             dhg = (dxp if self.manifest["dxp_is_dhg"] else
                    self._workspace(mem, stream, "dhg", (N, G, H)))
-            dvec_rows = self._workspace(mem, stream, "dvec_rows", (N, V, H)) if V else None
             if bs is not None and not packed:   # rows no step writes enter the sums as zeros
-                for a in {id(a): a for a in (dxp, dhg, dvec_rows) if a is not None}.values():
+                for a in {id(a): a for a in (dxp, dhg)}.values():
                     mem.zero(a)
+            dvec_rows = None    # the vector gradients' sums per batch row, two of them
+            if V:
+                dvec_rows = self._workspace(mem, stream, "dvec_rows", (2, B, V, H))
+                mem.zero(dvec_rows)
             vec_ptr = self._vec(mem, vec)
             skip_dx = not need_dx and self.device == "cpu"
             # x, h_{t-1} and dx in the steps' rows

@@ -586,7 +586,8 @@ def grads(p, target, ids=False):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
             p.stage(bias).vectorize(j, _vw(target, H), GUARD)
             continue
-        _bias(p.stage(bias), p.stage(bias + "_acc"), j, gate, rn, _vw(target, H), H)
+        rows = p.rdoms["v"] if bias == "dvec" else rn     # (dvec: over batch rows)
+        _bias(p.stage(bias), p.stage(bias + "_acc"), j, gate, rows, _vw(target, H), H)
 
 
 def _bias(out, acc, j, gate, rn, vw, H):

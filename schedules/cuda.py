@@ -810,9 +810,10 @@ def _bias_sums(p):
             _grid(p.stage(bias))
             continue
         out, acc = p.stage(bias), p.stage(bias + "_acc")
+        rows = p.rdoms["v"] if bias == "dvec" else rn     # (dvec: over batch rows)
         ro, ri = hl.RVar(bias + "_ro"), hl.RVar(bias + "_ri")
         u = hl.Var(bias + "_u")
-        chunks = acc.update().split(rn.x, ro, ri, 64, GUARD).rfactor(ro, u)
+        chunks = acc.update().split(rows.x, ro, ri, 64, GUARD).rfactor(ro, u)
         _grid(chunks.compute_root())
         _grid(chunks, chunks.update())
         _tile(out, acc, j, [(gate, None, False)], [ro])

@@ -50,6 +50,7 @@ class Cell:
     states: tuple[str, ...] = ()  # carried state, "h" first; each (j, b)
     saved: tuple[str, ...] = ()   # channels of the saved Func (j, s, b)
     dxp_is_dhg: bool = False      # backward's dxp and dhg are one Func
+    matrix_bias: bool = True      # b_ih and b_hh are parameters (their gradients summed)
 
     @property
     def n_gates(self) -> int:

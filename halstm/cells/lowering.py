@@ -164,6 +164,7 @@ class DefinedCell(Cell):
         self.d = d
         self.name, self.gates, self.states = d.name, d.gates, d.states
         self.saved, self.dxp_is_dhg = d.saved, d.dxp_is_dhg
+        self.matrix_bias = d.matrix_bias
         self.channels, self.reduces = d.channels, d.reduces
         self.reductions: list = []     # the reduction Funcs of the last forward or backward
         self.levels: dict = {}         # their levels by name (_Lowering._level)

@@ -6,14 +6,14 @@ extern "C" {
 
 #ifdef HALSTM_BACKWARD
 #define HB halide_buffer_t *
-// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh, [vec] (with HALSTM_SPLIT then
+// inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh, [vec, dvec sums] (with HALSTM_SPLIT then
 // int panel0, panels); outputs dxp, [dhg], dprev[NS], [dvec rows]
 // (the step pipelines are called through Halide's argv entry points:
 // buffers as given, pointers to scalars)
 int halstm_step_bwd_argv(void **);
 #if HALSTM_FUSED_BWD
-// inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh, [vec];
-// outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], dvec[NV], the next call's dh_add
+// inputs saved, prev[NS], new[NS], dy, dnext[1:NS], dh_add, dhg_next, w_hh, [vec, dvec sums];
+// outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], dvec sums[NV], the next call's dh_add
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #endif
@@ -38,7 +38,10 @@ int halstm_grads_ids_argv(void **);
 //   rows.h's StepRows::row0(t) (T*B without batch sizes);
 //   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then
 //     3*B*HP + 2*B*G*H + B*NV*H floats
-//   dvec_rows (N, NV, H) (unused with NV = 0): the vector gradients per row
+//   dvec_rows (2, B, NV, H) zeros (unused with NV = 0): the vector gradients'
+//     sums per batch row over the steps run so far; step t reads
+//     [(T-1-t) & 1] and writes its sums with its own added to the other;
+//     after step 0 they are in [T & 1]
 //   rows_ws where StepRows is packed (else unused): x (N, K) floats or (N)
 //     int32 indices, h_{t-1} (N, H) and dx (N, KP) in that order
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H);
@@ -48,7 +51,7 @@ int halstm_grads_ids_argv(void **);
 // HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
 // batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
 // batch_sizes[t]) only, as in halstm_forward. Then the caller zeroes dxp,
-// dhg and dvec_rows where StepRows is padded (the rows no step writes enter
+// and dhg where StepRows is padded (the rows no step writes enter
 // the gradients' sums as zeros), puts a row's final-state gradient where its last step reads it
 // (dstate[s][(T - length) & 1]; the fused step's dh_add rows: fused_ws's
 // add[length & 1]), and finds every dL/d(initial state) in [T & 1].
@@ -65,7 +68,6 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     if (sr.packed()) {   // (the rows no step writes enter the sums as zeros)
         sr.zero_gaps(dxp, G * H);
         if (!DXP_IS_DHG) sr.zero_gaps(dhg, G * H);
-        if (NV) sr.zero_gaps(dvec_rows, NV * H);
     }
 #if HALSTM_RAW_BWD   // the products read the weights as given (no pack_bwd; wq unused)
     View &vwq_ih = vw_ih, &vwq_hh = vw_hh;
@@ -83,8 +85,9 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     // with vendor, step_bwd_vendor (no w_hh: the driver adds the product;
     // h's gradient over H units).
     struct StepArgs {
-        View saved, dxp, dhg, dy, dvec, prev[NS], next[NS], dnext[NS], dprev[NS], dhg_bits;
-        void *args[6 + 4 * NS + 5];
+        View saved, dxp, dhg, dy, dvec, dvec_in, prev[NS], next[NS], dnext[NS], dprev[NS],
+            dhg_bits;
+        void *args[7 + 4 * NS + 5];
     };
     // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits
     auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor,
@@ -95,7 +98,8 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         v.dxp = PART(View(dxp + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
         v.dhg = PART(View(dhg + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
         v.dy = bh(dy, t, B, rows);
-        v.dvec = PART(View(dvec_rows + sr.row0(t) * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}),
+        v.dvec_in = View(dvec_rows + cur * B * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}});
+        v.dvec = PART(View(dvec_rows + nxt * B * NV * H, {{H, 1}, {NV, H}, {rows, NV * H}}),
                       H, 2);
         for (int s = 0; s < NS; s++) {
             v.prev[s] = bh(states[s], t, B, rows), v.next[s] = bh(states[s], t + 1, B, rows);
@@ -110,7 +114,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         v.args[n++] = v.dy.hb();
         for (int s = 0; s < NS; s++) v.args[n++] = v.dnext[s].hb();
         if (!vendor) v.args[n++] = vwq_hh.hb();
-        if (NV) v.args[n++] = vvec.hb();
+        if (NV) v.args[n++] = vvec.hb(), v.args[n++] = v.dvec_in.hb();
 #if HALSTM_SPLIT
         v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
 #endif
@@ -168,7 +172,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
                 dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
                 dprev[s] = PART(dstate_row(dstate[s], nxt, B, H, rows), H, 1);
             }
-            void *args[12 + 4 * NS + 2 * G + NV];
+            void *args[13 + 4 * NS + 2 * G + NV];
             int n = 0;
             args[n++] = saved_t.hb(), args[n++] = h0.hb();
             for (int s = 1; s < NS; s++) args[n++] = prev[s].hb();
@@ -177,7 +181,13 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             args[n++] = dy_t.hb();
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
             args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
-            if (NV) args[n++] = vvec.hb();
+            // the vector gradients' sums: read [cur], written to [nxt] (call -1:
+            // scratch, unused)
+            float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H
+                                  : dvec_rows + nxt * (int64_t)B * NV * H;
+            View dvec_in(t < 0 ? dvec_t : dvec_rows + cur * (int64_t)B * NV * H,
+                         {{H, 1}, {NV, H}, {rows, NV * H}});
+            if (NV) args[n++] = vvec.hb(), args[n++] = dvec_in.hb();
 #if HALSTM_SPLIT
             args[n++] = (void *)&part.q0, args[n++] = (void *)&part.nq;
 #endif
@@ -190,9 +200,8 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = PART(plane(dhg_t, g), H, 1)).hb();
 #endif
             for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
-            // dvec channel c: a plane of dvec_rows[t] (B, NV, H) (call -1: unused, scratch)
+            // dvec channel c: a plane of the sums (B, NV, H)
             View vplanes[NV > 0 ? NV : 1];
-            float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H : dvec_rows + sr.row0(t) * NV * H;
             for (int c = 0; c < NV; c++)
                 args[n++] = (vplanes[c] = PART(View(dvec_t + c * H, {{H, 1}, {rows, NV * H}}), H, 1)).hb();
             args[n++] = add_out.hb();
@@ -280,7 +289,9 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     View vdw_ih(dw_ih, {{K, 1}, {H, K}, {G, H * K}}), vdb_ih(db_ih, {{H, 1}, {G, H}});
     View vdw_hh(dw_hh, {{H, 1}, {H, H}, {G, H * H}}), vdb_hh(db_hh, {{H, 1}, {G, H}});
     View vdhg(dhg, {{H, 1}, {G, H}, {N, G * H}});
-    View vdvec_rows(dvec_rows, {{H, 1}, {NV, H}, {N, NV * H}}), vdvec(dvec, {{H, 1}, {NV, H}});
+    // (the vector gradients' sums per batch row)
+    View vdvec_rows(dvec_rows + (T & 1) * (int64_t)B * NV * H, {{H, 1}, {NV, H}, {B, NV * H}});
+    View vdvec(dvec, {{H, 1}, {NV, H}});
     void *args[12];
     int n = 0;
 #if HALSTM_CUBLAS
