@@ -7,7 +7,7 @@ extern "C" {
 #ifdef HALSTM_BACKWARD
 #define HB halide_buffer_t *
 // inputs saved, prev[NS], new[NS], dy, dnext[NS], w_hh, [vec, dvec sums] (with HALSTM_SPLIT then
-// int panel0, panels); outputs dxp, [dhg], dprev[NS], [dvec rows]
+// int panel0, panels); outputs dxp, [dhg], dprev[NS], [dvec sums]
 // (the step pipelines are called through Halide's argv entry points:
 // buffers as given, pointers to scalars)
 int halstm_step_bwd_argv(void **);
