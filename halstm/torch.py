@@ -966,8 +966,8 @@ class _Cell(torch.nn.Module):
         unbatched = x.dim() == 1
         x = x.reshape(1, -1, self.input_size)
         B, H, n = x.shape[1], self.hidden_size, len(self._stack._states)
-        if hx is None:
-            hx = [x.new_zeros((B, H)) for _ in range(n)]
+        if hx is None:           # (zeros, which the kernels make in place)
+            hx = [None] * n
         else:
             hx = list(hx) if n > 1 else [hx]
             for s, a in zip(self._stack._states, hx):
@@ -975,8 +975,8 @@ class _Cell(torch.nn.Module):
                     raise ValueError(f"hx: expected {s} of shape {(H,) if unbatched else (B, H)}, "
                                      f"got {tuple(getattr(a, 'shape', ()))}")
             hx = [a.reshape(B, H) for a in hx]
-        zero = x.new_zeros((self._stack._gates * H,))
         b_ih, b_hh = getattr(self, "bias_ih", None), getattr(self, "bias_hh", None)
+        zero = None if self.bias else x.new_zeros((self._stack._gates * H,))
         spec = _spec(self._stack.cell, self.input_size, H, None)
         _, out = _run_layer(x, self.weight_ih, zero if b_ih is None else b_ih, self.weight_hh,
                             zero if b_hh is None else b_hh, None, hx, None, spec,

@@ -392,9 +392,11 @@ def test_cells_match_torch(cell):
         out = out if isinstance(out, tuple) else (out,)
         sum((o * o).sum() for o in out).backward()
         results.append([o.detach() for o in out] + [xi.grad] + [p.grad for p in module.parameters()])
-        # a decoding loop: unbatched input, default state
+        # a decoding loop: unbatched input, default state (zeros)
         u = module(x[0])
-        assert (u[0] if isinstance(u, tuple) else u).shape == (H,)
+        u = u if isinstance(u, tuple) else (u,)
+        assert u[0].shape == (H,)
+        results[-1] += [a.detach() for a in u]
     for k, (a, b) in enumerate(zip(*results)):
         assert_close(f"result {k}", a, b)
 
