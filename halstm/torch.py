@@ -636,22 +636,19 @@ class _Recurrent(torch.nn.Module):
         return s
 
     # ---- one layer's parameters ------------------------------------------
-    def _weights(self, layer: int, sfx: str):
+    def _weights(self, layer: int, sfx: str, zero: Tensor | None):
         """w_ih, b_ih, w_hh, b_hh, vectors {name: (H,) or (G*H,)} (None
-        without), w_hr (None without a projection). A bias left out
-        (bias=False, or a cell without matrix biases) is zeros."""
+        without), w_hr (None without a projection). zero: (G*H,) zeros for
+        the matrix biases a layer lacks (None where it has them)."""
         def get(name):
             return getattr(self, f"{name}_l{layer}{sfx}", None)
-        w_ih = get("weight_ih")
-        H, zero = self.hidden_size, None
         b_ih, b_hh = get("bias_ih"), get("bias_hh")
-        if b_ih is None or b_hh is None:
-            zero = w_ih.new_zeros((self._gates * H,))
         vectors = None
-        if self._all_vectors:
-            vectors = {v.name: w_ih.new_zeros(((self._gates if v.per_gate else 1) * H,))
+        if self._all_vectors:      # a bias left out (bias=False) is zeros
+            H = self.hidden_size
+            vectors = {v.name: zero.new_zeros(((self._gates if v.per_gate else 1) * H,))
                        if get(v.name) is None else get(v.name) for v in self._all_vectors}
-        return (w_ih, zero if b_ih is None else b_ih, get("weight_hh"),
+        return (get("weight_ih"), zero if b_ih is None else b_ih, get("weight_hh"),
                 zero if b_hh is None else b_hh, vectors, get("weight_hr"))
 
     def _vec(self, vectors):
@@ -782,6 +779,9 @@ class _Recurrent(torch.nn.Module):
         init = self._initial(hx, B, unbatched, x)
         if order is not None and hx is not None:    # hx comes in the caller's row order
             init = [s.index_select(1, order) for s in init]
+        # (zeros for the matrix biases where the layers lack them)
+        zero = (None if getattr(self, "bias_ih_l0", None) is not None
+                else x.new_zeros((self._gates * H,)))
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
@@ -790,7 +790,7 @@ class _Recurrent(torch.nn.Module):
             # each direction's input, initial states and weights, made on the
             # current stream (a leaf's gradient then comes back on it)
             args = [(x if d == 0 else self._reverse(x, rev), [s[layer * D + d] for s in init],
-                     self._weights(layer, sfx)) for d, sfx in enumerate(("", "_reverse")[:D])]
+                     self._weights(layer, sfx, zero)) for d, sfx in enumerate(("", "_reverse")[:D])]
             if D == 2 and x.device.type == "cpu" and not self.proj_size \
                     and not torch.compiler.is_compiling():
                 spec = _spec(self.cell, x.shape[-1], H, self.schedule, self.precision)

@@ -374,6 +374,27 @@ def test_errors_name_the_argument():
         hnn.LSTM(I, H).double()(torch.randn(4, 2, I))
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_without_biases_matches_torch(cell):
+    """bias=False (the layers' matrix biases are zeros the module makes),
+    two layers, bidirectional: outputs and every gradient as torch.nn's."""
+    mine, theirs, _ = PEERS[cell]
+    torch.manual_seed(0)
+    ref = theirs(I, H, num_layers=2, bidirectional=True, bias=False)
+    m = mine(I, H, num_layers=2, bidirectional=True, bias=False)
+    m.load_state_dict(ref.state_dict())
+    assert not any("bias" in k for k in m.state_dict())
+    x = torch.randn(4, 3, I)
+    results = []
+    for module in (m, ref):
+        xi = x.clone().requires_grad_()
+        y, _ = module(xi)
+        (y * y).sum().backward()
+        results.append([y.detach(), xi.grad] + [q.grad for q in module.parameters()])
+    for k, (a, b) in enumerate(zip(*results)):
+        assert_close(f"result {k}", a, b)
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
 def test_cells_match_torch(cell):
     mine, theirs = {"lstm": (hnn.LSTMCell, torch.nn.LSTMCell),
