@@ -445,6 +445,12 @@ def step_bwd(p, target):
         _pointwise(p.stage("dprev_" + s), vw)
 
 
+# The same step where the driver calls it whole (pipeline.WHOLE_BWD, a
+# batch of too few rows to split): on Halide's pool, the pointwise part's
+# rows and the product's unit tiles in parallel.
+step_bwd_whole = step_bwd
+
+
 def _dh_tiles(p, target, narrow=True) -> tuple:
     """(wide, rows, narrow): tiles of the backward product dh = W_hh^T dhg,
     wide panels x rows, or narrow panels x 1 row below that many rows.

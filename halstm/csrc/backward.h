@@ -17,6 +17,11 @@ int halstm_step_bwd_argv(void **);
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #endif
+#if HALSTM_WHOLE_BWD
+// step_bwd without range arguments, run whole on Halide's pool (a batch of
+// too few rows for the driver's threads: threads.h whole_steps_wanted)
+int halstm_step_bwd_whole_argv(void **);
+#endif
 #ifdef HALSTM_VENDOR_STEP_ROWS
 // step_bwd without its product (and without w_hh): the driver adds dhg W_hh
 // to dprev[0] by cuBLAS
@@ -89,10 +94,11 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             dhg_bits;
         void *args[7 + 4 * NS + 5];
     };
-    // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits
+    // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits;
+    // ranged: with the range arguments (HALSTM_SPLIT; step_bwd_whole has none)
     auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor,
-                         const void *dhg_bits = nullptr) {
-        (void)part, (void)dhg_bits;
+                         const void *dhg_bits = nullptr, bool ranged = true) {
+        (void)part, (void)dhg_bits, (void)ranged;
         const int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
         v.saved = View(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
         v.dxp = PART(View(dxp + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
@@ -116,7 +122,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         if (!vendor) v.args[n++] = vwq_hh.hb();
         if (NV) v.args[n++] = vvec.hb(), v.args[n++] = v.dvec_in.hb();
 #if HALSTM_SPLIT
-        v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
+        if (ranged) v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
 #endif
         v.args[n++] = v.dxp.hb();
         if (!DXP_IS_DHG) v.args[n++] = v.dhg.hb();
@@ -261,7 +267,26 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #else
     const bool vendor = false;
     struct { void *w, *act; } step = {};
+#if HALSTM_WHOLE_BWD
+    // a batch of too few rows for the driver's threads: every step whole,
+    // on Halide's pool
+    const bool whole = whole_steps_wanted((double)G * H * H * B, T, B, batch_sizes);
+    auto whole_steps = [&]() {
+        const Part part{0, HP / P, 0, B};
+        int rc = 0;
+        for (int t = T - 1; t >= 0 && !rc; t--) {
+            const int rows = step_rows(batch_sizes, t, B);
+            if (rows == 0) continue;
+            StepArgs v;
+            step_args(v, t, rows, part, false, nullptr, false);
+            rc = halstm_step_bwd_whole_argv(v.args);
+        }
+        return rc;
+    };
+    auto steps = [&]() { return whole ? whole_steps() : run_steps(T, B, batch_sizes, part_steps); };
+#else
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
+#endif
 #endif
     uint64_t key[14 + 2 * NS] = {(uint64_t)T, (uint64_t)B, u64(saved), u64(dy), u64(wq_key),
                                  u64(dxp), u64(dhg), u64(fused_ws), u64(vec), u64(dvec_rows),

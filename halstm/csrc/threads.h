@@ -94,6 +94,54 @@ View part_of(View v, const Part &part, int units, int rows) {
     return crop(v, rows, part.b0, (r1 < have ? r1 : have) - part.b0);
 }
 
+// How run_split takes a time loop's steps: ranges of rows (by_rows, of at
+// least `least` rows) or of `quantum` unit panels; `units` such ranges at
+// most; `wanted` threads the steps' work is worth.
+struct SplitPlan {
+    bool by_rows;
+    int least, quantum, panels, units, wanted;
+};
+
+// Threads a time loop's steps are worth by their work (macs a step,
+// HALSTM_SPLIT_MACS a thread; one where the whole loop is under
+// HALSTM_SPLIT_CALL_MACS), at most units.
+int worth_threads(double macs, int T, int units) {
+    if (macs * T < HALSTM_SPLIT_CALL_MACS) return 1;   // starting a thread costs more
+    double worth = macs / HALSTM_SPLIT_MACS;
+    return worth < 1 ? 1 : worth > units ? units : (int)worth;
+}
+
+SplitPlan plan_split(double macs, int T, int B, const int *batch_sizes) {
+    const int least_rows = T > 0 ? step_rows(batch_sizes, T - 1, B) : B;   // the last step's
+    static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0 && HP / P % HALSTM_SPLIT_QUANTUM_SMALL == 0,
+                  "tiles of whole quanta");
+    SplitPlan s;
+    s.quantum = least_rows < HALSTM_SPLIT_SMALL_BELOW ? HALSTM_SPLIT_QUANTUM_SMALL
+                                                      : HALSTM_SPLIT_QUANTUM;
+    s.panels = HP / P;
+    const bool small_w = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES;
+    s.least = HALSTM_SPLIT_ROWS_ONLY && small_w ? 1 : HALSTM_SPLIT_ROWS;
+    s.by_rows = (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * s.least;
+    // (rows only: a step that reduces over units runs whole on one thread)
+    s.units = s.by_rows ? B / s.least : HALSTM_SPLIT_ROWS_ONLY ? 1 : s.panels / s.quantum;
+    s.wanted = worth_threads(macs, T, s.units);
+    return s;
+}
+
+// Whether a time loop of steps that reduce over units (HALSTM_SPLIT_ROWS_ONLY)
+// runs each step whole on Halide's pool (its product's unit tiles in
+// parallel) instead: where its batch has too few rows for two ranges and
+// those tiles are worth two threads or more.
+bool whole_steps_wanted(double macs, int T, int B, const int *batch_sizes) {
+    const SplitPlan s = plan_split(macs, T, B, batch_sizes);
+    if (!HALSTM_SPLIT_ROWS_ONLY || s.by_rows || threads_available() < 2) return false;
+    const int wanted = worth_threads(macs, T, s.panels);
+    if (wanted < 2) return false;
+    g_last_wanted.store(wanted);
+    g_last_threads.store(wanted < threads_available() ? wanted : threads_available());
+    return true;
+}
+
 // Run body(part, barrier) on as many threads as the work of a step (macs)
 // is worth (HALSTM_SPLIT_MACS each), where the whole loop (T steps) is
 // worth starting threads for (HALSTM_SPLIT_CALL_MACS). Batch rows are independent through the
@@ -116,20 +164,10 @@ View part_of(View v, const Part &part, int units, int rows) {
 // message is copied into this thread's.
 template <class F>
 int run_split(double macs, int T, int B, const int *batch_sizes, F body) {
-    const int least_rows = T > 0 ? step_rows(batch_sizes, T - 1, B) : B;   // the last step's
-    static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0 && HP / P % HALSTM_SPLIT_QUANTUM_SMALL == 0,
-                  "tiles of whole quanta");
-    const int quantum = least_rows < HALSTM_SPLIT_SMALL_BELOW ? HALSTM_SPLIT_QUANTUM_SMALL
-                                                              : HALSTM_SPLIT_QUANTUM;
-    const int panels = HP / P, groups = panels / quantum;
-    const bool small_w = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES;
-    const int least = HALSTM_SPLIT_ROWS_ONLY && small_w ? 1 : HALSTM_SPLIT_ROWS;
-    const bool by_rows = (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * least;
-    // (rows only: a step that reduces over units runs whole on one thread)
-    const int units = by_rows ? B / least : HALSTM_SPLIT_ROWS_ONLY ? 1 : groups;
-    double worth = macs / HALSTM_SPLIT_MACS;
-    int wanted = worth < 1 ? 1 : worth > units ? units : (int)worth;
-    if (macs * T < HALSTM_SPLIT_CALL_MACS) wanted = 1;   // starting a thread costs more
+    const SplitPlan s = plan_split(macs, T, B, batch_sizes);
+    const bool by_rows = s.by_rows;
+    const int least = s.least, quantum = s.quantum, panels = s.panels, units = s.units;
+    const int wanted = s.wanted;
     const int n = wanted < threads_available() ? wanted : threads_available();
     g_last_threads.store(n);
     g_last_wanted.store(wanted);
