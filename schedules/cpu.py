@@ -305,7 +305,7 @@ def _row_sums(p, at, at_var, vw):
     """The cell's reductions over units (Funcs over b): each computed per
     batch row at loop at_var of `at` (None: its own root loop over rows,
     in parallel), its sum split into vw partial sums, vectorized
-    (rfactor), then added up."""
+    (rfactor), then added up as a tree."""
     for f in p.reductions:
         r = f.rvars(0)[0]
         ro, ri, u = hl.RVar(r.name() + "o"), hl.RVar(r.name() + "i"), hl.Var("u")
@@ -321,6 +321,10 @@ def _row_sums(p, at, at_var, vw):
             continue
         partial.compute_at(f, f.args()[0]).vectorize(u)
         partial.update().vectorize(u)
+        # the lanes added as a tree of vector halves (Halide's VectorReduce),
+        # not one after another: 3-4% of a layer-norm LSTM layer's forward
+        # and backward (bench/RESULTS.md, "Schedule decisions": cpu.step rows)
+        f.update().atomic().vectorize(f.rvars(0)[0])
 
 
 def _row_stagings(p, at, at_var, vw):
