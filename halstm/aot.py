@@ -81,7 +81,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
     if spec.hidden_size < layout.fused_bwd_below:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.split is not None and layout.split.rows_only and "step_bwd" in kinds:
-        kinds += pipeline.WHOLE_BWD     # (where a batch has too few rows to split)
+        kinds += pipeline.UNITS_BWD     # (where a batch has too few rows to split)
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
@@ -392,7 +392,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         saved=len(cell.saved), vectors=len(cell.channels), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
-        whole_bwd="step_bwd_whole" in plan.kinds,
+        units_bwd="step_bwd_units" in plan.kinds,
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),

@@ -45,7 +45,7 @@ class Layer:
     cuda: bool
     fused_bwd: bool       # the backward steps run step_bwd_fused
     pack_bwd: bool        # the backward packs its weights (pack_bwd)
-    whole_bwd: bool = False      # the backward also has step_bwd_whole (pipeline.WHOLE_BWD)
+    units_bwd: bool = False      # the backward also has step_bwd_units (pipeline.UNITS_BWD)
     split_quantum: int = 1       # split steps: ranges of this many panels ...
     split_quantum_small: int = 1  # ... or of this many, where a step has fewer rows
     split_small_below: int = 0    # than this
@@ -72,8 +72,8 @@ class Layer:
             d["HALSTM_XP_PANELS"] = 1
         if self.fused_bwd:
             d["HALSTM_FUSED_BWD"] = 1
-        if self.whole_bwd:
-            d["HALSTM_WHOLE_BWD"] = 1
+        if self.units_bwd:
+            d["HALSTM_UNITS_BWD"] = 1
         if self.direction == "bwd" and not self.pack_bwd:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:

@@ -34,7 +34,7 @@ from .cells.base import Cell
 from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
-         "step_bwd_whole", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer", "step_bwd_vendor",
+         "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer", "step_bwd_vendor",
          "to_bf16")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
@@ -50,10 +50,12 @@ BACKWARD_IDS = ("pack_bwd", "step_bwd", "grads_ids")
 # step_bwd (see there).
 FUSED_BWD = {"step_bwd": "step_bwd_fused"}
 # Where the driver's threads take a backward step's batch rows only (a cell
-# that reduces over units: Layout split rows_only), step_bwd_whole is the
-# same step run whole on Halide's pool, its product's units in parallel:
-# the driver calls it where the batch has too few rows for two ranges.
-WHOLE_BWD = ("step_bwd_whole",)
+# that reduces over units: Layout split rows_only), step_bwd_units is the
+# same step on ranges of units: each thread computes the pointwise part of
+# every unit (its sums need them all) and its own units' outputs and
+# product. The driver calls it where the batch has too few rows for two
+# ranges.
+UNITS_BWD = ("step_bwd_units",)
 # With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
@@ -599,9 +601,9 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
         _unit_range(p, [(f.output_buffer(), Hp if f is dh_prev else H) for f in p.outputs])
 
 
-def _step_bwd_whole(p: Pipe) -> None:
-    """step_bwd that the driver calls whole (no range arguments)."""
-    p.split_steps = p.split_rows_only = False
+def _step_bwd_units(p: Pipe) -> None:
+    """step_bwd on the driver's ranges of units (see UNITS_BWD)."""
+    p.split_rows_only = False
     _step_bwd(p)
 
 

@@ -449,10 +449,10 @@ def step_bwd(p, target):
         _pointwise(p.stage("dprev_" + s), vw)
 
 
-# The same step where the driver calls it whole (pipeline.WHOLE_BWD, a
-# batch of too few rows to split): on Halide's pool, the pointwise part's
-# rows and the product's unit tiles in parallel.
-step_bwd_whole = step_bwd
+# The same step on the driver's ranges of units (pipeline.UNITS_BWD, a
+# batch of too few rows to split): the pointwise part of every unit on each
+# thread, the product's tiles of its own units.
+step_bwd_units = step_bwd
 
 
 def _dh_tiles(p, target, narrow=True) -> tuple:

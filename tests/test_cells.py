@@ -88,17 +88,18 @@ def test_reduction_groups_hold_sums_that_read_none_of_each_other():
 
 
 @pytest.mark.parametrize("hidden, batch, split", [(37, 27, {"fwd": 3, "bwd": 3}),
-                                                  (192, 27, {"fwd": 0, "bwd": 3}),
+                                                  (256, 27, {"fwd": 0, "bwd": 3}),
                                                   (96, 5, {"fwd": 3, "bwd": 3}),
-                                                  (192, 1, {"fwd": 0, "bwd": 3})])
+                                                  (256, 1, {"fwd": 0, "bwd": 2})])
 def test_reducing_steps_split_over_rows(hidden, batch, split, monkeypatch):
     """A step that reduces over the units needs all of them: three threads
     asked for, the batch rows run as three ranges of rows backward, and
     forward where W_hh is at most 512 KB (a larger one's forward runs on
     Halide's pool: no driver split, 0), with the results of one thread.
     Where W_hh is that small, a range may be as short as one row (5 rows:
-    ranges of 1, 2 and 2). One row backward: each step whole on Halide's
-    pool (step_bwd_whole), its product's unit tiles on the threads."""
+    ranges of 1, 2 and 2). One row backward: ranges of units
+    (step_bwd_units), two at H=256 (the product's one-row tiles span half
+    its panels)."""
     m = _randomized(halstm.Recurrent("layernorm_lstm", I, hidden, seed=0), 1)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((60, batch, I)).astype(np.float32)

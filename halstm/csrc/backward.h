@@ -17,10 +17,10 @@ int halstm_step_bwd_argv(void **);
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #endif
-#if HALSTM_WHOLE_BWD
-// step_bwd without range arguments, run whole on Halide's pool (a batch of
-// too few rows for the driver's threads: threads.h whole_steps_wanted)
-int halstm_step_bwd_whole_argv(void **);
+#if HALSTM_UNITS_BWD
+// step_bwd on ranges of units, where the batch has too few rows for the
+// driver's ranges of rows (threads.h units_split_wanted)
+int halstm_step_bwd_units_argv(void **);
 #endif
 #ifdef HALSTM_VENDOR_STEP_ROWS
 // step_bwd without its product (and without w_hh): the driver adds dhg W_hh
@@ -94,11 +94,10 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             dhg_bits;
         void *args[7 + 4 * NS + 5];
     };
-    // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits;
-    // ranged: with the range arguments (HALSTM_SPLIT; step_bwd_whole has none)
+    // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits
     auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor,
-                         const void *dhg_bits = nullptr, bool ranged = true) {
-        (void)part, (void)dhg_bits, (void)ranged;
+                         const void *dhg_bits = nullptr) {
+        (void)part, (void)dhg_bits;
         const int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
         v.saved = View(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
         v.dxp = PART(View(dxp + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}}), H, 2);
@@ -122,7 +121,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         if (!vendor) v.args[n++] = vwq_hh.hb();
         if (NV) v.args[n++] = vvec.hb(), v.args[n++] = v.dvec_in.hb();
 #if HALSTM_SPLIT
-        if (ranged) v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
+        v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
 #endif
         v.args[n++] = v.dxp.hb();
         if (!DXP_IS_DHG) v.args[n++] = v.dhg.hb();
@@ -267,23 +266,24 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #else
     const bool vendor = false;
     struct { void *w, *act; } step = {};
-#if HALSTM_WHOLE_BWD
-    // a batch of too few rows for the driver's threads: every step whole,
-    // on Halide's pool
-    const bool whole = whole_steps_wanted((double)G * H * H * B, T, B, batch_sizes);
-    auto whole_steps = [&]() {
-        const Part part{0, HP / P, 0, B};
+#if HALSTM_UNITS_BWD
+    // a batch of too few rows for ranges of rows: ranges of units
+    const double macs = (double)G * H * H * B;
+    const bool by_units = units_split_wanted(macs, T, B, batch_sizes);
+    auto units_steps = [&](const auto &part, void *barrier) {
         int rc = 0;
-        for (int t = T - 1; t >= 0 && !rc; t--) {
-            const int rows = step_rows(batch_sizes, t, B);
-            if (rows == 0) continue;
+        for (int t = T - 1; t >= 0; t--) {
             StepArgs v;
-            step_args(v, t, rows, part, false, nullptr, false);
-            rc = halstm_step_bwd_whole_argv(v.args);
+            step_args(v, t, step_rows(batch_sizes, t, B), part, false);
+            rc = halstm_step_bwd_units_argv(v.args);
+            if (!step_done(barrier, rc)) break;
         }
         return rc;
     };
-    auto steps = [&]() { return whole ? whole_steps() : run_steps(T, B, batch_sizes, part_steps); };
+    auto steps = [&]() {
+        return by_units ? run_split(macs, T, B, batch_sizes, units_steps, true)
+                        : run_steps(T, B, batch_sizes, part_steps);
+    };
 #else
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
 #endif

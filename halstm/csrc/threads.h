@@ -111,7 +111,9 @@ int worth_threads(double macs, int T, int units) {
     return worth < 1 ? 1 : worth > units ? units : (int)worth;
 }
 
-SplitPlan plan_split(double macs, int T, int B, const int *batch_sizes) {
+// by_units: ranges of units whatever the rows (a step that reduces over
+// units, on a batch of too few rows: units_split_wanted).
+SplitPlan plan_split(double macs, int T, int B, const int *batch_sizes, bool by_units = false) {
     const int least_rows = T > 0 ? step_rows(batch_sizes, T - 1, B) : B;   // the last step's
     static_assert(HP / P % HALSTM_SPLIT_QUANTUM == 0 && HP / P % HALSTM_SPLIT_QUANTUM_SMALL == 0,
                   "tiles of whole quanta");
@@ -121,25 +123,21 @@ SplitPlan plan_split(double macs, int T, int B, const int *batch_sizes) {
     s.panels = HP / P;
     const bool small_w = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES;
     s.least = HALSTM_SPLIT_ROWS_ONLY && small_w ? 1 : HALSTM_SPLIT_ROWS;
-    s.by_rows = (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * s.least;
+    s.by_rows = !by_units && (HALSTM_SPLIT_ROWS_ONLY || small_w) && B >= 2 * s.least;
     // (rows only: a step that reduces over units runs whole on one thread)
-    s.units = s.by_rows ? B / s.least : HALSTM_SPLIT_ROWS_ONLY ? 1 : s.panels / s.quantum;
+    s.units = s.by_rows ? B / s.least
+              : HALSTM_SPLIT_ROWS_ONLY && !by_units ? 1 : s.panels / s.quantum;
     s.wanted = worth_threads(macs, T, s.units);
     return s;
 }
 
 // Whether a time loop of steps that reduce over units (HALSTM_SPLIT_ROWS_ONLY)
-// runs each step whole on Halide's pool (its product's unit tiles in
-// parallel) instead: where its batch has too few rows for two ranges and
-// those tiles are worth two threads or more.
-bool whole_steps_wanted(double macs, int T, int B, const int *batch_sizes) {
-    const SplitPlan s = plan_split(macs, T, B, batch_sizes);
-    if (!HALSTM_SPLIT_ROWS_ONLY || s.by_rows || threads_available() < 2) return false;
-    const int wanted = worth_threads(macs, T, s.panels);
-    if (wanted < 2) return false;
-    g_last_wanted.store(wanted);
-    g_last_threads.store(wanted < threads_available() ? wanted : threads_available());
-    return true;
+// takes ranges of units instead (each thread then computes the pointwise
+// part of every unit, and its own units' product): where its batch has too
+// few rows for two ranges and ranges of units are worth two threads or more.
+bool units_split_wanted(double macs, int T, int B, const int *batch_sizes) {
+    return HALSTM_SPLIT_ROWS_ONLY && !plan_split(macs, T, B, batch_sizes).by_rows &&
+           threads_available() >= 2 && plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
 }
 
 // Run body(part, barrier) on as many threads as the work of a step (macs)
@@ -163,8 +161,8 @@ bool whole_steps_wanted(double macs, int T, int B, const int *batch_sizes) {
 // thread runs it all. Returns the first nonzero code; a worker's error
 // message is copied into this thread's.
 template <class F>
-int run_split(double macs, int T, int B, const int *batch_sizes, F body) {
-    const SplitPlan s = plan_split(macs, T, B, batch_sizes);
+int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by_units = false) {
+    const SplitPlan s = plan_split(macs, T, B, batch_sizes, by_units);
     const bool by_rows = s.by_rows;
     const int least = s.least, quantum = s.quantum, panels = s.panels, units = s.units;
     const int wanted = s.wanted;
