@@ -134,10 +134,14 @@ SplitPlan plan_split(double macs, int T, int B, const int *batch_sizes, bool by_
 // Whether a time loop of steps that reduce over units (HALSTM_SPLIT_ROWS_ONLY)
 // takes ranges of units instead (each thread then computes the pointwise
 // part of every unit, and its own units' product): where its batch has too
-// few rows for two ranges and ranges of units are worth two threads or more.
+// few rows for two ranges and ranges of units are worth two threads, and
+// a step has twice the work the LSTM's threads split from (every thread also
+// repeats the rows' pointwise part; at K=H=128 B=1, 2^16 MACs a step,
+// ranges of units took 0.97x-1.14x one thread's time).
 bool units_split_wanted(double macs, int T, int B, const int *batch_sizes) {
     return HALSTM_SPLIT_ROWS_ONLY && !plan_split(macs, T, B, batch_sizes).by_rows &&
-           threads_available() >= 2 && plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
+           threads_available() >= 2 && macs >= 4.0 * HALSTM_SPLIT_MACS &&
+           plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
 }
 
 // Run body(part, barrier) on as many threads as the work of a step (macs)
