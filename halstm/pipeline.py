@@ -34,8 +34,8 @@ from .cells.base import Cell
 from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
-         "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer", "step_bwd_vendor",
-         "to_bf16")
+         "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
+         "step_bwd_vendor", "to_bf16")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")

@@ -139,8 +139,9 @@ SplitPlan plan_split(double macs, int T, int B, const int *batch_sizes, bool by_
 // repeats the rows' pointwise part; at K=H=128 B=1, 2^16 MACs a step,
 // ranges of units took 0.97x-1.14x one thread's time).
 bool units_split_wanted(double macs, int T, int B, const int *batch_sizes) {
-    return HALSTM_SPLIT_ROWS_ONLY && !plan_split(macs, T, B, batch_sizes).by_rows &&
-           threads_available() >= 2 && macs >= 4.0 * HALSTM_SPLIT_MACS &&
+    if (!HALSTM_SPLIT_ROWS_ONLY || threads_available() < 2 || macs < 4.0 * HALSTM_SPLIT_MACS)
+        return false;
+    return !plan_split(macs, T, B, batch_sizes).by_rows &&
            plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
 }
 
