@@ -61,3 +61,41 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
         text = stmt.read_text(errors="replace")
         assert "halide_cuda_run" in text or "gpu_block" in text, "no GPU kernel in " + kind
         assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
+
+
+def _one_pass_norm_cell(x, r, s):
+    """An LSTM with its recurrent products normalized by a one-pass layer
+    norm (variance = mean of squares - squared mean)."""
+    from halstm.cells.language import mean, sigmoid, sqrt, tanh
+    gates = [r[g] for g in "ifgo"]
+    m = mean(*gates)
+    scale = sqrt(mean(*[v * v for v in gates]) - m * m + 1e-5)
+    i, f, g, o = ((x[k] + (v - m) / scale) for k, v in zip("ifgo", gates))
+    c = sigmoid(f) * s.c + sigmoid(i) * tanh(g)
+    return {"h": sigmoid(o) * tanh(c), "c": c}
+
+
+def test_cuda_backward_of_sums_of_negated_terms(tmp_path):
+    """A backward sum over units whose terms are all negated (the one-pass
+    norm's mean adjoint) is lowered as the negation of a plain sum, which
+    the cuda schedule's rfactor can prove associative (Halide rejects
+    f + (0 - a) + (0 - b)); sums that read only saved row values wait for
+    no other sum: one level of sums forward and backward. (Lowers, needs
+    no GPU.)"""
+    import halide as hl
+    from halstm import pipeline, schedules
+    from halstm.cells.language import define
+    from halstm.cells.lowering import DefinedCell
+    cell = DefinedCell(define("one_pass_norm", gates="ifgo", states="hc",
+                              step=_one_pass_norm_cell))
+    target = hl.Target(CUDA_TARGET)
+    module = schedules.for_target(target, "cuda")
+    levels = {}
+    for kind in ("step", "step_bwd"):
+        p = pipeline.build(cell, kind, 13, 64, module.layout(target))
+        getattr(module, kind)(p, target)
+        levels[kind] = [len(g) for g in p.reduction_groups]
+        p.pipeline().compile_to_lowered_stmt(str(tmp_path / f"{kind}.stmt"),
+                                             [hl.Argument(q) for q in p.inputs],
+                                             hl.StmtOutputFormat.Text, target)
+    assert levels == {"step": [2], "step_bwd": [2]}

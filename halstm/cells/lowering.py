@@ -33,7 +33,8 @@ _serial = itertools.count()
 
 def _sign(node: Sym) -> tuple[bool, Sym]:
     """(whether node is the negation of t, t): the signs of a product's or
-    quotient's factors taken out (-a * b as -(a * b))."""
+    quotient's factors taken out (-a * b as -(a * b)), and of a sum whose
+    terms are all negated (-a + -b as -(a + b))."""
     if node.op == "neg":
         negated, inner = _sign(node.args[0])
         return not negated, inner
@@ -42,6 +43,10 @@ def _sign(node: Sym) -> tuple[bool, Sym]:
             (_sign(node.args[1]) if node.op == "*" else (False, node.args[1]))
         if n0 or n1:
             return n0 != n1, Sym(node.op, (a, b))
+    if node.op == "+":
+        (n0, a), (n1, b) = _sign(node.args[0]), _sign(node.args[1])
+        if n0 and n1:
+            return True, Sym("+", (a, b))
     return False, node
 
 
@@ -151,8 +156,8 @@ class _Lowering:
         none of each other's results."""
         depth: dict = {}
         for n in _topo([node]):
-            below = 0 if self.stored(n) else max((depth[id(c)] for c in n.args), default=0)
-            depth[id(n)] = below + (n.op in REDUCTIONS)
+            depth[id(n)] = 0 if self.stored(n) else (
+                max((depth[id(c)] for c in n.args), default=0) + (n.op in REDUCTIONS))
         return depth[id(node)]
 
 
