@@ -113,6 +113,10 @@ class Library:
             self._entry = self._lib.halstm_backward
             self._entry.argtypes = [_I, _I] + [_P] * 22
         self._lib.halstm_set_call_threads.argtypes = [_I]
+        self._lib.halstm_set_reuse_pack.argtypes = [_I]
+        # by (memory kind, stream): (pack key, its workspaces) of the last
+        # call that packed weights into them (_pack_reused)
+        self._packs = {}
         self._entry.restype = _I
         self._ws = {}      # by (memory kind, stream, name)
         # One call at a time: the workspaces are shared between calls, and
@@ -138,6 +142,19 @@ class Library:
             self._ws.pop(key, None)
             a = self._ws[key] = (mem.zeros if zeros else mem.empty)(tuple(shape))
         return a
+
+    def _pack_reused(self, mem, stream, ws, pack_key) -> bool:
+        """Whether this call may skip packing the weights into the workspaces
+        ws: pack_key (not None) equals that of the last call that packed into
+        these very arrays. Forgets that call's key: _packed records this
+        one's once it has run."""
+        last = self._packs.pop((mem.kind, stream), None)
+        return (pack_key is not None and last is not None and last[0] == pack_key
+                and all(a is b for a, b in zip(last[1], ws)))
+
+    def _pack_done(self, mem, stream, ws, pack_key) -> None:
+        if pack_key is not None and mem.keep_workspaces:
+            self._packs[(mem.kind, stream)] = (pack_key, tuple(ws))
 
     @staticmethod
     def _batch_sizes(batch_sizes, T, B):
@@ -187,17 +204,21 @@ class Library:
         CPU been free (their work and parts decide); 0 as step_threads."""
         return self._lib.halstm_step_threads_wanted()
 
-    def _call(self, stream, *args, threads=None) -> None:
+    def _call(self, stream, *args, threads=None, reuse_pack=False) -> None:
         m = self.manifest
         if self.device == "cuda":
             self._lib.halstm_cuda_set_stream(stream)
         if threads:
             self._lib.halstm_set_call_threads(int(threads))
+        if reuse_pack:
+            self._lib.halstm_set_reuse_pack(1)
         try:
             rc = self._entry(*args)
         finally:
             if threads:
                 self._lib.halstm_set_call_threads(0)
+            if reuse_pack:
+                self._lib.halstm_set_reuse_pack(0)
         self._shared.check(rc, f"{m['cell']} {m['direction']} kernel "
                                f"({m['target']}, schedule {m['schedule']})")
 
@@ -230,7 +251,7 @@ class Library:
         return mem.ptr(vec)
 
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None, batch_sizes=None,
-                mem=None, stream=None, threads=None):
+                mem=None, stream=None, threads=None, pack_key=None):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array (or None: zeros) per state; vec: the cell's
         vector parameters (V, H), one row per channel (None without).
@@ -246,7 +267,12 @@ class Library:
         longest first); a row's states past its length stay zero.
         stream: a CUDA library's CUstream handle for this call (None: the
         legacy default stream). threads: the most threads this call's
-        steps split over (CPU; None: set_num_threads' or the CPUs')."""
+        steps split over (CPU; None: set_num_threads' or the CPUs').
+        pack_key: None, or an object whose equality says that w_ih and w_hh
+        hold what they held at an earlier call with an equal key (halstm.torch:
+        their storages, data pointers and version counters); a call whose
+        key equals that of the last call that packed them into this stream's
+        workspaces reuses those panels instead of packing again."""
         mem = mem or self.mem
         with self._lock:
             T, B, K = self._x_shape(x)
@@ -269,18 +295,21 @@ class Library:
                   # x in the steps' rows
                   (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
                    if packed else None)]
+            reuse = self._pack_reused(mem, stream, ws[:2], pack_key)
             self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, [states[s] for s in range(NS)]), threads=threads)
+                       self._ptrs(mem, [states[s] for s in range(NS)]), threads=threads,
+                       reuse_pack=reuse)
+            self._pack_done(mem, stream, ws[:2], pack_key)
             return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None,
-                 batch_sizes=None, mem=None, stream=None, threads=None):
+                 batch_sizes=None, mem=None, stream=None, threads=None, pack_key=None):
         """BPTT of one layer. states as forward returned them; dfinal: one
         (B, H) gradient (or None: zeros) per final state; vec, batch_sizes,
-        mem, stream and threads as forward's (with batch sizes, a row's final-state
+        mem, stream, threads and pack_key as forward's (with batch sizes, a row's final-state
         gradient enters at its own last step, and its dy past it is unread).
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh, dvec (V, H) for a cell
         with vector parameters, and d<state>0 (B, H).
@@ -321,6 +350,7 @@ class Library:
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
                 ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
                       self._workspace(mem, stream, "wq_hh", (Hp // P, G, H, P))]
+            reuse = ws[0] is not None and self._pack_reused(mem, stream, ws, pack_key)
             packed = self._packed(bs)
             N = step_rows_count(bs, T, B, packed)
             dxp = self._workspace(mem, stream, "dxp", (N, G, H))
@@ -349,7 +379,9 @@ class Library:
                        *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
                                                                      dvec_rows, rows_ws,
                                                                      *out.values())],
-                       threads=threads)
+                       threads=threads, reuse_pack=reuse)
+            if ws[0] is not None:
+                self._pack_done(mem, stream, ws, pack_key)
             if not V:
                 del out["dvec"]
             if not need_dx:

@@ -239,6 +239,33 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
                             per_call=True)
 
 
+class _PackKey:
+    """What a library's packed weights were packed from (runtime's
+    pack_key): each weight's storage, data pointer, shape, strides and
+    version counter. The storages are held, so that their memory cannot
+    come back as another tensor's at the same address; a change in place
+    bumps the version (optimizers, load_state_dict, copy_ under no_grad),
+    except one made through `.data`, which torch does not count."""
+    __slots__ = ("facts", "storages")
+
+    def __init__(self, *weights: Tensor):
+        self.facts = tuple((w.data_ptr(), tuple(w.shape), w.stride(), w._version)
+                           for w in weights)
+        self.storages = [w.untyped_storage() for w in weights]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _PackKey) and other.facts == self.facts
+
+    @classmethod
+    def of(cls, per_call: bool, *weights: Tensor):
+        """A key for an eager call's weights; None for a custom operator's
+        call (workspaces per call) or tensors without version counters
+        (made in inference mode)."""
+        if per_call or any(w.is_inference() for w in weights):
+            return None
+        return cls(*weights)
+
+
 def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
                      per_call=False, threads=None) -> tuple[Tensor, Tensor]:
     """_forward_impl; per_call as _library's; threads as Library.forward's."""
@@ -246,7 +273,7 @@ def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, sa
     bs = None if batch_sizes is None else batch_sizes.numpy()
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
                                 vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
-                                threads=threads)
+                                threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh))
     return states, saved if save else x.new_empty((0,))
 
 
@@ -262,7 +289,8 @@ def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes
     return lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
                         [None if d is None else d.contiguous() for d in dfinal],
                         need_dx=need_dx, vec=vec, batch_sizes=bs, mem=mem,
-                        stream=_stream(x.device), threads=threads)
+                        stream=_stream(x.device), threads=threads,
+                        pack_key=_PackKey.of(per_call, w_ih, w_hh))
 
 
 def _backward_impl(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, saved: Tensor,

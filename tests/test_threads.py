@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from helpers import B, I, STATES, T, backward, call, make
+from helpers import B, H, I, STATES, T, backward, call, make
 
 THREADS, ROUNDS = 4, 6
 
@@ -122,3 +122,32 @@ def test_one_library_from_several_threads():
     for k, ((states, saved), (wstates, wsaved)) in enumerate(zip(got, want)):
         assert all(np.array_equal(a, b) for a, b in zip(states, wstates)), k
         assert np.array_equal(saved, wsaved), k
+
+
+def test_a_pack_key_reuses_the_packed_weights():
+    """Library.forward / backward with pack_key: an equal key skips packing
+    (the panels of the weights the key was given with are used), another
+    key packs again."""
+    m = make("lstm", num_layers=1)
+    w = m.state_dict()
+    w_ih, b_ih, w_hh, b_hh = (w[k + "_l0"].copy() for k in ("weight_ih", "bias_ih",
+                                                             "weight_hh", "bias_hh"))
+    x = np.random.default_rng(3).standard_normal((4, 2, I)).astype(np.float32)
+    dy = np.random.default_rng(4).standard_normal((4, 2, H)).astype(np.float32)
+    fwd, bwd = m._lib(0, "fwd"), m._lib(0, "bwd")
+
+    def run(key, scale=1.0):
+        a, b = w_ih * scale, w_hh * scale
+        states, saved = fwd.forward(x, a, b_ih, b, b_hh, [None, None], pack_key=key)
+        g = bwd.backward(x, a, b, saved, states, dy, [None, None], pack_key=key)
+        return states, g["dx"]
+
+    base, doubled = run(None), run(None, 2.0)
+    assert not np.allclose(base[0], doubled[0])
+    run(("k", 1))
+    # the same key with other weights: the panels of the first call's
+    reused = run(("k", 1), 2.0)
+    for a, b in zip(reused, base):
+        assert np.array_equal(a, b)
+    for a, b in zip(run(("k", 2), 2.0), doubled):
+        assert np.array_equal(a, b)

@@ -483,3 +483,33 @@ def test_bidirectional_directions_run_at_once(monkeypatch):
     for k, (a, b, want) in enumerate(zip(*runs)):
         assert torch.equal(a, b), k
         assert_close(f"result {k}", a, want)
+
+
+def test_weights_changed_in_place_are_packed_again():
+    """The kernels reuse packed weights while their tensors are unchanged
+    (halstm.torch's pack keys): changes in place (an optimizer's step,
+    load_state_dict, copy_ under no_grad) are seen by the next forward and
+    backward, as torch.nn's are."""
+    torch.manual_seed(5)
+    ref, m = torch.nn.LSTMCell(I, H), hnn.LSTMCell(I, H)
+    m.load_state_dict(ref.state_dict())
+    x, hx = torch.randn(3, I), (torch.randn(3, H), torch.randn(3, H))
+    opts = [torch.optim.SGD(module.parameters(), lr=0.5) for module in (m, ref)]
+
+    def step(module, opt):
+        opt.zero_grad()
+        h, c = module(x, hx)
+        ((h * h).sum() + c.sum()).backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        opt.step()
+        return [h.detach(), c.detach()] + grads
+
+    for r in range(3):
+        for k, (a, b) in enumerate(zip(step(m, opts[0]), step(ref, opts[1]))):
+            assert_close(f"round {r} result {k}", a, b)
+    other = torch.nn.LSTMCell(I, H)
+    m.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        m.weight_hh.mul_(1.5)
+        other.weight_hh.mul_(1.5)
+    assert_close("after load_state_dict and mul_", m(x, hx)[0].detach(), other(x, hx)[0].detach())

@@ -82,7 +82,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #else
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     const float *wq_key = wq_hh;
-    int rc = halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
+    int rc = t_reuse_pack ? 0 : halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
     if (rc) return rc;
 #endif
     // Backward step t's unfused call: its views and argument list, for

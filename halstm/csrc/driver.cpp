@@ -61,6 +61,13 @@
 #include "memory.h"       // Halide's large host allocations kept for reuse
 #include "threads.h"      // a time loop's steps split over the driver's threads
 #include "rows.h"         // where each step's rows lie in the arrays over all steps
+// halstm_set_reuse_pack: the calling thread's calls skip packing the
+// weights (halstm_pack, halstm_pack_bwd) while it is on; the caller knows that
+// the workspaces wp_* / wq_* still hold these weights' panels (runtime.py's
+// pack keys).
+thread_local int t_reuse_pack = 0;
+extern "C" void halstm_set_reuse_pack(int on) { t_reuse_pack = on != 0; }
+
 #include "forward.h"      // halstm_forward
 #include "backward.h"     // halstm_backward
 #include "model.h"        // the char LM's head and optimizer

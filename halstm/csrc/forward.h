@@ -44,7 +44,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     g_error[0] = 0;
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
     View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
-    int rc = halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
+    int rc = t_reuse_pack ? 0 : halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
     if (rc) return rc;
     // batch and time merged: N rows (step t's from row0(t))
     const StepRows sr(T, B, batch_sizes);
