@@ -167,6 +167,7 @@ class _RNN:
         # which voids every thread's tape.
         self._local = threading.local()
         self._version = 0
+        self._fixed = None         # fixed_weights' token while its scope lasts
 
     @property
     def _tape(self):
@@ -176,6 +177,24 @@ class _RNN:
     @_tape.setter
     def _tape(self, value):
         self._local.tape = None if value is None else (self._version, value)
+
+    @contextlib.contextmanager
+    def fixed_weights(self):
+        """A scope in which the weights do not change (sampling, evaluation
+        loops): calls inside it reuse the weights' packed panels, which a
+        library otherwise makes anew at every call (for one step at a time,
+        most of the call's work). A weight changed inside the scope is not
+        seen by the calls after it."""
+        outer, self._fixed = self._fixed, object()
+        try:
+            yield self
+        finally:
+            self._fixed = outer
+
+    def _pack_key(self, layer, d):
+        """runtime.Library's pack_key for layer and direction d: inside
+        fixed_weights, the scope's; else None (pack every call)."""
+        return None if self._fixed is None else (self._fixed, layer, d)
 
     def train(self, mode: bool = True) -> "_RNN":
         """Training mode (dropout between layers on) or not, as torch's."""
@@ -472,7 +491,7 @@ class _RNN:
                     lib = self._lib(layer, "fwd", ids and layer == 0, lane=d if threads else 0)
                     states, saved = lib.forward(inp_d, w_ih, b_ih, w_hh, b_hh, init_d, save=save,
                                                 vec=self._layer_vec(layer, d), batch_sizes=bs,
-                                                threads=threads)
+                                                threads=threads, pack_key=self._pack_key(layer, d))
                     t, end = (inp_d, states, saved), None
                     y = states[0][1:]                # this direction's h over time (T, B, H)
                 return (y if d == 0 else self._mem.reverse_time(y, ns)), t, end
@@ -555,7 +574,7 @@ class _RNN:
                     g = lib.backward(inp, w_ih, w_hh, saved, states, dy_d, dfinal_d,
                                      need_dx=input_grad or layer > 0,
                                      vec=self._layer_vec(layer, d), batch_sizes=bs,
-                                     threads=threads)
+                                     threads=threads, pack_key=self._pack_key(layer, d))
                 if d and "dx" in g:
                     g["dx"] = self._mem.reverse_time(g["dx"], ns)
                 return g

@@ -803,3 +803,24 @@ def test_projection_cell_errors():
     with pytest.raises(ValueError, match="proj_size: cell 'layernorm_lstm' reads its input and "
                                          "recurrent products apart"):
         halstm.Recurrent("layernorm_lstm", I, H, proj_size=4)
+
+
+def test_fixed_weights_reuses_the_packed_weights():
+    """Inside fixed_weights the calls reuse the panels the first one packed:
+    the same results (forward and backward) as outside; a weight changed in
+    place inside the scope is not seen (as documented), and is after it."""
+    m = make("lstm")
+    x = np.random.default_rng(5).standard_normal((T, B, I)).astype(np.float32)
+    dy = np.random.default_rng(6).standard_normal((T, B, H)).astype(np.float32)
+    want_y, _ = call(m, "lstm", x)
+    want_g = m.backward(dy)
+    w = m.state_dict()["weight_hh_l0"]
+    with m.fixed_weights():
+        for _ in range(2):
+            y, _ = call(m, "lstm", x)
+            g = m.backward(dy)
+            assert np.array_equal(y, want_y)
+            assert all(np.array_equal(g[k], want_g[k]) for k in want_g)
+        m.load_state_dict({**m.state_dict(), "weight_hh_l0": w * 2})
+        assert np.array_equal(call(m, "lstm", x)[0], want_y)
+    assert not np.allclose(call(m, "lstm", x)[0], want_y)

@@ -29,7 +29,8 @@ def generate(model: CharLM, vocab: Vocab, prime: str, length: int,
     out = []
     # numpy's BLAS on one thread, entered once: it cost 1 ms a character
     # inside the loop (sampling took 3.2 ms a character, now 1.1, at 2x256)
-    with threadpool_limits(1, user_api="blas"), no_grad():
+    # the weights stay as they are: the kernels pack them once, not per character
+    with threadpool_limits(1, user_api="blas"), no_grad(), model.rnn.fixed_weights():
         for _ in range(length):
             nxt, state = _next(model, ids, state, temperature, rng)
             out.append(nxt)
