@@ -436,6 +436,10 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
         init = [x.new_zeros((x.shape[1], w_hh.shape[1])) if a is None else a for a in init]
         states = _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
         return states[0, 1:], _finals(states, batch_sizes)
+    if not torch.is_grad_enabled():     # no graph to record: the kernels directly
+        states, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
+                                     False)
+        return states[0, 1:], _finals(states, batch_sizes)
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
     return y, finals
 
