@@ -146,7 +146,7 @@ class Library:
     def _pack_reused(self, mem, stream, ws, pack_key) -> bool:
         """Whether this call may skip packing the weights into the workspaces
         ws: pack_key (not None) equals that of the last call that packed into
-        these very arrays. Forgets that call's key: _packed records this
+        these very arrays. Forgets that call's key: _pack_done records this
         one's once it has run."""
         last = self._packs.pop((mem.kind, stream), None)
         return (pack_key is not None and last is not None and last[0] == pack_key
