@@ -326,20 +326,19 @@ def _ids_param(p: "Pipe") -> hl.ImageParam:
 
 def _gather(p: Pipe) -> None:
     """The projection of one-hot rows given as indices: xp(j, gate, n) =
-    w_ih(ids(n), j, gate) + b_ih(j, gate), read from a transposed copy of
-    W_ih with the bias added, so that a row is one contiguous block."""
-    j, gate, n, k = (p.vars[v] for v in ("j", "gate", "t", "k"))
-    G, K, H = p.G, p.K, p.H
+    w_ih(ids(n), j, gate) + b_ih(j, gate), read from the panels halstm_pack
+    made of W_ih (numpy (Hp/P, K, G, P)), where a class's P units of every
+    gate are one contiguous block, as in xp's panels."""
+    j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
+    G, K, H, P = p.G, p.K, p.H, p.P
     ids = _ids_param(p)                                # numpy (N,)
-    w_ih = _param(p, "w_ih", [K, H, G])                  # numpy (G*H, K)
+    wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
     b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
-    wt = hl.Func("wt")                                # numpy (K, G, Hp)
-    jc = hl.min(j, H - 1)                             # units past H: never read
-    wt[j, gate, k] = w_ih[k, jc, gate] + b_ih[jc, gate]
     xp = hl.Func("xp")
-    xp[j, gate, n] = wt[j, gate, hl.clamp(ids[n], 0, K - 1)]
-    p.inputs = [ids, w_ih, b_ih]
-    p.stages = {"wt": wt, "xp": _xp_out(p, xp)}
+    xp[j, gate, n] = (_packed(wp_ih, j, P)(gate, hl.clamp(ids[n], 0, K - 1))
+                      + b_ih[hl.min(j, H - 1), gate])   # (units past H: never read)
+    p.inputs = [ids, wp_ih, b_ih]
+    p.stages = {"xp": _xp_out(p, xp)}
 
 
 def _vec(p: Pipe) -> tuple:

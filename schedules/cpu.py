@@ -508,11 +508,9 @@ def step_bwd_fused(p, target):
 
 
 def gather(p, target):
-    """The one-hot projection: rows of the transposed weights copied into
-    xp's panels, 64 rows a task."""
-    v = p.vars
-    wt, xp = p.stage("wt"), p.stage("xp")
-    wt.compute_root().vectorize(v["j"], _vw(target, p.H), ROUND).parallel(v["k"])
+    """The one-hot projection: a class's block of W_ih's panels (with the
+    bias) copied into xp's panels, 64 rows a task."""
+    xp = p.stage("xp")
     ji, gate, n, jo = xp.args()
     no, ni = hl.Var("no"), hl.Var("ni")
     xp.reorder(ji, gate, jo, n).vectorize(ji).unroll(gate)

@@ -67,7 +67,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     View vxp = xp_rows(0, N);
 #if HALSTM_ONEHOT
     View vids = View::ints(x, N);
-    rc = halstm_gather(vids.hb(), vw_ih.hb(), vb_ih.hb(), vxp.hb());
+    rc = halstm_gather(vids.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
 #elif HALSTM_CUBLAS
     rc = halstm_proj(vb_ih.hb(), vxp.hb());
     // then xp (T*B, G, HP) += x (T*B, K) W_ih^T
