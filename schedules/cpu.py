@@ -281,20 +281,37 @@ def proj_rows(target: hl.Target) -> int:
 # decisions": cpu.proj_chunk).
 
 
+# A projection of fewer multiply-adds than PROJ_SERIAL_MACS runs on the
+# calling thread: waking Halide's pool costs more than a second core gives
+# back. On the Zen 5 VM one LSTMCell call (no_grad) took 10-13 us less
+# serial at 256 units B=1, 128 units B=16 and B=32 (0.26-2 M MACs), 3-10
+# us more at 512 units B=2 (2 M, W_ih 4 MB); larger ones lost by tens of
+# us (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_SERIAL_MACS).
+PROJ_SERIAL_MACS = 1 << 21
+
+
 def proj(p, target):
     """Tiles of proj_rows rows x every gate of one panel (xp_panels: the
     tile is one contiguous run of xp), rows in chunks of proj_chunk tiles;
-    one parallel loop over (chunk, panel) pairs, chunk-major."""
+    one parallel loop over (chunk, panel) pairs, chunk-major, unless the
+    rows' products are fewer than PROJ_SERIAL_MACS multiply-adds."""
     out, acc = p.stage("xp"), p.stage("xp_acc")
     ji, gate, n, jo = out.args()
     j, r = p.vars["j"], p.rdoms["i"].x
     rows = out.output_buffer().dim(2).extent()
     nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
     tile = proj_rows(target)
-    for stage, f in ((out.specialize(rows >= tile), tile), (out, 1)):
+    serial_rows = -(-PROJ_SERIAL_MACS // (p.K * p.G * p.H))   # fewer rows: serial
+    branches = []
+    if serial_rows > 1:
+        serial = out.specialize(rows < serial_rows)
+        branches = [(serial.specialize(rows >= tile), tile, False), (serial, 1, False)]
+    for stage, f, par in branches + [(out.specialize(rows >= tile), tile, True), (out, 1, True)]:
         stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, knob(p, "proj_chunk"), GUARD)
         stage.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate).unroll(ni)
-        stage.fuse(jo, nc, jo).parallel(jo)
+        stage.fuse(jo, nc, jo)
+        if par:
+            stage.parallel(jo)
     acc.compute_at(out, no)
     for stage in (acc, acc.update()):
         stage.vectorize(j, p.P).unroll(gate).unroll(n)
