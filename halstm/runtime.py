@@ -11,6 +11,7 @@ It never imports halide: a process that only loads cached libraries starts fast.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from pathlib import Path
 
@@ -205,7 +206,6 @@ class Library:
         return self._lib.halstm_step_threads_wanted()
 
     def _call(self, stream, *args, threads=None, reuse_pack=False) -> None:
-        m = self.manifest
         if self.device == "cuda":
             self._lib.halstm_cuda_set_stream(stream)
         if threads:
@@ -219,12 +219,20 @@ class Library:
                 self._lib.halstm_set_call_threads(0)
             if reuse_pack:
                 self._lib.halstm_set_reuse_pack(0)
-        self._shared.check(rc, f"{m['cell']} {m['direction']} kernel "
-                               f"({m['target']}, schedule {m['schedule']})")
+        if rc:
+            m = self.manifest
+            self._shared.check(rc, f"{m['cell']} {m['direction']} kernel "
+                                   f"({m['target']}, schedule {m['schedule']})")
 
     @staticmethod
-    def _ptrs(mem, arrays) -> ctypes.Array:
-        return (_P * len(arrays))(*[mem.ptr(a) for a in arrays])
+    def _ptrs(mem, a, n: int) -> ctypes.Array:
+        """The driver's per-state arrays: pointers to a[i], i < n, of a list
+        of arrays or of one contiguous (n, ...) array (whose views cost
+        microseconds a call on torch tensors)."""
+        if isinstance(a, (list, tuple)):
+            return (_P * n)(*[mem.ptr(a[i]) for i in range(n)])
+        base, step = mem.ptr(a), 4 * math.prod(a.shape[1:])
+        return (_P * n)(*[base + i * step for i in range(n)])
 
     def _x_shape(self, x):
         """(T, B, K) of a layer input: (T, B, K) floats, or for a one-hot
@@ -300,7 +308,7 @@ class Library:
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, [states[s] for s in range(NS)]), threads=threads,
+                       self._ptrs(mem, states, NS), threads=threads,
                        reuse_pack=reuse)
             self._pack_done(mem, stream, ws[:2], pack_key)
             return states, saved
@@ -374,8 +382,8 @@ class Library:
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
             self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, w_hh)), vec_ptr, mem.ptr(saved),
-                       self._ptrs(mem, [states[s] for s in range(len(self.states))]),
-                       mem.ptr(dy), self._ptrs(mem, dstate),
+                       self._ptrs(mem, states, len(self.states)), mem.ptr(dy),
+                       self._ptrs(mem, dstates, len(dfinal)),
                        *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
                                                                      dvec_rows, rows_ws,
                                                                      *out.values())],

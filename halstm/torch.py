@@ -55,14 +55,17 @@ class _Tensors:
     def __init__(self, device: torch.device, keep_workspaces: bool = True):
         self.device, self.kind = device, f"torch:{device}"
         self.keep_workspaces = keep_workspaces
+        self._cpu = device.type == "cpu"
 
     def empty(self, shape):
-        if self.device.type == "cpu":
+        if self._cpu and (shape if isinstance(shape, int) else
+                          math.prod(shape)) >= memory.POOL_FROM // 4:
             # numpy's memory (memory.empty): numpy asks the kernel for huge
             # pages for large arrays, torch's CPU allocator does not, and
             # a layer's fresh outputs then cost a page fault every 4 KiB
             # inside the kernels' threads (charrnn_512x2, 16-core Xeon:
-            # 350k faults a forward+backward)
+            # 350k faults a forward+backward); smaller ones from torch's
+            # allocator (64-byte aligned, as memory.empty's)
             return torch.from_numpy(memory.empty(shape))
         return torch.empty(shape, dtype=torch.float32, device=self.device)
 
@@ -111,10 +114,24 @@ def _unspec(spec: str):
     return cell, int(K), int(H), schedule or None, precision
 
 
+_found: dict = {}    # _library's answers by its arguments
+
+
 def _library(spec: str, direction: str, device: torch.device,
              per_call: bool = False) -> tuple[Library, _Tensors]:
     """The compiled library of spec for a tensor on `device`, and its memory
     (per_call: whose workspaces are made for each call on a GPU)."""
+    key = (spec, direction, device, per_call)
+    found = _found.get(key)
+    if found is None:
+        found = _found[key] = _load(spec, direction, device, per_call)
+    if found[1]._cpu and not _warned:
+        _warn_spinning_threads()
+    return found
+
+
+def _load(spec: str, direction: str, device: torch.device,
+          per_call: bool) -> tuple[Library, _Tensors]:
     cell, K, H, schedule, precision = _unspec(spec)
     if device.type == "cuda":
         if (device.index or 0) != 0:
@@ -124,8 +141,6 @@ def _library(spec: str, direction: str, device: torch.device,
         target = "host"
     else:
         raise ValueError(f"input: expected a CPU or CUDA tensor, got one on {device}")
-    if target == "host":
-        _warn_spinning_threads()
     key = (spec, direction, target)
     with _lock:
         if key not in _libs:
@@ -248,22 +263,22 @@ class _PackKey:
     except one made through `.data`, which torch does not count."""
     __slots__ = ("facts", "storages")
 
-    def __init__(self, *weights: Tensor):
-        self.facts = tuple((w.data_ptr(), tuple(w.shape), w.stride(), w._version)
-                           for w in weights)
-        self.storages = [w.untyped_storage() for w in weights]
+    def __init__(self, w_ih: Tensor, w_hh: Tensor):
+        self.facts = (w_ih.data_ptr(), w_ih.shape, w_ih.stride(), w_ih._version,
+                      w_hh.data_ptr(), w_hh.shape, w_hh.stride(), w_hh._version)
+        self.storages = (w_ih.untyped_storage(), w_hh.untyped_storage())
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _PackKey) and other.facts == self.facts
 
     @classmethod
-    def of(cls, per_call: bool, *weights: Tensor):
+    def of(cls, per_call: bool, w_ih: Tensor, w_hh: Tensor):
         """A key for an eager call's weights; None for a custom operator's
         call (workspaces per call) or tensors without version counters
         (made in inference mode)."""
-        if per_call or any(w.is_inference() for w in weights):
+        if per_call or w_ih.is_inference() or w_hh.is_inference():
             return None
-        return cls(*weights)
+        return cls(w_ih, w_hh)
 
 
 def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
@@ -429,9 +444,12 @@ def _wanted(ctx, grads: tuple) -> tuple:
     return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
-def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
+def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
+               finals_only=False):
     """One layer over x (see _forward_impl): y (T, B, H) and each state's
-    final (B, H) (at each row's length, with batch sizes)."""
+    final (B, H) (at each row's length, with batch sizes). finals_only: the
+    caller keeps only the finals (y None; without a graph, the finals are
+    views of the states array, which nothing else holds)."""
     if torch.compiler.is_compiling():
         init = [x.new_zeros((x.shape[1], w_hh.shape[1])) if a is None else a for a in init]
         states = _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
@@ -439,6 +457,9 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
     if not torch.is_grad_enabled():     # no graph to record: the kernels directly
         states, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
                                      False)
+        if finals_only and batch_sizes is None:
+            T = states.shape[1] - 1
+            return None, [states[s, T] for s in range(states.shape[0])]
         return states[0, 1:], _finals(states, batch_sizes)
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
     return y, finals
@@ -558,7 +579,12 @@ def _check_input(module, x: Tensor) -> Tensor:
     if x.dtype != torch.float32:
         raise TypeError(f"input: halstm's kernels run float32, got {x.dtype} (convert with "
                         f".float())")
-    for name, p in module.named_parameters():
+    # (a module's own parameters read directly: named_parameters costs
+    # microseconds a call, which step-by-step decoding pays every step)
+    for name, p in (module.named_parameters() if module._modules else
+                    module._parameters.items()):
+        if p is None:
+            continue
         if p.device != x.device:
             raise ValueError(f"input is on {x.device} but parameter {name} is on "
                              f"{p.device}; move one of them (module.to(device))")
@@ -1002,17 +1028,20 @@ class _Cell(torch.nn.Module):
             hx = [None] * n
         else:
             hx = list(hx) if n > 1 else [hx]
+            want = (H,) if unbatched else (B, H)
             for s, a in zip(self._stack._states, hx):
-                if not isinstance(a, Tensor) or a.reshape(-1, H).shape != (B, H):
-                    raise ValueError(f"hx: expected {s} of shape {(H,) if unbatched else (B, H)}, "
+                if not isinstance(a, Tensor) or a.shape != want:
+                    raise ValueError(f"hx: expected {s} of shape {want}, "
                                      f"got {tuple(getattr(a, 'shape', ()))}")
-            hx = [a.reshape(B, H) for a in hx]
-        b_ih, b_hh = getattr(self, "bias_ih", None), getattr(self, "bias_hh", None)
+            if unbatched:
+                hx = [a.reshape(B, H) for a in hx]
+        p = self._parameters
+        b_ih, b_hh = p.get("bias_ih"), p.get("bias_hh")
         zero = None if self.bias else x.new_zeros((self._stack._gates * H,))
         spec = _spec(self._stack.cell, self.input_size, H, None)
-        _, out = _run_layer(x, self.weight_ih, zero if b_ih is None else b_ih, self.weight_hh,
+        _, out = _run_layer(x, p["weight_ih"], zero if b_ih is None else b_ih, p["weight_hh"],
                             zero if b_hh is None else b_hh, None, hx, None, spec,
-                            torch.is_grad_enabled())
+                            torch.is_grad_enabled(), finals_only=True)
         return [o.reshape(H) for o in out] if unbatched else out
 
 
