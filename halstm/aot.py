@@ -42,7 +42,9 @@ ENTRY_POINTS = {
         "ws xp (N, G, HP): N = T*B, or on a CPU given batch_sizes bs, bs[0] + sum(bs[:-1]) "
         "(runtime.step_rows_count)",
         "ws x_rows (N, K) (one-hot: (N,) int32), on a CPU given batch_sizes (else unused, NULL)",
-        "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)", "inout states[NS] (T+1, B, H)"]},
+        "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)",
+        "out states[NS] (T+1, B, H): [0] the initial state, [t+1] the state after step t",
+        "init[NS] (B, H): each state's initial value, or NULL: zeros"]},
     "bwd": {"halstm_backward": [
         "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "vec (V, H) (unused, NULL, with V = 0)", "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",

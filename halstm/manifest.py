@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import LibraryError
 
-FORMAT = 3     # 3: vector parameters ("vectors"; the entry points take vec)
+FORMAT = 4     # 3: vector parameters (the entry points take vec); 4: halstm_forward takes init
 DIRECTIONS = ("fwd", "bwd")
 
 _STR, _INT, _BOOL, _LIST = "a string", "a positive int", "true or false", "a list of strings"

@@ -110,7 +110,7 @@ class Host:
 
     kind = "cpu"
     keep_workspaces = True       # (runtime.Library._workspace)
-    empty, ptr = staticmethod(empty), staticmethod(ptr)
+    empty, ptr, contiguous = staticmethod(empty), staticmethod(ptr), staticmethod(f32)
 
     @staticmethod
     def zero(a):
@@ -192,6 +192,10 @@ class Device:
     @staticmethod
     def ptr(a) -> int:
         return a.ptr
+
+    @staticmethod
+    def contiguous(a):
+        return a           # (DeviceArrays are C-contiguous float32)
 
     def put_leading(self, dst, src):
         W, w = dst.shape[-1], src.shape[-1]

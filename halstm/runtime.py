@@ -109,7 +109,7 @@ class Library:
                                f"loading cuBLAS from {found}")
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
-            self._entry.argtypes = [_I, _I] + [_P] * 13
+            self._entry.argtypes = [_I, _I] + [_P] * 14
         else:
             self._entry = self._lib.halstm_backward
             self._entry.argtypes = [_I, _I] + [_P] * 22
@@ -234,6 +234,18 @@ class Library:
         base, step = mem.ptr(a), 4 * math.prod(a.shape[1:])
         return (_P * n)(*[base + i * step for i in range(n)])
 
+    def _initial(self, mem, init, B: int) -> list:
+        """The initial states (B, H) as the library reads them (contiguous;
+        None: zeros), which it copies into states[:, 0]."""
+        if len(init) != len(self.states):
+            raise ValueError(f"init: expected {len(self.states)} initial states "
+                             f"({', '.join(self.states)}), got {len(init)}")
+        for name, a in zip(self.states, init):
+            if a is not None and tuple(a.shape) != (B, self.H):
+                raise ValueError(f"init: expected {name}0 of shape {(B, self.H)}, got "
+                                 f"{tuple(a.shape)}")
+        return [None if a is None else mem.contiguous(a) for a in init]
+
     def _x_shape(self, x):
         """(T, B, K) of a layer input: (T, B, K) floats, or for a one-hot
         library (T, B) int32 indices."""
@@ -289,11 +301,7 @@ class Library:
             packed = self._packed(bs)
             # (packed, the library zeroes the rows past each step's itself)
             states = (mem.zeros if bs is not None and not packed else mem.empty)((NS, T + 1, B, H))
-            for s, s0 in enumerate(init):
-                if s0 is None:
-                    mem.zero(states[s][0])
-                else:
-                    states[s][0] = s0
+            init = self._initial(mem, init, B)
             saved = mem.empty((T, B, S, H)) if save else None
             Hp, P = self.Hp, self.P
             N = step_rows_count(bs, T, B, packed)
@@ -308,7 +316,9 @@ class Library:
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, states, NS), threads=threads,
+                       self._ptrs(mem, states, NS),
+                       (_P * NS)(*[None if a is None else mem.ptr(a) for a in init]),
+                       threads=threads,
                        reuse_pack=reuse)
             self._pack_done(mem, stream, ws[:2], pack_key)
             return states, saved

@@ -84,6 +84,10 @@ class _Tensors:
         return a.data_ptr()
 
     @staticmethod
+    def contiguous(a):
+        return a.contiguous()
+
+    @staticmethod
     def put_leading(dst, src):
         dst[:, :src.shape[-1]] = src
 
@@ -226,8 +230,17 @@ def _side_stream(device: torch.device):
         return _side_streams[device]
 
 
+# torch's own accessor of the current stream's handle (Dynamo's too): a
+# Stream object costs about 10 us a call on the GPU machine's host
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device: torch.device):
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    if _raw_stream is not None and device.index is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _sizes(spec: str):
@@ -250,8 +263,9 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
     """x (T, B, K) -> states (NS, T+1, B, H) (initial states at [:, 0]),
     saved (T, B, S, H) for backward (save), else (0,). (The custom
     operator's: workspaces per call.)"""
-    return _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
-                            per_call=True)
+    states, saved = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
+                                     save, per_call=True)
+    return states, x.new_empty((0,)) if saved is None else saved
 
 
 class _PackKey:
@@ -283,13 +297,14 @@ class _PackKey:
 
 def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
                      per_call=False, threads=None) -> tuple[Tensor, Tensor]:
-    """_forward_impl; per_call as _library's; threads as Library.forward's."""
+    """_forward_impl, with saved None where not save; per_call as
+    _library's; threads as Library.forward's."""
     lib, mem = _library(spec, "fwd", x.device, per_call)
     bs = None if batch_sizes is None else batch_sizes.numpy()
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
                                 vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
                                 threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh))
-    return states, saved if save else x.new_empty((0,))
+    return states, saved
 
 
 def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
@@ -419,6 +434,7 @@ class _Layer(torch.autograd.Function):
     def forward(ctx, x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
         states, saved = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, list(init),
                                          batch_sizes, spec, save)
+        saved = x.new_empty((0,)) if saved is None else saved
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.saved = spec, save
         ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
@@ -534,6 +550,8 @@ class _Directions(torch.autograd.Function):
 
         (states0, saved0), (states1, saved1) = nn.run_directions(
             one, _library(spec, "fwd", x.device)[0])
+        if not save:
+            saved0 = saved1 = x.new_empty((0,))
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.saved, ctx.states = spec, save, len(states0)
         ctx.save_for_backward(x, x_rev, batch_sizes, states0, saved0, states1, saved1,
@@ -1033,6 +1051,9 @@ class _Cell(torch.nn.Module):
                 if not isinstance(a, Tensor) or a.shape != want:
                     raise ValueError(f"hx: expected {s} of shape {want}, "
                                      f"got {tuple(getattr(a, 'shape', ()))}")
+                if a.device != x.device or a.dtype != torch.float32:
+                    raise ValueError(f"hx: {s} is {a.dtype} on {a.device}; expected float32 "
+                                     f"on {x.device}, as the input")
             if unbatched:
                 hx = [a.reshape(B, H) for a in hx]
         p = self._parameters

@@ -5,6 +5,8 @@
 
 namespace {
 
+uint64_t u64(const void *p) { return (uint64_t)(uintptr_t)p; }
+
 #ifdef HALSTM_CUDA
 // A layer's time loop as one CUDA graph. Each step is a Halide pipeline
 // call, and each call costs the host about as much as its kernel takes on
@@ -189,6 +191,40 @@ struct Graphs {
 
 thread_local bool Graphs::capturing = false;
 Graphs g_graphs;
+
+// Copies and fills of device memory on the calling thread's stream
+// (libcuda's asynchronous memcpy and memset, in g_context).
+struct DeviceCopies {
+    int (*copy)(uint64_t, uint64_t, size_t, void *) = nullptr;   // cuMemcpyDtoDAsync_v2
+    int (*fill)(uint64_t, unsigned, size_t, void *) = nullptr;   // cuMemsetD32Async
+    int (*push)(void *) = nullptr;
+    int (*pop)(void **) = nullptr;
+
+    bool load() {
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        return lib && (copy = (decltype(copy))dlsym(lib, "cuMemcpyDtoDAsync_v2")) &&
+               (fill = (decltype(fill))dlsym(lib, "cuMemsetD32Async")) &&
+               (push = (decltype(push))dlsym(lib, "cuCtxPushCurrent_v2")) &&
+               (pop = (decltype(pop))dlsym(lib, "cuCtxPopCurrent_v2"));
+    }
+
+    // dst[0, n) = src[0, n) floats, or zeros where src is NULL
+    int put(float *dst, const float *src, size_t n) {
+        if (!copy) {
+            halide_error(nullptr, "CUDA: halstm_cuda_init has not loaded libcuda's copies");
+            return -1;
+        }
+        int rc = push(g_context);
+        if (rc) return rc;
+        rc = src ? copy(u64(dst), u64(src), n * sizeof(float), g_stream)
+                 : fill(u64(dst), 0, n, g_stream);
+        void *prev;
+        pop(&prev);
+        if (rc) halide_error(nullptr, "CUDA: copying an initial state failed");
+        return rc;
+    }
+};
+DeviceCopies g_copies;
 #endif
 
 // Run a time loop (`steps` returns the first nonzero code of its calls);
@@ -202,8 +238,6 @@ int run_loop(const uint64_t *key, int n, F steps) {
     return steps();
 #endif
 }
-
-uint64_t u64(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 }  // namespace
 
@@ -247,6 +281,7 @@ int halstm_cuda_init(void *context) {
     halide_set_cuda_get_stream(get_stream);
     const char *env = getenv("HALSTM_CUDA_GRAPHS");
     g_graphs.init(context, HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
+    if (!g_copies.load()) return halide_error_code_device_interface_no_device;
     return halide_reuse_device_allocations(nullptr, true);
 }
 

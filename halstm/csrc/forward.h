@@ -32,16 +32,28 @@ int halstm_step_vendor_infer_argv(void **);
 // StepRows::row0(t) (T*B without batch sizes); x_rows (N, K) floats or (N)
 // int32 indices where StepRows is packed (else unused): x in that order.
 // out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
-// forward that no backward follows); states[NS] each (T+1, B, H), [0] holds the
-// initial state on entry, [t+1] the state after step t on return.
+// forward that no backward follows); states[NS] each (T+1, B, H): on return
+// [0] holds init[s] (B, H) (NULL: zeros), [t+1] the state after step t.
 // batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
 // batch_sizes[t]) only (sequences sorted by length, longest first); the other
 // rows of saved[t] are not written, those of states[t+1] are zeroed where
 // StepRows is packed (a CPU build), else not written.
 int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, const float *vec, float *wp_ih, float *wp_hh,
-                   float *xp, void *x_rows, float *saved, float *const *states) {
+                   float *xp, void *x_rows, float *saved, float *const *states,
+                   const float *const *init) {
     g_error[0] = 0;
+    // the initial states (copied here, not by the caller: a copy from
+    // Python costs microseconds a state, each call)
+    for (int s = 0; s < NS; s++) {
+        const size_t n = (size_t)B * H;
+#ifdef HALSTM_CUDA
+        if (int rc = g_copies.put(states[s], init[s], n)) return rc;
+#else
+        if (init[s]) std::memcpy(states[s], init[s], n * sizeof(float));
+        else std::memset(states[s], 0, n * sizeof(float));
+#endif
+    }
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
     View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
     int rc = t_reuse_pack ? 0 : halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
