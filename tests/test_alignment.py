@@ -137,6 +137,27 @@ def test_library_reads_misaligned_arrays(cell, K, offset):
         np.testing.assert_array_equal(grads[k], a_grads[k], err_msg=k)
 
 
+def test_library_copies_the_initial_states():
+    """halstm_forward copies each initial state into states[s][0] (zeros
+    for None); the runtime hands over non-contiguous or float64 ones as
+    contiguous float32, and refuses a wrong count or shape by name."""
+    fwd = runtime.Library(*aot.library(aot.Spec("lstm", 16, HV, "fwd")))
+    p = _layer_problem("lstm", 16, seed=5)
+    args = [p[k] for k in ("x", "w_ih", "b_ih", "w_hh", "b_hh")]
+    h0 = np.asfortranarray(p["init"][0].astype(np.float64))    # (B, HV), not C-contiguous
+    states, _ = fwd.forward(*args, [h0, None], save=False)
+    assert np.array_equal(states[0][0], h0.astype(np.float32))
+    assert not states[1][0].any()
+    same, _ = fwd.forward(*args, [h0.astype(np.float32), np.zeros((B, HV), np.float32)],
+                          save=False)
+    np.testing.assert_array_equal(states, same)
+    with pytest.raises(ValueError, match=r"init: expected c0 of shape \(%d, %d\), got \(%d,\)"
+                       % (B, HV, HV)):
+        fwd.forward(*args, [None, np.zeros(HV, np.float32)])
+    with pytest.raises(ValueError, match=r"init: expected 2 initial states \(h, c\), got 1"):
+        fwd.forward(*args, [None])
+
+
 @pytest.mark.parametrize("cls,cell", [(halstm.LSTM, "lstm"), (halstm.GRU, "gru")])
 def test_module_with_misaligned_arrays(cls, cell):
     """The modules take misaligned arrays of every kind a caller gives (the

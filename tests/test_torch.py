@@ -372,6 +372,11 @@ def test_errors_name_the_argument():
         hnn.LSTM(I, H, dropout=2)
     with pytest.raises(TypeError, match="parameter weight_ih_l0: .*float64"):
         hnn.LSTM(I, H).double()(torch.randn(4, 2, I))
+    cell, x = hnn.LSTMCell(I, H), torch.randn(2, I)
+    with pytest.raises(ValueError, match=r"hx: expected c of shape \(2, 37\), got \(37,\)"):
+        cell(x, (torch.zeros(2, H), torch.zeros(H)))
+    with pytest.raises(ValueError, match="hx: h is torch.float64 on cpu; expected float32"):
+        cell(x, (torch.zeros(2, H, dtype=torch.float64), torch.zeros(2, H)))
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
@@ -418,6 +423,14 @@ def test_cells_match_torch(cell):
         u = u if isinstance(u, tuple) else (u,)
         assert u[0].shape == (H,)
         results[-1] += [a.detach() for a in u]
+        # under no_grad, from states that are not contiguous (columns of a
+        # transposed array), twice: the second call reuses the packed weights
+        with torch.no_grad():
+            t = [a.t().contiguous().t() for a in (hx if cell == "lstm" else (hx,))]
+            assert not t[0].is_contiguous()
+            for _ in range(2):
+                n = module(x, tuple(t) if cell == "lstm" else t[0])
+                results[-1] += list(n) if isinstance(n, tuple) else [n]
     for k, (a, b) in enumerate(zip(*results)):
         assert_close(f"result {k}", a, b)
 
