@@ -259,7 +259,7 @@ class Library:
         return x.shape
 
     def _x_ptr(self, mem, x) -> int:
-        return x.ctypes.data if self.onehot else mem.ptr(x)
+        return memory.address(x) if self.onehot else mem.ptr(x)
 
     def _vec(self, mem, vec):
         """The vector parameters (V, H) checked, or None for a cell without."""
