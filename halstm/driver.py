@@ -66,6 +66,7 @@ class Layer:
                   "HALSTM_SPLIT_SMALL_BELOW": self.split_small_below,
                   "HALSTM_SPLIT_ROWS": lay.split.rows,
                   "HALSTM_SPLIT_CALL_MACS": lay.split.call_macs,
+                  "HALSTM_POOL_MACS": lay.split.pool_macs,
                   "HALSTM_SPLIT_BATCH_BYTES": self.split_batch_bytes,
                   "HALSTM_SPLIT_ROWS_ONLY": int(lay.split.rows_only)}
         if lay.xp_panels:

@@ -19,6 +19,9 @@ class StepSplit:
     rows: int         # batch rows a thread takes at least, where it takes rows
     rows_only: bool = False   # ranges of rows or one thread, never of units (a step
                               # that reduces over units needs them all)
+    pool_macs: int = 0        # Halide's parallel loops: a pool thread per this many
+                              # multiply-adds of the pipeline call (csrc/threads.h
+                              # PoolWork; 0: every thread)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ def layout(target: hl.Target) -> Layout:
     SPLIT_ROWS)."""
     P = panel(target)
     return Layout(panel=P, dw_cols=registers(target) * 3 // 4 // 6 * P, dw_rows=6, xp_panels=True,
-                  split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS),
+                  split=StepSplit(macs=SPLIT_MACS, call_macs=SPLIT_CALL_MACS, rows=SPLIT_ROWS,
+                                  pool_macs=POOL_MACS),
                   fused_bwd_below=FUSED_BWD_BELOW)
 
 
@@ -213,6 +214,14 @@ SPLIT_MACS = 1 << 15
 # or more: starting a thread costs about 25 us a call, the time 3 M MACs
 # take on one core (bench/RESULTS.md, "Schedule decisions": cpu.SPLIT_CALL_MACS).
 SPLIT_CALL_MACS = 1 << 23
+# Halide's parallel loops (the projection, the gradient GEMMs, a step run
+# whole) wake one of the pool's threads per POOL_MACS multiply-adds of
+# the pipeline call at most (csrc/threads.h PoolWork): on the 16-core
+# Xeon, a T=1 backward at 256 units B=1 took 0.68x (LSTM) and 0.80x
+# (layer-norm LSTM) the time of all 16 threads; larger calls, and the
+# 2-core VMs (whose loops of 2^18 MACs or more keep both threads), are
+# unchanged (bench/RESULTS.md, "Schedule decisions": cpu.POOL_MACS).
+POOL_MACS = 1 << 17
 # Batch rows are independent through a whole time loop: where each thread
 # gets SPLIT_ROWS rows or more and W_hh (G*H*H floats, read whole by every
 # thread each step) is small enough (the step pipelines set the pipe's

@@ -364,11 +364,16 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     args[n++] = vdw_ih.hb(), args[n++] = vdb_ih.hb(), args[n++] = vdw_hh.hb();
     args[n++] = vdb_hh.hb();
     if (NV) args[n++] = vdvec.hb();
-#if HALSTM_ONEHOT
-    rc = halstm_grads_ids_argv(args);
-#else
-    rc = halstm_grads_argv(args);
+    {
+#if HALSTM_SPLIT
+        PoolWork work((double)N * (K + H) * G * H);   // (dW_ih, dW_hh; dx as many again)
 #endif
+#if HALSTM_ONEHOT
+        rc = halstm_grads_ids_argv(args);
+#else
+        rc = halstm_grads_argv(args);
+#endif
+    }
     if (!rc && sr.packed() && dx_out) sr.scatter(dx_out, dx, KP);
     return rc;
 #endif  // HALSTM_CUBLAS

@@ -90,7 +90,12 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     }
 #else
     View vx((const float *)x, {{K, 1}, {N, K}});
-    rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
+    {
+#if HALSTM_SPLIT
+        PoolWork work((double)N * K * G * H);
+#endif
+        rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
+    }
 #endif
     if (rc) return rc;
 #ifdef HALSTM_VENDOR_STEP_ROWS

@@ -79,6 +79,51 @@ int threads_available() {
     return n > 0 ? n : 1;
 }
 
+// Halide's parallel loops on as many of its pool's threads as their work
+// is worth: while a PoolWork of `macs` multiply-adds lives on a thread, a
+// parallel loop that thread runs is cut into at most macs / HALSTM_POOL_MACS
+// tasks (each a run of consecutive iterations; one: the loop runs in
+// turn on the calling thread), so that the pool wakes no more workers than
+// that (each woken worker costs the loop a fork and join).
+thread_local int t_pool_parts = 0;   // 0: no limit
+halide_do_par_for_t g_pool_par_for = nullptr;
+
+struct Chunks {
+    halide_task_t task;
+    uint8_t *closure;
+    int min, size, parts;
+};
+
+int run_chunk(void *uc, int i, uint8_t *closure) {
+    const Chunks &c = *(const Chunks *)closure;
+    const int lo = c.min + (int)((int64_t)c.size * i / c.parts);
+    const int hi = c.min + (int)((int64_t)c.size * (i + 1) / c.parts);
+    for (int j = lo; j < hi; j++)
+        if (int rc = c.task(uc, j, c.closure)) return rc;
+    return 0;
+}
+
+int par_for_in_parts(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
+    const int parts = t_pool_parts;   // (as many as the pool has or more: the pool's way)
+    if (parts <= 0 || parts >= size || parts >= threads_available())
+        return g_pool_par_for(uc, task, min, size, closure);
+    Chunks c = {task, closure, min, size, parts};
+    if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
+    return g_pool_par_for(uc, run_chunk, 0, parts, (uint8_t *)&c);
+}
+
+struct PoolWork {
+    int was;
+    explicit PoolWork(double macs) : was(t_pool_parts) {
+        static const halide_do_par_for_t pool = g_pool_par_for =
+            halide_set_custom_do_par_for(par_for_in_parts);
+        (void)pool;
+        const double parts = macs / HALSTM_POOL_MACS;
+        t_pool_parts = parts < 1 ? 1 : parts > (1 << 30) ? (1 << 30) : (int)parts;
+    }
+    ~PoolWork() { t_pool_parts = was; }
+};
+
 // The part of each step one thread computes: the units of panels
 // [q0, q0 + nq) of the batch rows [b0, b0 + nb).
 struct Part {
@@ -276,6 +321,7 @@ inline bool step_done(void *barrier, int rc) {
 template <class F>
 int run_steps(int T, int B, const int *batch_sizes, F part_steps) {
 #if HALSTM_SPLIT
+    PoolWork work((double)G * H * H * B);   // (a step run whole: its own parallel loops)
     return run_split((double)G * H * H * B, T, B, batch_sizes,
                      [&](const Part &part, SpinBarrier *barrier) { return part_steps(part, barrier); });
 #else
