@@ -227,10 +227,10 @@ class Library:
     @staticmethod
     def _ptrs(mem, a, n: int) -> ctypes.Array:
         """The driver's per-state arrays: pointers to a[i], i < n, of a list
-        of arrays or of one contiguous (n, ...) array (whose views cost
-        microseconds a call on torch tensors)."""
+        of arrays (None: NULL) or of one contiguous (n, ...) array (whose
+        views cost microseconds a call on torch tensors)."""
         if isinstance(a, (list, tuple)):
-            return (_P * n)(*[mem.ptr(a[i]) for i in range(n)])
+            return (_P * n)(*[None if a[i] is None else mem.ptr(a[i]) for i in range(n)])
         base, step = mem.ptr(a), 4 * math.prod(a.shape[1:])
         return (_P * n)(*[base + i * step for i in range(n)])
 
@@ -316,8 +316,7 @@ class Library:
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, states, NS),
-                       (_P * NS)(*[None if a is None else mem.ptr(a) for a in init]),
+                       self._ptrs(mem, states, NS), self._ptrs(mem, init, NS),
                        threads=threads,
                        reuse_pack=reuse)
             self._pack_done(mem, stream, ws[:2], pack_key)
