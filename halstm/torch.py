@@ -818,7 +818,14 @@ class _Recurrent(torch.nn.Module):
         unbatched = input.dim() == 2
         x = input.unsqueeze(1) if unbatched else (
             input.transpose(0, 1) if self.batch_first else input)
-        y, finals = self._layers(x, hx, unbatched)
+        if input.shape[-1] != self.input_size or x.shape[0] == 0:
+            raise ValueError(f"input: expected input_size {self.input_size} features and at "
+                             f"least one time step, got shape {tuple(input.shape)} "
+                             f"({'batch first' if self.batch_first else 'time first'})")
+        if x.shape[1] == 0:       # an empty batch, as torch.nn: empty outputs
+            y, finals = self._empty(x, hx)
+        else:
+            y, finals = self._layers(x, hx, unbatched)
         if unbatched:
             return y.squeeze(1), [f.squeeze(1) for f in finals]
         return (y.transpose(0, 1) if self.batch_first else y), finals
@@ -912,6 +919,17 @@ class _Recurrent(torch.nn.Module):
         if steps is None:
             return a.flip(0)
         return a.gather(0, steps[:, :, None].expand(a.shape)).contiguous()
+
+    def _empty(self, x, hx):
+        """_layers of an empty batch x (T, 0, K): y (T, 0, D*R) and per state
+        finals (L*D, 0, size), joined to the parameters' graph (zero
+        gradients), hx checked."""
+        self._initial(hx, 0, False, x)
+        LD, R = self.num_layers * self._directions, self.proj_size or self.hidden_size
+        anchor = sum(p.flatten()[:1].sum() for p in self.parameters()) * 0.0
+        y = x.new_zeros((x.shape[0], 0, self._directions * R)) + anchor
+        return y, [x.new_zeros((LD, 0, R if s == "h" else self.hidden_size)) + anchor
+                   for s in self._states]
 
     def _initial(self, hx, B, unbatched, x):
         """Per state an (L*D, B, H) tensor: the caller's; without hx, L*D

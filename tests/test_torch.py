@@ -358,8 +358,11 @@ def test_errors_name_the_argument():
     m = hnn.LSTM(I, H)
     with pytest.raises(TypeError, match="input: .*float32, got torch.float64"):
         m(torch.randn(4, 2, I, dtype=torch.float64))
-    with pytest.raises(ValueError, match="input: expected input_size 13"):
-        m(torch.randn(4, 2, I + 1))
+    with pytest.raises(ValueError, match=r"input: expected input_size 13 .* got shape "
+                                         r"\(2, 4, 14\) \(batch first\)"):
+        hnn.LSTM(I, H, batch_first=True)(torch.randn(2, 4, I + 1))
+    with pytest.raises(ValueError, match=r"at least one time step, got shape \(0, 2, 13\)"):
+        m(torch.randn(0, 2, I))
     with pytest.raises(ValueError, match=r"hx: expected h_0 of shape \(1, 2, 37\)"):
         m(torch.randn(4, 2, I), (torch.zeros(1, 3, H), torch.zeros(1, 3, H)))
     with pytest.raises(TypeError, match="hx: expected None or a tuple of 2"):
@@ -377,6 +380,25 @@ def test_errors_name_the_argument():
         cell(x, (torch.zeros(2, H), torch.zeros(H)))
     with pytest.raises(ValueError, match="hx: h is torch.float64 on cpu; expected float32"):
         cell(x, (torch.zeros(2, H, dtype=torch.float64), torch.zeros(2, H)))
+
+
+@pytest.mark.parametrize("cell, kw", [("lstm", dict(num_layers=2, bidirectional=True,
+                                                     proj_size=5)), ("gru", {})])
+def test_an_empty_batch_gives_empty_outputs(cell, kw):
+    """A batch of no rows, as torch.nn takes it: outputs and final states of
+    torch.nn's shapes, hx checked, backward gives zero gradients."""
+    mine, theirs, _ = PEERS[cell]
+    m, ref = mine(I, H, batch_first=True, **kw), theirs(I, H, batch_first=True, **kw)
+    x = torch.randn(0, 4, I)
+    (y, finals), (y_ref, finals_ref) = m(x), ref(x)
+    finals, finals_ref = ((f,) if isinstance(f, torch.Tensor) else f
+                          for f in (finals, finals_ref))
+    assert y.shape == y_ref.shape
+    assert [f.shape for f in finals] == [f.shape for f in finals_ref]
+    y.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+    with pytest.raises(ValueError, match="hx: expected h_0 of shape"):
+        m(x, torch.zeros(1, 1, H) if cell == "gru" else (torch.zeros(1, 0, H),) * 2)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
