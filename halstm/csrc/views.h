@@ -51,6 +51,15 @@ struct View {
     halide_buffer_t *hb() { return &buf; }
 };
 
+// v moved along its array by n floats (the same view of a later step).
+inline void advance(View &v, int64_t n) {
+#ifdef HALSTM_CUDA
+    v.buf.device += (uint64_t)(n * (int64_t)sizeof(float));
+#else
+    v.buf.host += n * (int64_t)sizeof(float);
+#endif
+}
+
 #ifndef HALSTM_MODEL
 // The leading (rows, H) of the (B, H) slice of a (T+1, B, H) or (T, B, H)
 // array at step t.
