@@ -391,7 +391,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
     cell = cells.get(spec.cell)
     return driver.Layer(
         direction=spec.direction, states=len(cell.states), gates=cell.n_gates,
-        saved=len(cell.saved), vectors=len(cell.channels), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
+        saved=len(cell.saved_channels(spec.hidden_size)), vectors=len(cell.channels), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
         units_bwd="step_bwd_units" in plan.kinds,
@@ -407,7 +407,7 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
     manifest = {
         "format": FORMAT, "cell": spec.cell, "input_size": spec.input_size,
         "hidden_size": spec.hidden_size, "direction": spec.direction,
-        "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved),
+        "gates": list(cell.gates), "states": list(cell.states), "saved": list(cell.saved_channels(spec.hidden_size)),
         "dxp_is_dhg": cell.dxp_is_dhg, "vectors": len(cell.channels),
         "onehot": spec.onehot, "panel": plan.layout.panel,
         "layout": plan.layout.to_dict(), "device": "cuda" if plan.cuda else "cpu",

@@ -373,7 +373,7 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     driver's vendor GEMM."""
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
-    S = len(cell.saved)
+    S = len(cell.saved_channels(H))
     if p.xp_panels:    # numpy (Hp/P, B, G, P): xp[:, t] (see _xp_out)
         xp = _param(p, "xp", [P, G, None, p.Hp // P])
         xp_in = hl.Func("xp_in")
@@ -491,7 +491,7 @@ def _step_bwd_inputs(p: Pipe, states) -> tuple:
     the states before and after step t, dy[t], the incoming gradients of
     `states` (W_hh comes from _bwd_weight)."""
     cell, H, Hp = p.cell, p.H, p.Hp
-    saved = _param(p, "saved", [H, len(cell.saved), None])   # numpy (B, S, H): saved[t]
+    saved = _param(p, "saved", [H, len(cell.saved_channels(H)), None])   # numpy (B, S, H): saved[t]
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}
     new = {s: _param(p, s + "_new", [H, None]) for s in cell.states}
     dy = _param(p, "dy", [H, None])                     # numpy (B, H): dy[t]

@@ -243,10 +243,10 @@ def _stream(device: torch.device):
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _sizes(spec: str):
-    """(states, saved channels, gate blocks, vector rows) of spec's cell."""
+def _sizes(spec: str, H: int):
+    """(states, saved channels at H units, gate blocks, vector rows) of spec's cell."""
     d = cells.definition(_unspec(spec)[0])
-    return (len(d.states), len(d.describe()["saved"]), len(d.gates),
+    return (len(d.states), len(d.saved_channels(H)), len(d.gates),
             sum(len(d.gates) if v.per_gate else 1 for v in d.vectors))
 
 
@@ -359,17 +359,17 @@ _layer_backward = torch.library.custom_op("halstm::layer_backward", _backward_im
 
 @_layer.register_fake
 def _(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save):
-    NS, S, _, _ = _sizes(spec)
-    T, B, _ = x.shape
     H = w_hh.shape[1]
+    NS, S, _, _ = _sizes(spec, H)
+    T, B, _ = x.shape
     return x.new_empty((NS, T + 1, B, H)), x.new_empty((T, B, S, H) if save else (0,))
 
 
 @_layer_backward.register_fake
 def _(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx):
-    NS, _, G, V = _sizes(spec)
-    T, B, K = x.shape
     H = w_hh.shape[1]
+    NS, _, G, V = _sizes(spec, H)
+    T, B, K = x.shape
     return (x.new_empty((T, B, K) if need_dx else (0,)), x.new_empty((G * H, K)),
             x.new_empty((G * H,)), x.new_empty((G * H, H)), x.new_empty((G * H,)),
             x.new_empty((V, H) if V else (0,)), x.new_empty((NS, B, H)))

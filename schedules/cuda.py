@@ -524,7 +524,7 @@ def _row_inputs(p, out, b):
     jo, ji = hl.Var("inputs_jo"), hl.Var("inputs_ji")
     for name in names:
         f = p.stage(name)
-        size = p.H * 4 * (len(p.cell.saved) if name == "saved_in" else 1)
+        size = p.H * 4 * (len(p.cell.saved_channels(p.H)) if name == "saved_in" else 1)
         if size > left:
             continue
         left -= size

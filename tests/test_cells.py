@@ -17,6 +17,7 @@ SIZES = {"base": dict(T=4, B=3, L=2), "T1": dict(T=1, B=3, L=2), "B1": dict(T=4,
 
 
 def _problem(m, names, T, B, L, rng):
+    H = m.hidden_size
     x = rng.standard_normal((T, B, I)).astype(np.float32)
     hx = [0.5 * rng.standard_normal((L, B, H)).astype(np.float32) for _ in names]
     dy = rng.standard_normal((T, B, H)).astype(np.float32)
@@ -24,12 +25,12 @@ def _problem(m, names, T, B, L, rng):
     return x, hx, dy, dfinal
 
 
-def check_against_step(cell, step, size="base", seed=0, random_vectors=False, **kw):
-    """Module of `cell` against the numpy `step` at SIZES[size]
-    (random_vectors: its vector parameters random, see _randomized)."""
+def check_against_step(cell, step, size="base", seed=0, random_vectors=False, hidden=H, **kw):
+    """Module of `cell` against the numpy `step` at SIZES[size] and `hidden`
+    units (random_vectors: its vector parameters random, see _randomized)."""
     T, B, L = (SIZES[size][k] for k in "TBL")
     rng = np.random.default_rng(seed)
-    m = halstm.Recurrent(cell, I, H, num_layers=L, seed=seed, **kw)
+    m = halstm.Recurrent(cell, I, hidden, num_layers=L, seed=seed, **kw)
     if random_vectors:
         _randomized(m, seed + 1)
     names = m._state_names
@@ -199,13 +200,27 @@ def test_a_users_cell_with_a_reduction_and_a_vector(size):
 
 
 def test_what_a_reducing_cell_saves():
-    """Rows (means and scales) are saved once per row value, projections
-    as they are: backward recomputes no sum of the forward."""
+    """Rows (means and scales) are saved once per row value, side by side
+    in a channel of their own (two where H is smaller than their count),
+    projections as they are: backward recomputes no sum of the forward."""
     d = cells.definition("layernorm_lstm")
     assert d.reduces and not cells.definition("lstm").reduces
-    assert sum(n.startswith("row_") for n in d.saved) == 6
+    assert len(d.row_saved) == 6 and d.saved[-1] == "rows"
     assert [n for n in d.saved if n[:2] in ("x_", "r_")] == \
         ["x_i", "x_f", "x_g", "x_o", "r_i", "r_f", "r_g", "r_o"]
+    assert d.saved_channels(4) == d.saved[:-1] + ("rows0", "rows1")
+    assert d.saved_channels(H) == d.saved
+
+
+@pytest.mark.parametrize("hidden", [4, 6])
+def test_row_values_in_two_channels_or_one(hidden):
+    """At H = 4 the layer-norm LSTM's 6 row values take two saved channels
+    (units 0-3 and 0-1), at H = 6 exactly one: forward and every gradient
+    as the numpy step's."""
+    m = check_against_step("layernorm_lstm", reference.STEPS["layernorm_lstm"], hidden=hidden,
+                           random_vectors=True)
+    assert m._lib(0, "fwd").manifest["saved"][-2:] == \
+        (["rows0", "rows1"] if hidden == 4 else ["r_o", "rows"])
 
 
 @pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])

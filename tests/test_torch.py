@@ -142,11 +142,13 @@ def test_training_follows_torch():
     assert np.abs(mine - theirs).max() <= 1e-3 * np.abs(theirs).max()
 
 
-@pytest.mark.parametrize("proj, bidir", [(0, False), (I, False), (0, True)])
-def test_compile_fullgraph_matches_eager(proj, bidir):
-    m = hnn.LSTM(I, H, num_layers=2, proj_size=proj, bidirectional=bidir)
+@pytest.mark.parametrize("cell, hidden, proj, bidir", [
+    ("lstm", H, 0, False), ("lstm", H, I, False), ("lstm", H, 0, True),
+    ("layernorm_lstm", 4, 0, False)])     # (its row values: two saved channels at H = 4)
+def test_compile_fullgraph_matches_eager(cell, hidden, proj, bidir):
+    m = hnn.Recurrent(cell, I, hidden, num_layers=2, proj_size=proj, bidirectional=bidir)
     x = torch.randn(7, 3, I)
-    hx = (torch.randn(2, 3, proj or H), torch.randn(2, 3, H)) if proj else None
+    hx = (torch.randn(2, 3, proj or hidden), torch.randn(2, 3, hidden)) if proj else None
 
     def step(model):
         y, (h, c) = model(x, hx)

@@ -56,6 +56,10 @@ class Cell:
     def n_gates(self) -> int:
         return len(self.gates)
 
+    def saved_channels(self, H: int) -> tuple[str, ...]:
+        """The saved channels at H units (their count is the layout's S)."""
+        return self.saved
+
     channels: tuple = ()          # vector parameter channels (name, gate or None); V = len
     reduces: bool = False         # the step reduces over the units (see reductions)
     reductions: list = []         # Funcs over b of the last forward/backward built

@@ -436,10 +436,23 @@ class Definition:
         self.saved_nodes += sorted(raw, key=lambda n: (id(n) in self.rows, n.serial))
         if not self.saved_nodes:       # the layout holds at least one channel: h' itself
             self.saved_nodes = [self.new["h"]]
-        self.saved = _saved_names(self.saved_nodes, self.rows)
+        # a channel per unit value; the row values side by side in channels
+        # of their own (saved_channels), not each repeated at every unit
+        self.unit_saved = [n for n in self.saved_nodes if id(n) not in self.rows]
+        self.row_saved = [n for n in self.saved_nodes if id(n) in self.rows]
+        self.saved = self.saved_channels(len(self.row_saved) or 1)
         # (backward: the layer-norm LSTM's values read at several places are
         # divisions, which staged as well took no less time on the CPU)
         self.staged_fwd = staged([*self.saved_nodes, *self.new.values()], self.rows)
+
+    def saved_channels(self, H: int) -> tuple[str, ...]:
+        """The saved channels' names at H units: one per saved unit value,
+        then the row values, H to a channel ("rows", or "rows0", "rows1",
+        ... where H is smaller than their count): row value k at unit
+        k % H of channel k // H of them."""
+        n = -(-len(self.row_saved) // H)
+        rows = ("rows",) if n == 1 else tuple(f"rows{m}" for m in range(n))
+        return _saved_names(self.unit_saved, self.rows) + rows
 
     @property
     def reduces(self) -> bool:

@@ -169,6 +169,7 @@ class DefinedCell(Cell):
         self.d = d
         self.name, self.gates, self.states = d.name, d.gates, d.states
         self.saved, self.dxp_is_dhg = d.saved, d.dxp_is_dhg
+        self.saved_channels = d.saved_channels
         self.matrix_bias = d.matrix_bias
         self.channels, self.reduces = d.channels, d.reduces
         self.reductions: list = []     # the reduction Funcs of the last forward or backward
@@ -203,8 +204,12 @@ class DefinedCell(Cell):
         self.reductions, rows, stagings, self.levels = [], {}, {}, {}
         direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings,
                            self.levels)
-        saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.saved_nodes], j, b)
-        slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
+        row_values = [direct(n, j) for n in d.row_saved]       # (the same at every unit)
+        packed = [hl.select(*[e for k, r in enumerate(row_values[m:m + H]) for e in (j == k, r)],
+                            hl.f32(0)) for m in range(0, len(row_values), H)]
+        saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.unit_saved] + packed,
+                          j, b)
+        slot = {id(n): k for k, n in enumerate(d.unit_saved)}
 
         def known(n, u):   # at unit j the states read the saved values back, as one Func
             if id(n) in slot and u.name() == j.name():
@@ -221,20 +226,24 @@ class DefinedCell(Cell):
 
     def backward(self, saved, prev, new, dnew, vec, H, j, b):
         d = self.d
-        slot = {id(n): k for k, n in enumerate(d.saved_nodes)}
+        slot = {id(n): k for k, n in enumerate(d.unit_saved)}
+        U = len(d.unit_saved)         # row value k: channel U + k // H, unit k % H
+        row_at = {id(n): (k % H, U + k // H) for k, n in enumerate(d.row_saved)}
         new_node = {id(v): s for s, v in d.new.items()}
         leaf = self._leaf(None, None, prev, vec, b)
 
         def value(n, u):       # forward values: saved, new or previous states, else recomputed
-            if id(n) in slot:      # (a row value, the same at every unit: read at unit 0)
-                return saved[0 if id(n) in d.rows else u, slot[id(n)], b]
+            if id(n) in slot:
+                return saved[u, slot[id(n)], b]
+            if id(n) in row_at:
+                return saved[row_at[id(n)][0], row_at[id(n)][1], b]
             if id(n) in new_node:
                 return new[new_node[id(n)]][u, b]
             if n.op in ("x", "r"):
                 raise AssertionError(f"{n!r} is needed but not saved")
             return leaf(n, u)
         self.reductions, rows, self.stagings, self.levels = [], {}, [], {}
-        stored = lambda n: id(n) in slot or id(n) in new_node   # noqa: E731
+        stored = lambda n: id(n) in slot or id(n) in row_at or id(n) in new_node   # noqa: E731
         values = _Lowering(d.name + "_val", H, b, value, self.reductions, {},
                            levels=self.levels, stored=stored)
 
