@@ -836,6 +836,9 @@ class _Recurrent(torch.nn.Module):
         """_run of a PackedSequence: its rows scattered into a zero-padded
         (T, B, I) (rows sorted longest first), the output gathered back."""
         rows = _check_input(self, input.data)
+        if rows.dim() != 2 or rows.shape[-1] != self.input_size:
+            raise ValueError(f"input: expected PackedSequence data (rows, input_size "
+                             f"{self.input_size}), got shape {tuple(rows.shape)}")
         bs = input.batch_sizes
         T, B = len(bs), int(bs[0])
         index = self._packed_index(bs)
@@ -851,10 +854,8 @@ class _Recurrent(torch.nn.Module):
     def _layers(self, x, hx, unbatched, bs=None, order=None):
         """Every layer and direction over x (T, B, K): y (T, B, D*R) and per
         state its finals (L*D, B, H). bs: a packed batch's step sizes (rows
-        sorted longest first; order: the caller's row of each, for hx)."""
-        if x.shape[-1] != self.input_size or 0 in x.shape:
-            raise ValueError(f"input: expected input_size {self.input_size} features and no "
-                             f"empty axis, got shape {tuple(x.shape)}")
+        sorted longest first; order: the caller's row of each, for hx;
+        the callers have checked x's shape)."""
         T, B, _ = x.shape
         L, D, H = self.num_layers, self._directions, self.hidden_size
         lengths = None if bs is None else row_lengths(bs.numpy(), B)

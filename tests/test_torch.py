@@ -365,6 +365,10 @@ def test_errors_name_the_argument():
         hnn.LSTM(I, H, batch_first=True)(torch.randn(2, 4, I + 1))
     with pytest.raises(ValueError, match=r"at least one time step, got shape \(0, 2, 13\)"):
         m(torch.randn(0, 2, I))
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, I + 1), [4, 2])
+    with pytest.raises(ValueError, match=r"PackedSequence data \(rows, input_size 13\), got "
+                                         r"shape \(6, 14\)"):
+        m(packed)
     with pytest.raises(ValueError, match=r"hx: expected h_0 of shape \(1, 2, 37\)"):
         m(torch.randn(4, 2, I), (torch.zeros(1, 3, H), torch.zeros(1, 3, H)))
     with pytest.raises(TypeError, match="hx: expected None or a tuple of 2"):

@@ -76,9 +76,9 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #endif
     auto xp_rows = [&](int64_t n0, int rows) {
 #if HALSTM_XP_PANELS   // (HP/P, N, G, P): panels of P units (pipeline.py _xp_out)
-        return View(xp + n0 * G * P, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, N * G * P}});
+        return View(xp + n0 * XP_ROW, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, N * G * P}});
 #else                  // (N, G, HP)
-        return View(xp + n0 * G * HP, {{HP, 1}, {G, HP}, {rows, G * HP}});
+        return View(xp + n0 * XP_ROW, {{HP, 1}, {G, HP}, {rows, G * HP}});
 #endif
     };
     View vxp = xp_rows(0, N);
@@ -178,8 +178,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #endif
             } else {     // the same rows of a later step: each view moved along its array
                 const int64_t steps = t - v.t;
+                advance(v.xp, (sr.row0(t) - sr.row0(v.t)) * XP_ROW);
                 v.t = t;
-                advance(v.xp, (sr.row0(t) - sr.row0(t - steps)) * XP_ROW);
                 for (int s = 0; s < NS; s++) {
                     advance(v.prev[s], steps * B * H);
                     advance(v.next[s], steps * B * H);
