@@ -82,8 +82,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = pipeline.FORWARD if spec.direction == "fwd" else pipeline.BACKWARD
     if spec.hidden_size < layout.fused_bwd_below:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
-    if layout.split is not None and layout.split.rows_only and "step_bwd" in kinds:
-        kinds += pipeline.UNITS_BWD     # (where a batch has too few rows to split)
+    if layout.split is not None and layout.split.rows_only:   # (where rows give too few ranges)
+        kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
@@ -327,13 +327,13 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         d = cells.definition(spec.cell)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
-            # first: no ranges of units on the driver's threads (the schedule
-            # may keep ranges of rows), no backward step that finishes the
-            # product and the pointwise part in one
+            # first: no ranges of units for a whole step on the driver's
+            # threads (the schedule may keep ranges of rows, and steps in
+            # parts), no backward step that finishes the product and the
+            # pointwise part in one
             reducing = getattr(module, "reducing_layout", None)
-            layout = (reducing(layout, spec.direction, len(d.gates), spec.hidden_size,
-                               dict(spec.knobs))
-                      if reducing else layout.without("split", "fused_bwd_below"))
+            layout = (reducing(layout) if reducing
+                      else layout.without("split", "fused_bwd_below"))
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,
@@ -394,7 +394,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         saved=len(cell.saved_channels(spec.hidden_size)), vectors=len(cell.channels), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
-        units_bwd="step_bwd_units" in plan.kinds,
+        units_bwd="step_bwd_units" in plan.kinds, units_fwd="step_product" in plan.kinds,
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),

@@ -35,7 +35,7 @@ from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
-         "step_bwd_vendor", "to_bf16")
+         "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -56,6 +56,12 @@ FUSED_BWD = {"step_bwd": "step_bwd_fused"}
 # product. The driver calls it where the batch has too few rows for two
 # ranges.
 UNITS_BWD = ("step_bwd_units",)
+# ... and forward, a step may run in two parts: step_product, the recurrent
+# product on ranges of units, then, once every thread's units are in,
+# step_cell (step_cell_infer) on ranges of rows: the rest of the step,
+# reading that product. The driver calls them where ranges of rows would
+# be too few or would each read too large a W_hh.
+UNITS_FWD = ("step_product", "step_cell", "step_cell_infer")
 # With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
@@ -365,12 +371,14 @@ def _dvec_sums(p: Pipe, dims) -> tuple:
     return [sums], _clamp(sums, dims)
 
 
-def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
+def _step(p: Pipe, save: bool = True, product: str = "") -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and (save) the saved channels, so that a schedule can
     compute the recurrent product, the cell and every store in one loop
-    nest. vendor: the product is an input (hg, in place of wp_hh), the
-    driver's vendor GEMM."""
+    nest. product "input": the product is an input (hg, in place of
+    wp_hh), the driver's vendor GEMM; "biased": an input with b_hh added
+    (step_product's; no b_hh input)."""
+    vendor = bool(product)
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     S = len(cell.saved_channels(H))
@@ -382,12 +390,13 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     else:              # numpy (B, G, Hp): xp[t]
         xp = _param(p, "xp", [p.Hp, G, None])
         xp_in = _clamp(xp, (2,))
-    b_hh = _param(p, "b_hh", [H, G])                    # numpy (G, H)
+    b_hh = [] if product == "biased" else [_param(p, "b_hh", [H, G])]     # numpy (G, H)
     if vendor:   # the driver's vendor GEMM gives h W_hh^T: numpy (B, G, Hp), H used
         recurrent = _param(p, "hg", [p.Hp, G, None])
         hg_in = _clamp(recurrent, (2,))
         hg = hl.Func("hg")
-        hg[j, gate, b] = hg_in[j, gate, b] + b_hh[hl.min(j, H - 1), gate]
+        hg[j, gate, b] = (hg_in[j, gate, b] + b_hh[0][hl.min(j, H - 1), gate] if b_hh
+                          else hg_in[j, gate, b])
     else:
         recurrent = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
@@ -396,7 +405,7 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     r = hl.RDom([(0, H)], "r_k")
     if not vendor:
         w = _packed(recurrent, j, P)
-        hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],  # (B, G, Hp)
+        hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[0][hl.min(j, H - 1), gate],  # (B, G, Hp)
                              lambda: w(gate, r.x) * prev_in["h"][r.x, b])
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
@@ -408,7 +417,7 @@ def _step(p: Pipe, save: bool = True, vendor: bool = False) -> None:
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)] +
                          ([_bf16_bits(new["h"][j, b])] if bits else []))
-    p.inputs = [xp, recurrent, b_hh] + [prev[s] for s in cell.states] + vec
+    p.inputs = [xp, recurrent] + b_hh + [prev[s] for s in cell.states] + vec
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
     # of saved[t] (B, S, H), so a row stride of S*H; h's bits (B, H)
@@ -452,11 +461,43 @@ def _step_infer(p: Pipe) -> None:
 
 
 def _step_vendor(p: Pipe) -> None:
-    _step(p, vendor=True)
+    _step(p, product="input")
 
 
 def _step_vendor_infer(p: Pipe) -> None:
-    _step(p, save=False, vendor=True)
+    _step(p, save=False, product="input")
+
+
+def _step_cell(p: Pipe) -> None:
+    _step(p, product="biased")
+
+
+def _step_cell_infer(p: Pipe) -> None:
+    _step(p, save=False, product="biased")
+
+
+def _step_product(p: Pipe) -> None:
+    """A step's recurrent product alone, hg = b_hh + h W_hh^T (summed as
+    step's, so that the results are the same), on the driver's ranges of
+    units (see UNITS_FWD): numpy (B, G, Hp)."""
+    G, H, P = p.G, p.H, p.P
+    j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
+    p.split_rows_only = False
+    wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])          # numpy (Hp/P, H, G, P)
+    h = _param(p, "h_prev", [H, None])                        # numpy (B, H)
+    b_hh = _param(p, "b_hh", [H, G])                          # numpy (G, H)
+    h_in = _clamp(h, (0, 1))    # (a tile may overrun B)
+    r = hl.RDom([(0, H)], "r_k")
+    w = _packed(wp_hh, j, P)
+    hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],
+                         lambda: w(gate, r.x) * h_in[r.x, b])
+    p.inputs, p.outputs = [wp_hh, b_hh, h], [hg]
+    _constrain(hg.output_buffer(), [p.Hp, G, None], bounds=False)
+    hg.output_buffer().dim(1).set_bounds(0, G)      # (units: _unit_range's)
+    p.shapes[hg.name()] = [p.Hp, G, None]
+    _unit_range(p, [(hg.output_buffer(), p.Hp)])
+    p.stages = {"hg_acc": hg_acc, "hg": hg, "prev_in_h": h_in}
+    p.rdoms = {"k": r}
 
 
 def _pack_bwd(p: Pipe) -> None:

@@ -67,22 +67,24 @@ def layout(target: hl.Target) -> Layout:
                   fused_bwd_below=FUSED_BWD_BELOW)
 
 
-def reducing_layout(layout: Layout, direction: str, G: int, H: int, knobs=None) -> Layout:
+def reducing_layout(layout: Layout) -> Layout:
     """The layout of a cell whose step reduces over the units: every unit
-    of a row's products comes before its pointwise work, so the driver's
-    threads never take ranges of units. They take ranges of batch rows
-    (split rows_only; each thread reads all of W_hh every step) backward,
-    and forward where W_hh is at most the knob rows_fwd_kib (default 512
-    KiB: on 16 cores, 8 threads that each read a 4 or 16 MB W_hh took
-    1.5-2.1x the time of Halide's pool); else the step runs whole on
-    Halide's pool, its product over unit panels, then its rows
+    of a row's products comes before its pointwise work, so a step's
+    threads do not take ranges of units. The driver's threads take ranges
+    of batch rows (split rows_only; each thread reads all of W_hh every
+    step); where the rows give too few ranges (backward) the backward step
+    runs on ranges of units, each thread computing the pointwise part of
+    every unit (pipeline.UNITS_BWD); forward, where they give too few or W_hh is
+    larger than the knob rows_fwd_kib (default 512 KiB: on 16 cores, 8
+    threads that each read a 4 or 16 MB W_hh took 1.5-2.1x the time of
+    Halide's pool), a step runs in two parts, its product on ranges of
+    units, then the rest on ranges of rows (pipeline.UNITS_FWD)
     (bench/RESULTS.md, "Schedule decisions": cpu.step rows). Ranges of at
     least REDUCING_ROWS rows where W_hh is large (the driver's ranges go
     down to one row where it is small)."""
-    limit = (knobs or {}).get("rows_fwd_kib", KNOBS["rows_fwd_kib"].default) << 10
     layout = layout.without("fused_bwd_below")
-    if layout.split is None or (direction == "fwd" and G * H * H * 4 > limit):
-        return layout.without("split")
+    if layout.split is None:
+        return layout
     return replace(layout, split=replace(layout.split, rows_only=True, rows=REDUCING_ROWS))
 
 
@@ -369,21 +371,37 @@ def _step_rows(p, target):
     cell, units vectorized. One thread where the driver splits the steps
     (by rows: layout split rows_only); else in parallel, over unit panels
     and then rows (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
+    _product_tiles(p, target, p.stage("hg").compute_root(), None if p.split_steps else "jo",
+                   p.param("h_prev").dim(1).extent())
+    _cell_rows(p)
+
+
+def _product_tiles(p, target, hg, par, extent=None) -> None:
+    """A step's recurrent product in register tiles of every gate, as the
+    LSTM's step (cpu.step): one load of each h value feeds all the gates'
+    FMAs; below step_rows rows, tiles of two panels and one row. Sets the
+    driver's ranges of units to whole tiles. extent: the rows where hg is
+    not an output."""
     v, P = p.vars, p.P
-    j, b = v["j"], v["b"]
-    out, hg, acc, act = p.stage("out"), p.stage("hg"), p.stage("hg_acc"), p.stage("saved")
-    hg.compute_root()
+    b = v["b"]
     batch = p.param("h_prev").dim(1).extent()
-    par = None if p.split_steps else "jo"
-    # a tile holds every gate, as the LSTM's step (cpu.step): one load of
-    # each h value feeds all the gates' FMAs
     rows = step_rows(target)
-    _tile(hg, acc, j, P, [(v["gate"], None, ROUND), (b, rows, GUARD)], [p.rdoms["k"].x],
-          par=par, extent=batch, small=(batch < rows, _panels(p.Hp, P, 2) if p.H % P == 0 else 1,
-                                        par))
-    # where the driver takes ranges of rows and W_hh is this small, ranges
-    # down to one row (csrc/threads.h run_split)
-    p.split_batch_bytes = ROWS_FWD_BYTES
+    small_panels = _panels(p.Hp, P, 2) if p.H % P == 0 else 1
+    _tile(hg, p.stage("hg_acc"), v["j"], P, [(v["gate"], None, ROUND), (b, rows, GUARD)],
+          [p.rdoms["k"].x], par=par, extent=extent, small=(batch < rows, small_panels, par))
+    p.split_quantum = small_panels
+
+
+def _cell_rows(p) -> None:
+    """The cell after its product, per batch row: the row's sums, its
+    stagings and the cell, units vectorized; rows in parallel unless the
+    driver splits the steps. Where the driver takes ranges of rows, W_hh
+    may be as large as the knob rows_fwd_kib (csrc/threads.h; past it, the
+    driver runs the step as step_product and step_cell), and ranges go
+    down to one row."""
+    j, b, P = p.vars["j"], p.vars["b"], p.P
+    out, act = p.stage("out"), p.stage("saved")
+    p.split_batch_bytes = knob(p, "rows_fwd_kib") << 10
     jo, ji = hl.Var("jo"), hl.Var("ji")
     out.split(j, jo, ji, P, GUARD).vectorize(ji)
     if not p.split_steps:
@@ -391,6 +409,22 @@ def _step_rows(p, target):
     _row_sums(p, out, b, P)
     _row_stagings(p, out, b, P)
     act.compute_at(out, jo).vectorize(j, P, GUARD).unroll(act.args()[1])
+
+
+def step_product(p, target):
+    """The product of a step run in two parts (pipeline.UNITS_FWD), on the
+    driver's ranges of units: a whole step's register tiles."""
+    _product_tiles(p, target, p.stage("hg"), None)
+
+
+def step_cell(p, target):
+    """The rest of a step run in two parts (pipeline.UNITS_FWD), on the
+    driver's ranges of rows: the product with its bias is read, not
+    computed; the rest as a whole step's."""
+    _cell_rows(p)
+
+
+step_cell_infer = step_cell
 
 
 def step(p, target):

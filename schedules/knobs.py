@@ -16,10 +16,11 @@ class Knob(NamedTuple):
 # projection's row chunk (tiles), the backward product's panel budget (KiB)
 # and, for a cell that reduces over units, the W_hh size up to which its
 # forward takes ranges of batch rows (in KiB: 1 never, 1 GiB always;
-# cpu.reducing_layout). Which value is fastest depends on the machine:
-# dw_panels 4 was fastest on the AMD VM, 1 on the Intel VM (bench/RESULTS.md,
-# "Tuned knobs"); ranges of rows forward past 512 KiB of W_hh lost on 16
-# cores and won on 2 ("cpu.step rows", "Tuned knobs").
+# cpu._cell_rows; past it, steps in two parts). Which value is fastest
+# depends on the machine: dw_panels 4 was fastest on the AMD VM, 1 on the
+# Intel VM (bench/RESULTS.md, "Tuned knobs"); ranges of rows forward past
+# 512 KiB of W_hh lost to Halide's pool on 16 cores and won on 2 ("cpu.step
+# rows", "Tuned knobs").
 KNOBS = {"cpu": {"dw_panels": Knob("bwd", 4, (1, 2, 4, 8)),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64)),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048)),

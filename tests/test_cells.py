@@ -89,18 +89,19 @@ def test_reduction_groups_hold_sums_that_read_none_of_each_other():
 
 
 @pytest.mark.parametrize("hidden, batch, split", [(37, 27, {"fwd": 3, "bwd": 3}),
-                                                  (256, 27, {"fwd": 0, "bwd": 3}),
+                                                  (256, 27, {"fwd": 3, "bwd": 3}),
                                                   (96, 5, {"fwd": 3, "bwd": 3}),
-                                                  (256, 1, {"fwd": 0, "bwd": 2})])
+                                                  (256, 1, {"fwd": 3, "bwd": 2})])
 def test_reducing_steps_split_over_rows(hidden, batch, split, monkeypatch):
     """A step that reduces over the units needs all of them: three threads
     asked for, the batch rows run as three ranges of rows backward, and
-    forward where W_hh is at most 512 KB (a larger one's forward runs on
-    Halide's pool: no driver split, 0), with the results of one thread.
+    forward where W_hh is at most 512 KB, with the results of one thread.
     Where W_hh is that small, a range may be as short as one row (5 rows:
-    ranges of 1, 2 and 2). One row backward: ranges of units
-    (step_bwd_units), two at H=256 (the product's one-row tiles span half
-    its panels)."""
+    ranges of 1, 2 and 2). A larger W_hh, or one row, forward: each step in
+    two parts, the product on ranges of units, then the rest on ranges of
+    rows (pipeline.UNITS_FWD; the same results as one thread's, bit for
+    bit). One row backward: ranges of units (step_bwd_units), two at H=256
+    (the product's one-row tiles span half its panels)."""
     m = _randomized(halstm.Recurrent("layernorm_lstm", I, hidden, seed=0), 1)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((60, batch, I)).astype(np.float32)
@@ -114,6 +115,8 @@ def test_reducing_steps_split_over_rows(hidden, batch, split, monkeypatch):
         assert ran == {d: min(n, threads) for d, n in split.items()}
     (outs1, grads1), (outs3, grads3) = runs[1], runs[3]
     for name, a, b in zip(("y", "h_n", "c_n"), outs3, outs1):
+        if hidden == 256:   # (two parts: the same sums in the same order)
+            np.testing.assert_array_equal(a, b, err_msg=name)
         assert_close(name, a, b, rtol=1e-6)
     assert set(grads3) == set(grads1)
     for k in grads1:
@@ -129,6 +132,19 @@ def test_lengths_match_each_sequence_alone(cell):
     rng = np.random.default_rng(4)
     x, hx, dy, dfinal = _problem(m, m._state_names, 6, 4, 2, rng)
     check_lengths_against_alone(m, x, np.array([3, 6, 1, 5]), hx, dy, dfinal)
+
+
+def test_steps_in_two_parts_with_lengths(monkeypatch):
+    """The forward's steps in two parts (H=256: W_hh past 512 KiB) on a
+    batch with lengths, three threads: each step's product and rows are
+    those of its own rows; as each sequence alone."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = _randomized(halstm.Recurrent("layernorm_lstm", I, 256, seed=0), 3)
+    rng = np.random.default_rng(5)
+    x, hx, dy, dfinal = _problem(m, m._state_names, 40, 5, 1, rng)
+    check_lengths_against_alone(m, x, np.array([17, 40, 1, 33, 40]), hx, dy, dfinal)
+    m(x, tuple(hx), lengths=np.array([17, 40, 1, 33, 40]))
+    assert m._lib(0, "fwd").step_threads() == 3
 
 
 def test_cell_without_bias():

@@ -23,6 +23,16 @@ int halstm_step_infer_argv(void **);
 int halstm_step_vendor_argv(void **);
 int halstm_step_vendor_infer_argv(void **);
 #endif
+#if HALSTM_UNITS_FWD
+// A step in two parts (threads.h two_parts_wanted): inputs wp_hh, b_hh,
+// h_prev, int panel0, panels; output hg (B, G, HP) = b_hh + h W_hh^T, its
+// units of those panels. Then the rest: halstm_step's arguments with hg in
+// place of wp_hh (the whole of it) and no b_hh, the outputs cropped to a
+// range of rows.
+int halstm_step_product_argv(void **);
+int halstm_step_cell_argv(void **);
+int halstm_step_cell_infer_argv(void **);
+#endif
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
@@ -204,7 +214,89 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         }
         return rc;
     };
+#if HALSTM_UNITS_FWD
+    // each step in two parts: the product into hg (B, G, HP) in ranges of
+    // `quantum` unit panels; once every range is in, the rest of the step
+    // on each batch row; then the next step's product waits for every
+    // row's h. Each thread takes its own share of a step's ranges, then of
+    // its rows (the same every step: its part of W_hh and its rows' values
+    // stay in its core's cache), then any another thread has not taken
+    // (a thread that the host slows down takes fewer).
+    const double macs = (double)G * H * H * B;
+    const bool two_parts = two_parts_wanted(macs, T, B, batch_sizes);
+    const int quantum = plan_split(macs, T, B, batch_sizes, true).quantum;
+    const int panels = HP / P, ranges = panels / quantum;
+    HostBlock hg_ws(two_parts ? (size_t)B * G * HP * sizeof(float) : 0);
+    // per step, whether each range of the product, then each row, is taken
+    std::vector<std::atomic<char>> taken(two_parts ? (size_t)T * (ranges + B) : 0);
+    if (two_parts && !hg_ws.ptr) {
+        halide_error(nullptr, "halstm_forward: out of memory for the steps' products\n");
+        return -1;
+    }
+    // do(k) for each of n items that flags say nobody took: [own0, own1) first
+    auto take = [](std::atomic<char> *flags, int n, int own0, int own1, const auto &work) {
+        for (int k = own0; k < own1; k++)
+            if (!flags[k].exchange(1))
+                if (int rc = work(k)) return rc;
+        for (int k = 0; k < n; k++)
+            if (!flags[k].load(std::memory_order_relaxed) && !flags[k].exchange(1))
+                if (int rc = work(k)) return rc;
+        return 0;
+    };
+    auto two_part_steps = [&](const Part &me, SpinBarrier *barrier) {
+        int rc = 0;
+        const int n = barrier ? barrier->n : 1;
+        float *prod = (float *)hg_ws.ptr;
+        for (int t = 0; t < T; t++) {
+            const int rows = step_rows(batch_sizes, t, B);
+            std::atomic<char> *flags = &taken[(size_t)t * (ranges + B)];
+            View h = bh(states[0], t, B, rows), whole_hg(prod, {{HP, 1}, {G, HP}, {rows, G * HP}});
+            rc = take(flags, ranges, me.q0 / quantum, (me.q0 + me.nq) / quantum, [&](int r) {
+                const Part range{r * quantum, quantum, 0, rows};
+                View vhg = part_of(whole_hg, range, HP, 2);
+                void *args[] = {vwp_hh.hb(), vb_hh.hb(), h.hb(), (void *)&range.q0,
+                                (void *)&range.nq, vhg.hb()};
+                return halstm_step_product_argv(args);
+            });
+            if (!step_done(barrier, rc)) break;
+            View vxp = xp_rows(sr.row0(t), rows);
+            // (rounded up: with fewer rows than threads, thread r has row r)
+            const int row0 = (int)(((int64_t)rows * me.thread + n - 1) / n);
+            const int row1 = (int)(((int64_t)rows * (me.thread + 1) + n - 1) / n);
+            rc = take(flags + ranges, rows, row0, row1, [&](int b) {   // the rest of row b
+                const Part part{0, panels, b, 1};
+                View prev[NS], next[NS], sv[S > 0 ? S : 1];
+                void *args[3 + 2 * NS + 2 + S];
+                int k = 0;
+                args[k++] = vxp.hb(), args[k++] = whole_hg.hb();
+                for (int s = 0; s < NS; s++) {
+                    prev[s] = bh(states[s], t, B, rows);
+                    args[k++] = prev[s].hb();
+                }
+                if (NV) args[k++] = vvec.hb();
+                args[k++] = (void *)&part.q0, args[k++] = (void *)&part.nq;
+                for (int s = 0; s < NS; s++) {
+                    next[s] = PART(bh(states[s], t + 1, B, rows), H, 1);
+                    args[k++] = next[s].hb();
+                }
+                const float *saved_t = saved + (int64_t)t * B * S * H;
+                for (int c = 0; saved && c < S; c++) {
+                    sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
+                    args[k++] = sv[c].hb();
+                }
+                return saved ? halstm_step_cell_argv(args) : halstm_step_cell_infer_argv(args);
+            });
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
+    auto steps = [&]() {
+        return two_parts ? run_split(macs, T, B, batch_sizes, two_part_steps, true)
+                         : run_steps(T, B, batch_sizes, part_steps);
+    };
+#else
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
+#endif
     // (the vendor steps' GEMMs read w_hh or its copy, and write hg)
     uint64_t key[11 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                              u64(vec), rows_hash(batch_sizes, T), u64(hg), u64(step.w),

@@ -87,3 +87,19 @@ void halide_free(void *user_context, void *ptr) {
 }
 
 }  // extern "C"
+
+namespace {
+
+// A host block from halide_malloc (aligned as Halide's own; one of 1 MB or
+// more comes back from the cache above), freed when it goes out of scope.
+struct HostBlock {
+    void *ptr;
+    explicit HostBlock(size_t bytes) : ptr(bytes ? halide_malloc(nullptr, bytes) : nullptr) {}
+    ~HostBlock() {
+        if (ptr) halide_free(nullptr, ptr);
+    }
+    HostBlock(const HostBlock &) = delete;
+    HostBlock &operator=(const HostBlock &) = delete;
+};
+
+}  // namespace

@@ -128,6 +128,7 @@ struct PoolWork {
 // [q0, q0 + nq) of the batch rows [b0, b0 + nb).
 struct Part {
     int q0, nq, b0, nb;
+    int thread = 0;   // run_split's: which of its threads
 };
 
 // A view with axis 0 (units; `units` of them in the array) cropped to the
@@ -190,6 +191,26 @@ bool units_split_wanted(double macs, int T, int B, const int *batch_sizes) {
            plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
 }
 
+#if HALSTM_UNITS_FWD
+// Whether a forward time loop of steps that reduce over units runs each
+// step in two parts, the product on ranges of units, then the rest on
+// ranges of rows, the threads meeting after each (pipeline.UNITS_FWD),
+// rather than whole steps on ranges of rows: where W_hh is larger than
+// HALSTM_SPLIT_BATCH_BYTES (the knob rows_fwd_kib: every range of rows
+// reads all of it each step) or the rows give fewer than two ranges, and
+// ranges of units are worth two threads, on a step of at least 4 x
+// HALSTM_SPLIT_MACS multiply-adds (one thread computes the rest of a
+// one-row step while the others wait: at K=H=128 B=1, 2^16 MACs a step,
+// two parts took 0.97x one thread's time on the Zen 5 VM, 1.29x on the
+// 16-core Xeon).
+bool two_parts_wanted(double macs, int T, int B, const int *batch_sizes) {
+    if (threads_available() < 2 || macs < 4.0 * HALSTM_SPLIT_MACS) return false;
+    const bool small_w = (double)G * H * H * sizeof(float) <= HALSTM_SPLIT_BATCH_BYTES;
+    if (small_w && plan_split(macs, T, B, batch_sizes).by_rows) return false;
+    return plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
+}
+#endif
+
 // Run body(part, barrier) on as many threads as the work of a step (macs)
 // is worth (HALSTM_SPLIT_MACS each), where the whole loop (T steps) is
 // worth starting threads for (HALSTM_SPLIT_CALL_MACS). Batch rows are independent through the
@@ -246,8 +267,8 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by
     auto part = [&](int r) {
         int lo = bounds[r], hi = bounds[r + 1];
         if (by_rows)   // the last range also takes the rows past the whole units
-            return Part{0, panels, lo * least, (r == n - 1 ? B : hi * least) - lo * least};
-        return Part{lo * quantum, (hi - lo) * quantum, 0, B};
+            return Part{0, panels, lo * least, (r == n - 1 ? B : hi * least) - lo * least, r};
+        return Part{lo * quantum, (hi - lo) * quantum, 0, B, r};
     };
     SpinBarrier barrier(n);
     SpinBarrier *meet = by_rows ? nullptr : &barrier;
