@@ -220,8 +220,9 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     // on each batch row; then the next step's product waits for every
     // row's h. Each thread takes its own share of a step's ranges, then of
     // its rows (the same every step: its part of W_hh and its rows' values
-    // stay in its core's cache), then any another thread has not taken
-    // (a thread that the host slows down takes fewer).
+    // stay in its core's cache), then any that another thread has not
+    // taken (a thread that the host slows down does less). Results do not
+    // depend on which thread computes what.
     const double macs = (double)G * H * H * B;
     const bool two_parts = two_parts_wanted(macs, T, B, batch_sizes);
     const int quantum = plan_split(macs, T, B, batch_sizes, true).quantum;
