@@ -35,7 +35,8 @@ from .layout import Layout
 
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
-         "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer")
+         "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
+         "step_bwd_cell", "step_bwd_product")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -54,8 +55,11 @@ FUSED_BWD = {"step_bwd": "step_bwd_fused"}
 # same step on ranges of units: each thread computes the pointwise part of
 # every unit (its sums need them all) and its own units' outputs and
 # product. The driver calls it where the batch has too few rows for two
-# ranges.
-UNITS_BWD = ("step_bwd_units",)
+# ranges. Where ranges of rows would each read too large a W_hh, a step
+# runs in two parts instead: step_bwd_cell, the pointwise part on ranges of
+# rows (its dh_prev the pointwise term alone), then step_bwd_product,
+# dh_prev = that term + W_hh^T dhg, on ranges of units.
+UNITS_BWD = ("step_bwd_units", "step_bwd_cell", "step_bwd_product")
 # ... and forward, a step may run in two parts: step_product, the recurrent
 # product on ranges of units, then, once every thread's units are in,
 # step_cell (step_cell_infer) on ranges of rows: the rest of the step,
@@ -558,6 +562,34 @@ def _bwd_weight(p: Pipe, name: str, n: int, unit):
 
 def _step_bwd_vendor(p: Pipe) -> None:
     _step_bwd(p, vendor=True)
+
+
+# the pointwise part of a backward step in two parts (see UNITS_BWD): a
+# vendor step's pipeline, the product left to step_bwd_product
+_step_bwd_cell = _step_bwd_vendor
+
+
+def _step_bwd_product(p: Pipe) -> None:
+    """The product of a backward step in two parts (see UNITS_BWD): dh_prev
+    = dh_own + W_hh^T dhg on the driver's ranges of units, summed as
+    step_bwd's; dhg (B, G, H) (dxp where the cell's are one), dh_own (B,
+    Hp) rows, H used (step_bwd_cell's dh_prev); out numpy (B, Hp)."""
+    G, H, Hp = p.G, p.H, p.Hp
+    k, b = p.vars["k"], p.vars["b"]
+    p.split_rows_only = False
+    dhg = _param(p, "dhg", [H, G, None])                    # numpy (B, G, H)
+    w_hh, w = _bwd_weight(p, "w_hh", H, k)
+    own = _param(p, "dh_own", [H, None], [1, Hp])
+    dhg_in, own_in = _clamp(dhg, (2,)), _clamp(own, (0, 1))
+    r = hl.RDom([(0, H), (0, G)], "r_jg")
+    dh_acc, dh_prev = _matmul("dh_prev", [k, b], own_in[k, b],
+                              lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    p.inputs, p.outputs = [dhg, w_hh, own], [dh_prev]
+    _constrain(dh_prev.output_buffer(), [Hp, None], bounds=False)    # (units: _unit_range's)
+    p.shapes[dh_prev.name()] = [Hp, None]
+    _unit_range(p, [(dh_prev.output_buffer(), Hp)])
+    p.stages = {"dh_prev_acc": dh_acc, "dprev_h": dh_prev, "dhg_in": dhg_in}
+    p.rdoms = {"jg": r}
 
 
 def _step_bwd(p: Pipe, vendor: bool = False) -> None:

@@ -72,13 +72,13 @@ def reducing_layout(layout: Layout) -> Layout:
     of a row's products comes before its pointwise work, so a step's
     threads do not take ranges of units. The driver's threads take ranges
     of batch rows (split rows_only; each thread reads all of W_hh every
-    step); where the rows give too few ranges (backward) the backward step
-    runs on ranges of units, each thread computing the pointwise part of
-    every unit (pipeline.UNITS_BWD); forward, where they give too few or W_hh is
-    larger than the knob rows_fwd_kib (default 512 KiB: on 16 cores, 8
-    threads that each read a 4 or 16 MB W_hh took 1.5-2.1x the time of
-    Halide's pool), a step runs in two parts, its product on ranges of
-    units, then the rest on ranges of rows (pipeline.UNITS_FWD)
+    step). Where the rows give too few ranges, the backward step runs on
+    ranges of units, each thread computing the pointwise part of every
+    unit (step_bwd_units); forward, and backward past 1 MiB of W_hh, a
+    step runs in two parts, its product on ranges of units and the rest on
+    ranges of rows (pipeline.UNITS_FWD, UNITS_BWD); forward also past the
+    knob rows_fwd_kib (default 512 KiB: on 16 cores, 8 threads that each
+    read a 4 or 16 MB W_hh took 1.5-2.1x the time of Halide's pool)
     (bench/RESULTS.md, "Schedule decisions": cpu.step rows). Ranges of at
     least REDUCING_ROWS rows where W_hh is large (the driver's ranges go
     down to one row where it is small)."""
@@ -472,12 +472,27 @@ def step_bwd(p, target):
     than copied, then dh_prev = W_hh^T dhg (bench/RESULTS.md, "Schedule
     decisions": cpu.step rows)."""
     assert p.reductions, "step_bwd: a cell that reduces over units (the others: step_bwd_fused)"
-    v, H = p.vars, p.H
-    k, b = v["k"], v["b"]
-    vw = _vw(target, H)
-    product_in = "dxp" if p.cell.dxp_is_dhg else "dhg"     # what dh_prev reads
-    names = (product_in,) + tuple(n for n in ("dxp", "dvec" if p.V else None)
-                                  if n and n != product_in)
+    k, b = p.vars["k"], p.vars["b"]
+    own = not p.split_steps
+    _bwd_rows(p, target, "dxp" if p.cell.dxp_is_dhg else "dhg", p.cell.states[1:])
+    r = p.rdoms["jg"]
+    batch = p.param("saved").dim(2).extent()
+    wide, rows, narrow = _dh_tiles(p, target)
+    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
+          panels=wide, small=(batch < rows, narrow, "ko" if own else None),
+          par="ko" if own else None)
+
+
+def _bwd_rows(p, target, product_in, states) -> None:
+    """A backward step's pointwise part: one loop over rows, each row's
+    sums inside its iteration, every output (the state gradients of
+    `states` too) computed in it; product_in (the product's operand, or
+    None) computed whole first, then copied out."""
+    b = p.vars["b"]
+    vw = _vw(target, p.H)
+    names = tuple(n for n in (product_in, "dxp", "dhg" if not p.cell.dxp_is_dhg else None,
+                              "dvec" if p.V else None) if n)
+    names = tuple(dict.fromkeys(names))
     own = not p.split_steps
     first = None
     for name in names:
@@ -494,19 +509,32 @@ def step_bwd(p, target):
             first = f
         else:
             f.compute_with(first, b)
-    for s in p.cell.states[1:]:
+    for s in states:
         d = p.stage("dprev_" + s).compute_with(first, b)
         if own:
             d.parallel(b)
     _row_sums(p, first, b, vw)   # each row's sums inside its iteration
+    for s in states:
+        _pointwise(p.stage("dprev_" + s), vw)
+
+
+def step_bwd_cell(p, target):
+    """The pointwise part of a backward step in two parts (pipeline.UNITS_BWD)
+    on the driver's ranges of rows: step_bwd's loop over rows, dh_prev's
+    pointwise term in it, no product."""
+    _bwd_rows(p, target, None, p.cell.states)
+    _dh_tiles(p, target)     # (the driver's ranges of units: the product's)
+
+
+def step_bwd_product(p, target):
+    """The product of a backward step in two parts (pipeline.UNITS_BWD) on the
+    driver's ranges of units: step_bwd's tiles."""
+    k, b = p.vars["k"], p.vars["b"]
     r = p.rdoms["jg"]
-    batch = p.param("saved").dim(2).extent()
+    batch = p.param("dhg").dim(2).extent()
     wide, rows, narrow = _dh_tiles(p, target)
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
-          panels=wide, small=(batch < rows, narrow, "ko" if own else None),
-          par="ko" if own else None)
-    for s in p.cell.states[1:]:
-        _pointwise(p.stage("dprev_" + s), vw)
+          panels=wide, small=(batch < rows, narrow, None))
 
 
 # The same step on the driver's ranges of units (pipeline.UNITS_BWD, a

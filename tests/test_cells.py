@@ -135,16 +135,22 @@ def test_lengths_match_each_sequence_alone(cell):
 
 
 def test_steps_in_two_parts_with_lengths(monkeypatch):
-    """The forward's steps in two parts (H=256: W_hh past 512 KiB) on a
-    batch with lengths, three threads: each step's product and rows are
-    those of its own rows; as each sequence alone."""
+    """Steps in two parts on a batch with lengths, three threads: at H=288
+    W_hh (1.3 MB) is past 512 KiB forward and 1 MiB backward, so both
+    directions run each step's product on ranges of units and the rest on
+    rows (two ranges of 8 rows would give the backward only two threads);
+    each step's products and rows are those of its own rows: as each
+    sequence alone."""
     monkeypatch.setenv("HL_NUM_THREADS", "3")
-    m = _randomized(halstm.Recurrent("layernorm_lstm", I, 256, seed=0), 3)
+    m = _randomized(halstm.Recurrent("layernorm_lstm", I, 288, seed=0), 3)
     rng = np.random.default_rng(5)
-    x, hx, dy, dfinal = _problem(m, m._state_names, 40, 5, 1, rng)
-    check_lengths_against_alone(m, x, np.array([17, 40, 1, 33, 40]), hx, dy, dfinal)
-    m(x, tuple(hx), lengths=np.array([17, 40, 1, 33, 40]))
-    assert m._lib(0, "fwd").step_threads() == 3
+    lengths = rng.integers(1, 31, 17)
+    lengths[4] = 30
+    x, hx, dy, dfinal = _problem(m, m._state_names, 30, 17, 1, rng)
+    check_lengths_against_alone(m, x, lengths, hx, dy, dfinal)
+    m(x, tuple(hx), lengths=lengths)
+    m.backward(dy, *dfinal)
+    assert m._lib(0, "fwd").step_threads() == 3 and m._lib(0, "bwd").step_threads() == 3
 
 
 def test_cell_without_bias():

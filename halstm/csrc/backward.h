@@ -21,6 +21,12 @@ int halstm_step_bwd_fused_argv(void **);
 // step_bwd on ranges of units, where the batch has too few rows for the
 // driver's ranges of rows (threads.h units_split_wanted)
 int halstm_step_bwd_units_argv(void **);
+// A step in two parts (threads.h two_parts_wanted): step_bwd_cell, step_bwd's
+// arguments without w_hh, its dprev[0] h's pointwise term alone (B, H of HP);
+// then step_bwd_product: inputs dhg (B, G, H), w_hh, that term, int panel0,
+// panels; output dprev[0] (B, HP), the term plus the product, those units.
+int halstm_step_bwd_cell_argv(void **);
+int halstm_step_bwd_product_argv(void **);
 #endif
 #ifdef HALSTM_VENDOR_STEP_ROWS
 // step_bwd without its product (and without w_hh): the driver adds dhg W_hh
@@ -280,8 +286,49 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         }
         return rc;
     };
+    // ranges of rows that would each read too large a W_hh: each step in two
+    // parts, the pointwise part on rows (its h term into own_ws (B, HP)),
+    // then dh_prev on ranges of units; each thread its own share first
+    // (take_items)
+    TwoParts two(!by_units && two_parts_wanted(macs, T, B, batch_sizes), macs, T, B,
+                 batch_sizes, (size_t)B * HP * sizeof(float));
+    if (two.on && !two.ws.ptr) {
+        halide_error(nullptr, "halstm_backward: out of memory for the steps' h terms\n");
+        return -1;
+    }
+    auto two_part_steps = [&](const Part &me, SpinBarrier *barrier) {
+        int rc = 0;
+        const int n = barrier ? barrier->n : 1, quantum = two.quantum;
+        float *own = (float *)two.ws.ptr;
+        for (int t = T - 1; t >= 0; t--) {
+            const int rows = step_rows(batch_sizes, t, B), nxt = ((T - 1 - t) & 1) ^ 1;
+            int row0, row1;
+            own_share(me, n, rows, &row0, &row1);
+            rc = take_items(two.rows_of(t), rows, row0, row1, [&](int b) {
+                const Part part{0, HP / P, b, 1};
+                StepArgs v;
+                step_args(v, t, rows, part, true);
+                v.dprev[0] = PART(dstate_row(own, 0, B, H, rows), H, 1);   // (args point at it)
+                return halstm_step_bwd_cell_argv(v.args);
+            });
+            if (!step_done(barrier, rc)) break;
+            View dhg_t((DXP_IS_DHG ? dxp : dhg) + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}});
+            View own_t = dstate_row(own, 0, B, H, rows);
+            rc = take_items(two.ranges_of(t), two.ranges, me.q0 / quantum,
+                            (me.q0 + me.nq) / quantum, [&](int r) {
+                const Part part{r * quantum, quantum, 0, rows};
+                View dh = PART(dstate_row(dstate[0], nxt, B, HP, rows), HP, 1);
+                void *args[] = {dhg_t.hb(), vwq_hh.hb(), own_t.hb(), (void *)&part.q0,
+                                (void *)&part.nq, dh.hb()};
+                return halstm_step_bwd_product_argv(args);
+            });
+            if (!step_done(barrier, rc)) break;
+        }
+        return rc;
+    };
     auto steps = [&]() {
         return by_units ? run_split(macs, T, B, batch_sizes, units_steps, true)
+               : two.on ? run_split(macs, T, B, batch_sizes, two_part_steps, true)
                         : run_steps(T, B, batch_sizes, part_steps);
     };
 #else

@@ -219,40 +219,24 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     // `quantum` unit panels; once every range is in, the rest of the step
     // on each batch row; then the next step's product waits for every
     // row's h. Each thread takes its own share of a step's ranges, then of
-    // its rows (the same every step: its part of W_hh and its rows' values
-    // stay in its core's cache), then any that another thread has not
-    // taken (a thread that the host slows down does less). Results do not
-    // depend on which thread computes what.
+    // its rows, then any left (take_items). Results do not depend on which
+    // thread computes what.
     const double macs = (double)G * H * H * B;
-    const bool two_parts = two_parts_wanted(macs, T, B, batch_sizes);
-    const int quantum = plan_split(macs, T, B, batch_sizes, true).quantum;
-    const int panels = HP / P, ranges = panels / quantum;
-    HostBlock hg_ws(two_parts ? (size_t)B * G * HP * sizeof(float) : 0);
-    // per step, whether each range of the product, then each row, is taken
-    std::vector<std::atomic<char>> taken(two_parts ? (size_t)T * (ranges + B) : 0);
-    if (two_parts && !hg_ws.ptr) {
+    TwoParts two(two_parts_wanted(macs, T, B, batch_sizes), macs, T, B, batch_sizes,
+                 (size_t)B * G * HP * sizeof(float));
+    if (two.on && !two.ws.ptr) {
         halide_error(nullptr, "halstm_forward: out of memory for the steps' products\n");
         return -1;
     }
-    // do(k) for each of n items that flags say nobody took: [own0, own1) first
-    auto take = [](std::atomic<char> *flags, int n, int own0, int own1, const auto &work) {
-        for (int k = own0; k < own1; k++)
-            if (!flags[k].exchange(1))
-                if (int rc = work(k)) return rc;
-        for (int k = 0; k < n; k++)
-            if (!flags[k].load(std::memory_order_relaxed) && !flags[k].exchange(1))
-                if (int rc = work(k)) return rc;
-        return 0;
-    };
     auto two_part_steps = [&](const Part &me, SpinBarrier *barrier) {
         int rc = 0;
-        const int n = barrier ? barrier->n : 1;
-        float *prod = (float *)hg_ws.ptr;
+        const int n = barrier ? barrier->n : 1, panels = HP / P, quantum = two.quantum;
+        float *prod = (float *)two.ws.ptr;
         for (int t = 0; t < T; t++) {
             const int rows = step_rows(batch_sizes, t, B);
-            std::atomic<char> *flags = &taken[(size_t)t * (ranges + B)];
             View h = bh(states[0], t, B, rows), whole_hg(prod, {{HP, 1}, {G, HP}, {rows, G * HP}});
-            rc = take(flags, ranges, me.q0 / quantum, (me.q0 + me.nq) / quantum, [&](int r) {
+            rc = take_items(two.ranges_of(t), two.ranges, me.q0 / quantum,
+                            (me.q0 + me.nq) / quantum, [&](int r) {
                 const Part range{r * quantum, quantum, 0, rows};
                 View vhg = part_of(whole_hg, range, HP, 2);
                 void *args[] = {vwp_hh.hb(), vb_hh.hb(), h.hb(), (void *)&range.q0,
@@ -261,10 +245,9 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             });
             if (!step_done(barrier, rc)) break;
             View vxp = xp_rows(sr.row0(t), rows);
-            // (rounded up: with fewer rows than threads, thread r has row r)
-            const int row0 = (int)(((int64_t)rows * me.thread + n - 1) / n);
-            const int row1 = (int)(((int64_t)rows * (me.thread + 1) + n - 1) / n);
-            rc = take(flags + ranges, rows, row0, row1, [&](int b) {   // the rest of row b
+            int row0, row1;
+            own_share(me, n, rows, &row0, &row1);
+            rc = take_items(two.rows_of(t), rows, row0, row1, [&](int b) {   // the rest of row b
                 const Part part{0, panels, b, 1};
                 View prev[NS], next[NS], sv[S > 0 ? S : 1];
                 void *args[3 + 2 * NS + 2 + S];
@@ -292,8 +275,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         return rc;
     };
     auto steps = [&]() {
-        return two_parts ? run_split(macs, T, B, batch_sizes, two_part_steps, true)
-                         : run_steps(T, B, batch_sizes, part_steps);
+        return two.on ? run_split(macs, T, B, batch_sizes, two_part_steps, true)
+                      : run_steps(T, B, batch_sizes, part_steps);
     };
 #else
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };

@@ -191,14 +191,14 @@ bool units_split_wanted(double macs, int T, int B, const int *batch_sizes) {
            plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
 }
 
-#if HALSTM_UNITS_FWD
-// Whether a forward time loop of steps that reduce over units runs each
-// step in two parts, the product on ranges of units, then the rest on
-// ranges of rows, the threads meeting after each (pipeline.UNITS_FWD),
+#if HALSTM_UNITS_FWD || HALSTM_UNITS_BWD
+// Whether a time loop of steps that reduce over units runs each step in
+// two parts, its product on ranges of units and the rest on ranges of
+// rows, the threads meeting after each (pipeline.UNITS_FWD, UNITS_BWD),
 // rather than whole steps on ranges of rows: where W_hh is larger than
-// HALSTM_SPLIT_BATCH_BYTES (the knob rows_fwd_kib: every range of rows
-// reads all of it each step) or the rows give fewer than two ranges, and
-// ranges of units are worth two threads, on a step of at least 4 x
+// HALSTM_SPLIT_BATCH_BYTES (forward the knob rows_fwd_kib: every range of
+// rows reads all of it each step) or the rows give fewer than two ranges,
+// and ranges of units are worth two threads, on a step of at least 4 x
 // HALSTM_SPLIT_MACS multiply-adds (one thread computes the rest of a
 // one-row step while the others wait: at K=H=128 B=1, 2^16 MACs a step,
 // two parts took 0.97x one thread's time on the Zen 5 VM, 1.29x on the
@@ -209,6 +209,47 @@ bool two_parts_wanted(double macs, int T, int B, const int *batch_sizes) {
     if (small_w && plan_split(macs, T, B, batch_sizes).by_rows) return false;
     return plan_split(macs, T, B, batch_sizes, true).wanted >= 2;
 }
+
+// A part of a step in two parts: work(k) for each of its n items (ranges
+// of units, or rows) that flags say nobody took, [own0, own1) first: each
+// thread takes its own share first (the same every step: its part of W_hh
+// and its rows' values stay in its core's cache), then any that another
+// thread has not taken (a thread that the host slows down does less).
+// Returns the first nonzero code.
+template <class F>
+int take_items(std::atomic<char> *flags, int n, int own0, int own1, const F &work) {
+    for (int k = own0; k < own1; k++)
+        if (!flags[k].exchange(1))
+            if (int rc = work(k)) return rc;
+    for (int k = 0; k < n; k++)
+        if (!flags[k].load(std::memory_order_relaxed) && !flags[k].exchange(1))
+            if (int rc = work(k)) return rc;
+    return 0;
+}
+
+// Thread part.thread's share of n items: [first, end), rounded up (with
+// fewer items than threads, thread r has item r).
+inline void own_share(const Part &part, int threads, int n, int *first, int *end) {
+    *first = (int)(((int64_t)n * part.thread + threads - 1) / threads);
+    *end = (int)(((int64_t)n * (part.thread + 1) + threads - 1) / threads);
+}
+
+// A time loop's steps in two parts: whether they run so (`on`), the
+// product's ranges (of `quantum` unit panels: `ranges` a step), a
+// workspace of `bytes` (ws.ptr NULL: out of memory) and per step whether
+// each of its ranges, then each of its B rows, is taken (take_items).
+struct TwoParts {
+    const bool on;
+    const int quantum, ranges, B;
+    HostBlock ws;
+    std::vector<std::atomic<char>> taken;
+    TwoParts(bool on, double macs, int T, int B, const int *batch_sizes, size_t bytes)
+        : on(on), quantum(plan_split(macs, T, B, batch_sizes, true).quantum),
+          ranges(HP / P / quantum), B(B), ws(on ? bytes : 0),
+          taken(on ? (size_t)T * (ranges + B) : 0) {}
+    std::atomic<char> *ranges_of(int t) { return &taken[(size_t)t * (ranges + B)]; }
+    std::atomic<char> *rows_of(int t) { return ranges_of(t) + ranges; }
+};
 #endif
 
 // Run body(part, barrier) on as many threads as the work of a step (macs)
