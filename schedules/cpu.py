@@ -472,11 +472,16 @@ def step_bwd(p, target):
     than copied, then dh_prev = W_hh^T dhg (bench/RESULTS.md, "Schedule
     decisions": cpu.step rows)."""
     assert p.reductions, "step_bwd: a cell that reduces over units (the others: step_bwd_fused)"
-    k, b = p.vars["k"], p.vars["b"]
-    own = not p.split_steps
     _bwd_rows(p, target, "dxp" if p.cell.dxp_is_dhg else "dhg", p.cell.states[1:])
+    _dh_product(p, target, p.param("saved").dim(2).extent(), own=not p.split_steps)
+
+
+def _dh_product(p, target, batch, own: bool) -> None:
+    """dh_prev = its term + W_hh^T dhg in _dh_tiles' register tiles over
+    `batch` rows; own: in parallel over the tiles (else the driver's threads
+    take ranges of them)."""
+    k, b = p.vars["k"], p.vars["b"]
     r = p.rdoms["jg"]
-    batch = p.param("saved").dim(2).extent()
     wide, rows, narrow = _dh_tiles(p, target)
     _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
           panels=wide, small=(batch < rows, narrow, "ko" if own else None),
@@ -529,12 +534,7 @@ def step_bwd_cell(p, target):
 def step_bwd_product(p, target):
     """The product of a backward step in two parts (pipeline.UNITS_BWD) on the
     driver's ranges of units: step_bwd's tiles."""
-    k, b = p.vars["k"], p.vars["b"]
-    r = p.rdoms["jg"]
-    batch = p.param("dhg").dim(2).extent()
-    wide, rows, narrow = _dh_tiles(p, target)
-    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
-          panels=wide, small=(batch < rows, narrow, None))
+    _dh_product(p, target, p.param("dhg").dim(2).extent(), own=False)
 
 
 # The same step on the driver's ranges of units (pipeline.UNITS_BWD, a

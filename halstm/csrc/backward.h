@@ -304,7 +304,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             const int rows = step_rows(batch_sizes, t, B), nxt = ((T - 1 - t) & 1) ^ 1;
             int row0, row1;
             own_share(me, n, rows, &row0, &row1);
-            rc = take_items(two.rows_of(t), rows, row0, row1, [&](int b) {
+            rc = take_items(two.row_flags(), T - t, rows, row0, row1, [&](int b) {
                 const Part part{0, HP / P, b, 1};
                 StepArgs v;
                 step_args(v, t, rows, part, true);
@@ -314,7 +314,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             if (!step_done(barrier, rc)) break;
             View dhg_t((DXP_IS_DHG ? dxp : dhg) + sr.row0(t) * G * H, {{H, 1}, {G, H}, {rows, G * H}});
             View own_t = dstate_row(own, 0, B, H, rows);
-            rc = take_items(two.ranges_of(t), two.ranges, me.q0 / quantum,
+            rc = take_items(two.range_flags(), T - t, two.ranges, me.q0 / quantum,
                             (me.q0 + me.nq) / quantum, [&](int r) {
                 const Part part{r * quantum, quantum, 0, rows};
                 View dh = PART(dstate_row(dstate[0], nxt, B, HP, rows), HP, 1);

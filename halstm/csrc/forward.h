@@ -235,7 +235,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         for (int t = 0; t < T; t++) {
             const int rows = step_rows(batch_sizes, t, B);
             View h = bh(states[0], t, B, rows), whole_hg(prod, {{HP, 1}, {G, HP}, {rows, G * HP}});
-            rc = take_items(two.ranges_of(t), two.ranges, me.q0 / quantum,
+            rc = take_items(two.range_flags(), t + 1, two.ranges, me.q0 / quantum,
                             (me.q0 + me.nq) / quantum, [&](int r) {
                 const Part range{r * quantum, quantum, 0, rows};
                 View vhg = part_of(whole_hg, range, HP, 2);
@@ -247,7 +247,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             View vxp = xp_rows(sr.row0(t), rows);
             int row0, row1;
             own_share(me, n, rows, &row0, &row1);
-            rc = take_items(two.rows_of(t), rows, row0, row1, [&](int b) {   // the rest of row b
+            rc = take_items(two.row_flags(), t + 1, rows, row0, row1, [&](int b) {   // row b's rest
                 const Part part{0, panels, b, 1};
                 View prev[NS], next[NS], sv[S > 0 ? S : 1];
                 void *args[3 + 2 * NS + 2 + S];

@@ -211,18 +211,20 @@ bool two_parts_wanted(double macs, int T, int B, const int *batch_sizes) {
 }
 
 // A part of a step in two parts: work(k) for each of its n items (ranges
-// of units, or rows) that flags say nobody took, [own0, own1) first: each
-// thread takes its own share first (the same every step: its part of W_hh
-// and its rows' values stay in its core's cache), then any that another
+// of units, or rows) that nobody took, [own0, own1) first: each thread
+// takes its own share first (the same every step: its part of W_hh and
+// its rows' values stay in its core's cache), then any that another
 // thread has not taken (a thread that the host slows down does less).
-// Returns the first nonzero code.
+// flags[k] holds the stamp of the last step that took item k (stamps grow
+// from step to step; the threads meet between steps). Returns the first
+// nonzero code.
 template <class F>
-int take_items(std::atomic<char> *flags, int n, int own0, int own1, const F &work) {
+int take_items(std::atomic<int> *flags, int stamp, int n, int own0, int own1, const F &work) {
     for (int k = own0; k < own1; k++)
-        if (!flags[k].exchange(1))
+        if (flags[k].exchange(stamp) != stamp)
             if (int rc = work(k)) return rc;
     for (int k = 0; k < n; k++)
-        if (!flags[k].load(std::memory_order_relaxed) && !flags[k].exchange(1))
+        if (flags[k].load(std::memory_order_relaxed) != stamp && flags[k].exchange(stamp) != stamp)
             if (int rc = work(k)) return rc;
     return 0;
 }
@@ -236,19 +238,18 @@ inline void own_share(const Part &part, int threads, int n, int *first, int *end
 
 // A time loop's steps in two parts: whether they run so (`on`), the
 // product's ranges (of `quantum` unit panels: `ranges` a step), a
-// workspace of `bytes` (ws.ptr NULL: out of memory) and per step whether
-// each of its ranges, then each of its B rows, is taken (take_items).
+// workspace of `bytes` (ws.ptr NULL: out of memory) and take_items' flags
+// of the ranges, then of the B rows.
 struct TwoParts {
     const bool on;
-    const int quantum, ranges, B;
+    const int quantum, ranges;
     HostBlock ws;
-    std::vector<std::atomic<char>> taken;
+    std::vector<std::atomic<int>> taken;
     TwoParts(bool on, double macs, int T, int B, const int *batch_sizes, size_t bytes)
         : on(on), quantum(plan_split(macs, T, B, batch_sizes, true).quantum),
-          ranges(HP / P / quantum), B(B), ws(on ? bytes : 0),
-          taken(on ? (size_t)T * (ranges + B) : 0) {}
-    std::atomic<char> *ranges_of(int t) { return &taken[(size_t)t * (ranges + B)]; }
-    std::atomic<char> *rows_of(int t) { return ranges_of(t) + ranges; }
+          ranges(HP / P / quantum), ws(on ? bytes : 0), taken(on ? ranges + B : 0) {}
+    std::atomic<int> *range_flags() { return taken.data(); }
+    std::atomic<int> *row_flags() { return taken.data() + ranges; }
 };
 #endif
 
