@@ -135,6 +135,36 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         void *args[4 + 2 * NS + 2 + S + 1];
         int rows = -1, t = 0;
     };
+    // v's views and arguments for step t's rows, its outputs part's share:
+    // xp, `product` (wp_hh, or the product hg), b_hh where `bias` (the
+    // product lacks it), the states, [vec], [part's range], the new states,
+    // the saved channels. Returns the arguments' count.
+    auto step_views = [&](StepViews &v, int t, int rows, const auto &part, View &product,
+                          bool bias) {
+        (void)part;
+        v.rows = rows, v.t = t;
+        v.xp = xp_rows(sr.row0(t), rows);
+        for (int s = 0; s < NS; s++) {
+            v.prev[s] = bh(states[s], t, B, rows);
+            v.next[s] = PART(bh(states[s], t + 1, B, rows), H, 1);
+        }
+        // saved channel c: the (rows, H) rows of saved[t] (B, S, H)
+        const float *saved_t = saved + (int64_t)t * B * S * H;
+        for (int c = 0; saved && c < S; c++)
+            v.sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
+        int n = 0;
+        v.args[n++] = v.xp.hb(), v.args[n++] = product.hb();
+        if (bias) v.args[n++] = vb_hh.hb();
+        for (int s = 0; s < NS; s++) v.args[n++] = v.prev[s].hb();
+        if (NV) v.args[n++] = vvec.hb();
+#if HALSTM_SPLIT
+        v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
+#endif
+        for (int s = 0; s < NS; s++) v.args[n++] = v.next[s].hb();
+        if (saved)
+            for (int c = 0; c < S; c++) v.args[n++] = v.sv[c].hb();
+        return n;
+    };
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
@@ -159,28 +189,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             }
 #endif
             if (rows != v.rows) {
-                v.rows = rows, v.t = t;
-                v.xp = xp_rows(sr.row0(t), rows);
                 v.hg = View(hg, {{HP, 1}, {G, HP}, {rows, G * HP}});
-                for (int s = 0; s < NS; s++) {
-                    v.prev[s] = bh(states[s], t, B, rows);
-                    v.next[s] = PART(bh(states[s], t + 1, B, rows), H, 1);
-                }
-                // saved channel c: the (rows, H) rows of saved[t] (B, S, H)
-                const float *saved_t = saved + (int64_t)t * B * S * H;
-                for (int c = 0; saved && c < S; c++)
-                    v.sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
-                int n = 0;
-                v.args[n++] = v.xp.hb(), v.args[n++] = vendor ? v.hg.hb() : vwp_hh.hb();
-                v.args[n++] = vb_hh.hb();
-                for (int s = 0; s < NS; s++) v.args[n++] = v.prev[s].hb();
-                if (NV) v.args[n++] = vvec.hb();
-#if HALSTM_SPLIT
-                v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
-#endif
-                for (int s = 0; s < NS; s++) v.args[n++] = v.next[s].hb();
-                if (saved)
-                    for (int c = 0; c < S; c++) v.args[n++] = v.sv[c].hb();
+                [[maybe_unused]] int n = step_views(v, t, rows, part, vendor ? v.hg : vwp_hh, true);
 #if HALSTM_BF16
                 // the new h's bf16 bits (rows, H): step t+1's product reads them
                 v.h_bits = as_bf16(View((const float *)step.act, {{H, 1}, {rows, H}}));
@@ -244,31 +254,13 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 return halstm_step_product_argv(args);
             });
             if (!step_done(barrier, rc)) break;
-            View vxp = xp_rows(sr.row0(t), rows);
             int row0, row1;
             own_share(me, n, rows, &row0, &row1);
             rc = take_items(two.row_flags(), t + 1, rows, row0, row1, [&](int b) {   // row b's rest
                 const Part part{0, panels, b, 1};
-                View prev[NS], next[NS], sv[S > 0 ? S : 1];
-                void *args[3 + 2 * NS + 2 + S];
-                int k = 0;
-                args[k++] = vxp.hb(), args[k++] = whole_hg.hb();
-                for (int s = 0; s < NS; s++) {
-                    prev[s] = bh(states[s], t, B, rows);
-                    args[k++] = prev[s].hb();
-                }
-                if (NV) args[k++] = vvec.hb();
-                args[k++] = (void *)&part.q0, args[k++] = (void *)&part.nq;
-                for (int s = 0; s < NS; s++) {
-                    next[s] = PART(bh(states[s], t + 1, B, rows), H, 1);
-                    args[k++] = next[s].hb();
-                }
-                const float *saved_t = saved + (int64_t)t * B * S * H;
-                for (int c = 0; saved && c < S; c++) {
-                    sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
-                    args[k++] = sv[c].hb();
-                }
-                return saved ? halstm_step_cell_argv(args) : halstm_step_cell_infer_argv(args);
+                StepViews v;
+                step_views(v, t, rows, part, whole_hg, false);
+                return saved ? halstm_step_cell_argv(v.args) : halstm_step_cell_infer_argv(v.args);
             });
             if (!step_done(barrier, rc)) break;
         }
