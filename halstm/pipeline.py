@@ -203,7 +203,11 @@ def _clamp(p: hl.ImageParam, dims) -> hl.Func:
     """p with the indices of `dims` clamped into range, so that a schedule
     may round batch (or unit) loops up without reading out of bounds."""
     f = hl.Func(p.name() + "_in")
-    args = [hl.Var(f"a{d}") for d in range(p.dimensions())]
+    # named as the pipelines' unit and row variables (first and last), so
+    # that a schedule may load several inputs in one loop (compute_with
+    # fuses loops of the same names)
+    n = p.dimensions()
+    args = [hl.Var("j" if d == 0 else "b" if d == n - 1 else f"a{d}") for d in range(n)]
     idx = [hl.clamp(a, 0, p.dim(d).extent() - 1) if d in dims else a
            for d, a in enumerate(args)]
     f[args] = p[idx]
@@ -649,7 +653,7 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
                 + sums)
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, **outs, **({} if vendor else {"dh_prev_acc": dh_acc}),
-                **{"dprev_" + s: dprev[s] for s in cell.states}, **inputs}
+                **{"dprev_" + s: dprev[s] for s in cell.states}, **inputs, "vec_in": vec_in}
     if dvec is not None:
         p.stages["dvec"] = dvec
     p.outputs = ([p.stages["dxp_out"]] + ([] if cell.dxp_is_dhg else [p.stages["dhg_out"]])

@@ -512,30 +512,30 @@ def _row_sum(f, out, b, threads: int, tag: str):
     return part, lanes, f
 
 
-def _row_inputs(p, out, b):
-    """The backward row block's inputs (the saved values, the states and
-    their gradients) loaded once into shared memory, where the sums and the
-    outputs read them, instead of from global memory in every stage: as
-    many as fit in ROW_INPUT_BYTES, the saved values first."""
-    names = ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
-                            for s in p.cell.states if f"{kind}_{s}" in p.stages]
+def _row_inputs(p, out, b, names):
+    """A row block's inputs loaded once into shared memory, where the sums
+    and the outputs read them, instead of from global memory in every
+    stage: the stages `names` (over (unit, [channel,] row); the vector
+    parameters "vec_in" over (unit, channel)) in that order, as many as
+    fit in ROW_INPUT_BYTES."""
     threads = _row_threads(p.H)
+    channels = {"saved_in": len(p.cell.saved_channels(p.H)), "vec_in": p.V}
     left, first = ROW_INPUT_BYTES, {}
     jo, ji = hl.Var("inputs_jo"), hl.Var("inputs_ji")
-    for name in names:
-        f = p.stage(name)
-        size = p.H * 4 * (len(p.cell.saved_channels(p.H)) if name == "saved_in" else 1)
-        if size > left:
+    for name in (n for n in names if n in p.stages):
+        size = p.H * 4 * channels.get(name, 1)
+        if size > left or size == 0:
             continue
         left -= size
-        j, inner = f.args()[0], f.args()[1:-1]     # (unit, [channel,] row)
+        f = p.stage(name)
+        per_row = name != "vec_in"
+        j, inner = f.args()[0], f.args()[1:-1] if per_row else f.args()[1:]
         f.compute_at(out, b).split(j, jo, ji, threads, GUARD).reorder(*inner, ji, jo)
         f.gpu_threads(ji)
         for c in inner:
             f.unroll(c)
-        # loaded in one loop with the others of their row variable's name
-        # (compute_with), one barrier after it
-        lead = first.setdefault(f.args()[-1].name(), f)
+        # the row's inputs loaded in one loop (compute_with), one barrier after it
+        lead = first.setdefault(per_row, f)
         if lead is not f:
             f.compute_with(lead, ji)
 
@@ -627,7 +627,9 @@ def _bwd_pointwise(p, states):
         ([p.stage("dhg_bf16_out")] if "dhg_bf16_out" in p.stages else [])
     if p.reductions:      # a block a batch row, its sums first (_row_block)
         _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
-        _row_inputs(p, p.stage("dxp_out"), v["b"])
+        _row_inputs(p, p.stage("dxp_out"), v["b"],
+                    ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
+                                    for s in p.cell.states] + ["vec_in"])
     else:
         pointwise = _grid(p.stage("dxp_out"))
         for f in others:

@@ -279,10 +279,10 @@ def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp, 
 # A step that reduces over units runs a block a batch row (cuda._row_block):
 # the sums of one level share their loops and barriers (4 levels of the
 # layer-norm LSTM's 6 sums, each way), the short sums are unrolled into
-# registers (no local memory), and the backward loads its saved values and
-# states into shared memory once where they fit (cuda._row_inputs: at
-# H = 512, 14 saved channels in 28 KiB, not at 640), instead of from
-# global memory in every stage.
+# registers (no local memory), and the backward loads its saved values,
+# states and vector parameters into shared memory once where they fit, in
+# one loop (cuda._row_inputs: at H = 512, 14 saved channels in 28 KiB, not
+# at 640), instead of from global memory in every stage.
 def _row_kernel(kind, H, tmp_path):
     import re
     import halide as hl
@@ -299,8 +299,8 @@ def _row_kernel(kind, H, tmp_path):
 
 
 @pytest.mark.parametrize("kind,H,barriers,staged", [
-    ("step", 256, 27, False), ("step_bwd", 256, 27, True), ("step_bwd", 512, 26, True),
-    ("step_bwd", 640, 26, False)])
+    ("step", 256, 27, False), ("step_bwd", 256, 26, True), ("step_bwd", 512, 25, True),
+    ("step_bwd", 640, 25, False)])
 def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_path, monkeypatch):
     from halstm.schedules import cuda
     body = _row_kernel(kind, H, tmp_path)
@@ -309,8 +309,8 @@ def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_pa
     if kind == "step_bwd":
         monkeypatch.setattr(cuda, "ROW_INPUT_BYTES", 0)
         unstaged = _row_kernel(kind, H, tmp_path).count("ld.global")
-        assert (body.count("ld.global") * 2 < unstaged) == staged, (body.count("ld.global"),
-                                                                     unstaged)
+        assert (body.count("ld.global") * 3 < unstaged * 2) == staged, (body.count("ld.global"),
+                                                                         unstaged)
 
 
 # ---- the registry -----------------------------------------------------------
