@@ -462,10 +462,8 @@ def _row_block(p, out, j, b, along=()):
         # theirs in one loop, one barrier after it (compute_with)
         stages = [_row_sum(f, out, b, threads, group[0].name()) for f in group]
         for other in stages[1:]:
-            for stage, lead in zip(other[:2], stages[0][:2]):
-                stage.compute_with(lead, ROW_T)
-                stage.update().compute_with(lead.update(), ROW_T)
-            other[2].compute_with(stages[0][2], b)
+            for stage, lead, at in zip(other, stages[0], (ROW_T, ROW_T, b)):
+                stage.compute_with(lead, at)
     # costly unit values the sums read: once a row, in shared memory, where
     # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader)
     stagings = p.stagings if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES else []
@@ -488,35 +486,37 @@ ROW_T = hl.Var("row_t")
 def _row_sum(f, out, b, threads: int, tag: str):
     """Schedule the sum f(b) over units for _row_block: every thread sums
     strided units (4 loads in flight), a warp's lanes the threads' sums,
-    one thread the lanes' sums. Returns the three stages at the block's
-    level (the first two with thread loop ROW_T, the last, f's copy in
-    shared memory, with b; reduction loops named by tag)."""
+    one thread the lanes' sums. Each of the three sums runs in a register
+    and is copied once to shared memory for the row's other threads:
+    returns the three copies (the first two with thread loop ROW_T, the
+    last with b; reduction loops named by tag)."""
     r = f.rvars(0)[0]
     ro, ri, u = hl.RVar(tag + "_ro"), hl.RVar(tag + "_ri"), ROW_T
     part = f.update().split(r, ro, ri, threads, GUARD).rfactor(ri, u)
     r2 = f.rvars(0)[0]
     r2o, r2i, w = hl.RVar(tag + "_r2o"), hl.RVar(tag + "_r2i"), ROW_T
     lanes = f.update().split(r2, r2o, r2i, LANES, GUARD).rfactor(r2i, w)
-    for stage in (part, lanes):
-        stage.compute_at(out, b).gpu_threads(ROW_T)
-        stage.update().gpu_threads(ROW_T)
     roo, roi = hl.RVar(tag + "_roo"), hl.RVar(tag + "_roi")
     part.update().split(ro, roo, roi, 4, GUARD).reorder(roi, roo, u).unroll(roi)
     # the short sums (threads / LANES a lane, LANES the last) unrolled,
-    # so that their loads issue together. The last one runs in a thread
-    # loop of one (unrolled at block level, Halide would put a barrier
-    # after each of its statements), its sum in a register, copied once
-    # to shared memory for the row (f.in_()): kept in shared memory, in
-    # the block's one shared allocation beside the lanes' sums, it was
-    # stored after every add and each next load waited on that store
-    # (bench/RESULTS.md, "Schedule decisions": cuda._row_block).
+    # so that their loads issue together; the last one in a thread loop
+    # of one (unrolled at block level, Halide would put a barrier after
+    # each of its statements).
     lanes.update().reorder(r2o, w).unroll(r2o)
-    last = f.rvars(0)[0]
-    shared = f.in_()
-    shared.compute_at(out, b).gpu_threads(b)
-    f.compute_at(shared, b).store_in(hl.MemoryType.Register)
-    f.update().unroll(last)
-    return part, lanes, shared
+    f.update().unroll(f.rvars(0)[0])
+    # Each sum in a register, copied once to shared memory: a sum kept in
+    # shared memory shares the block's one shared allocation with the
+    # values it reads, so LLVM stores it after every add and orders each
+    # next load after that store, and its initial value is a block-level
+    # stage with a barrier of its own (bench/RESULTS.md, "Schedule
+    # decisions": cuda._row_block).
+    copies = []
+    for stage, at in ((part, ROW_T), (lanes, ROW_T), (f, b)):
+        shared = stage.in_()
+        shared.compute_at(out, b).gpu_threads(at)
+        stage.compute_at(shared, at).store_in(hl.MemoryType.Register)
+        copies.append(shared)
+    return copies
 
 
 def _row_inputs(p, out, b, names):

@@ -299,8 +299,8 @@ def _row_kernel(kind, H, tmp_path):
 
 
 @pytest.mark.parametrize("kind,H,barriers,staged", [
-    ("step", 256, 23, False), ("step_bwd", 256, 22, True), ("step_bwd", 512, 21, True),
-    ("step_bwd", 640, 21, False)])
+    ("step", 256, 15, False), ("step_bwd", 256, 14, True), ("step_bwd", 512, 13, True),
+    ("step_bwd", 640, 13, False)])
 def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_path, monkeypatch):
     from halstm.schedules import cuda
     body = _row_kernel(kind, H, tmp_path)
