@@ -510,11 +510,19 @@ def _row_sum(f, out, b, threads: int, tag: str):
     # next load after that store, and its initial value is a block-level
     # stage with a barrier of its own (bench/RESULTS.md, "Schedule
     # decisions": cuda._row_block).
+    # The copies' row loop inside their thread loop, and each sum computed
+    # in it: where the block's row range is not provably one row (an
+    # output of other row bounds, as the bf16 bits' beside dxp), a sum
+    # computed at the thread loop would span that range, a register array
+    # of dynamic size.
     copies = []
     for stage, at in ((part, ROW_T), (lanes, ROW_T), (f, b)):
         shared = stage.in_()
-        shared.compute_at(out, b).gpu_threads(at)
-        stage.compute_at(shared, at).store_in(hl.MemoryType.Register)
+        shared.compute_at(out, b)
+        if at is not b:
+            shared.reorder(b, at)
+        shared.gpu_threads(at)
+        stage.compute_at(shared, b).store_in(hl.MemoryType.Register)
         copies.append(shared)
     return copies
 
