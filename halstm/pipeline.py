@@ -226,6 +226,24 @@ def _matmul(name, args, init, term):
     return acc, out
 
 
+def _hg_product(p: "Pipe", wp_hh, b_hh, h_in, r) -> tuple:
+    """hg (B, G, Hp) = b_hh + h W_hh^T over r (h's units) as _matmul's
+    `hg_acc` and `hg`; step and step_product both sum it so, for the same
+    results."""
+    j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
+    w = _packed(wp_hh, j, p.P)
+    return _matmul("hg", [j, gate, b], b_hh[hl.min(j, p.H - 1), gate],
+                   lambda: w(gate, r.x) * h_in[r.x, b])
+
+
+def _dh_product(p: "Pipe", w, init, dhg_in, r) -> tuple:
+    """dh_prev (B, Hp) = init + W_hh^T dhg over r (dhg's units, gates) as
+    _matmul's `dh_prev_acc` and `dh_prev`; step_bwd and step_bwd_product
+    both sum it so, for the same results."""
+    k, b = p.vars["k"], p.vars["b"]
+    return _matmul("dh_prev", [k, b], init, lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+
+
 def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> Pipe:
     """Build pipeline `kind` (one of KINDS) for `cell` with input size K,
     its operands packed as the schedule's layout says (default: unpacked)."""
@@ -412,9 +430,7 @@ def _step(p: Pipe, save: bool = True, product: str = "") -> None:
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
     if not vendor:
-        w = _packed(recurrent, j, P)
-        hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[0][hl.min(j, H - 1), gate],  # (B, G, Hp)
-                             lambda: w(gate, r.x) * prev_in["h"][r.x, b])
+        hg_acc, hg = _hg_product(p, recurrent, b_hh[0], prev_in["h"], r)     # (B, G, Hp)
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
@@ -489,16 +505,13 @@ def _step_product(p: Pipe) -> None:
     step's, so that the results are the same), on the driver's ranges of
     units (see UNITS_FWD): numpy (B, G, Hp)."""
     G, H, P = p.G, p.H, p.P
-    j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     p.split_rows_only = False
     wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])          # numpy (Hp/P, H, G, P)
     h = _param(p, "h_prev", [H, None])                        # numpy (B, H)
     b_hh = _param(p, "b_hh", [H, G])                          # numpy (G, H)
     h_in = _clamp(h, (0, 1))    # (a tile may overrun B)
     r = hl.RDom([(0, H)], "r_k")
-    w = _packed(wp_hh, j, P)
-    hg_acc, hg = _matmul("hg", [j, gate, b], b_hh[hl.min(j, H - 1), gate],
-                         lambda: w(gate, r.x) * h_in[r.x, b])
+    hg_acc, hg = _hg_product(p, wp_hh, b_hh, h_in, r)
     p.inputs, p.outputs = [wp_hh, b_hh, h], [hg]
     _constrain(hg.output_buffer(), [p.Hp, G, None], bounds=False)
     hg.output_buffer().dim(1).set_bounds(0, G)      # (units: _unit_range's)
@@ -586,8 +599,7 @@ def _step_bwd_product(p: Pipe) -> None:
     own = _param(p, "dh_own", [H, None], [1, Hp])
     dhg_in, own_in = _clamp(dhg, (2,)), _clamp(own, (0, 1))
     r = hl.RDom([(0, H), (0, G)], "r_jg")
-    dh_acc, dh_prev = _matmul("dh_prev", [k, b], own_in[k, b],
-                              lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    dh_acc, dh_prev = _dh_product(p, w, own_in[k, b], dhg_in, r)
     p.inputs, p.outputs = [dhg, w_hh, own], [dh_prev]
     _constrain(dh_prev.output_buffer(), [Hp, None], bounds=False)    # (units: _unit_range's)
     p.shapes[dh_prev.name()] = [Hp, None]
@@ -645,8 +657,7 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
         dh_prev[j, b] = dprev["h"][j, b] if dprev["h"] is not None else hl.f32(0)
     else:
         init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
-        dh_acc, dh_prev = _matmul("dh_prev", [k, b], init,         # numpy (B, Hp)
-                                  lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+        dh_acc, dh_prev = _dh_product(p, w, init, dhg_in, r)          # numpy (B, Hp)
     dprev = {**dprev, "h": dh_prev}
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
                 + [dy] + [dnext[s] for s in cell.states] + ([] if vendor else [w_hh]) + vec
