@@ -125,6 +125,8 @@ class Pipe(Stages):
     reductions: list = field(default_factory=list)  # the cell's Funcs over b (sums over units)
     reduction_groups: list = field(default_factory=list)  # them by level (Cell.reduction_groups)
     stagings: list = field(default_factory=list)    # its Funcs over (unit, b) (cells.lowering)
+    staging_groups: list = field(default_factory=list)   # them as Cell.staging_groups
+    row_func_groups: list = field(default_factory=list)  # Cell.row_func_groups: Funcs over b
     knobs: dict = field(default_factory=dict)    # the schedule's knob values other than its defaults
 
     @property
@@ -434,7 +436,8 @@ def _step(p: Pipe, save: bool = True, product: str = "") -> None:
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
-    p.reduction_groups = cell.reduction_groups()
+    p.reduction_groups, p.staging_groups = cell.reduction_groups(), cell.staging_groups()
+    p.row_func_groups = cell.row_func_groups()
     # with bf16 vendor GEMMs, also h's bf16 bits: the next step's product reads them
     bits = vendor and p.vendor_bf16
     out = hl.Func("step_out")
@@ -635,7 +638,8 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
                                        (("prev_in", prev_in), ("new_in", new_in), ("dnew", dnew))
                                        for s in sorted(d.read)}}
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
-    p.reduction_groups = cell.reduction_groups()
+    p.reduction_groups, p.staging_groups = cell.reduction_groups(), cell.staging_groups()
+    p.row_func_groups = cell.row_func_groups()
     outs = {"dxp_out": _output(dxp)}
     if not cell.dxp_is_dhg:
         outs["dhg_out"] = _output(dhg)

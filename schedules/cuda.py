@@ -464,13 +464,26 @@ def _row_block(p, out, j, b, along=()):
         for other in stages[1:]:
             for stage, lead, at in zip(other, stages[0], (ROW_T, ROW_T, b)):
                 stage.compute_with(lead, at)
+    # quotients by row values (layer norm's 1 / sqrt(var + eps)): once a
+    # row, by one thread, those after the same sums in one loop (else each
+    # thread computes them in every stage that reads them)
+    for funcs in p.row_func_groups:
+        for f in funcs:
+            f.compute_at(out, b).gpu_threads(b)
+            if f is not funcs[0]:
+                f.compute_with(funcs[0], b)
     # costly unit values the sums read: once a row, in shared memory, where
-    # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader)
-    stagings = p.stagings if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES else []
-    for f in stagings:
-        u = f.args()[0]
-        uo, ui = hl.Var(f.name() + "_uo"), hl.Var(f.name() + "_ui")
-        f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo).gpu_threads(ui)
+    # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader);
+    # those that read none of each other in one loop, one barrier after it
+    if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES:
+        for n, group in enumerate(p.staging_groups):
+            uo, ui = hl.Var(f"staged{n}_uo"), hl.Var(f"staged{n}_ui")
+            for f in group:
+                u = f.args()[0]
+                f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo)
+                f.gpu_threads(ui)
+                if f is not group[0]:
+                    f.compute_with(group[0], ui)
 
 
 def _row_threads(H: int) -> int:

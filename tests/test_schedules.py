@@ -299,13 +299,21 @@ def _row_kernel(kind, H, tmp_path):
 
 
 @pytest.mark.parametrize("kind,H,barriers,staged", [
-    ("step", 256, 15, False), ("step_bwd", 256, 14, True), ("step_bwd", 512, 13, True),
-    ("step_bwd", 640, 13, False)])
+    ("step", 256, 15, False), ("step_bwd", 256, 15, True), ("step_bwd", 512, 14, True),
+    ("step_bwd", 640, 14, False)])
 def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_path, monkeypatch):
     from halstm.schedules import cuda
     body = _row_kernel(kind, H, tmp_path)
     assert body.count("bar.sync") == barriers
     assert "ld.local" not in body and "st.local" not in body
+    # quotients by row values once a row (by one thread), not in every
+    # stage that reads them: the forward's square roots are its three
+    # 1 / sqrt(var + eps) and the three it saves; the backward's IEEE
+    # divisions and reciprocals 6 (31 with the quotients inlined)
+    if kind == "step":
+        assert body.count("sqrt.rn") == 6
+    else:
+        assert body.count("div.rn") + body.count("rcp.rn") == 6
     if kind == "step_bwd" and H == 256:
         # every input in one loop: global loads in 3 of the barriers' stages
         # (the inputs, the vector parameters, the output stage)

@@ -70,6 +70,16 @@ class Cell:
         results, in an order that computes every group after those it reads."""
         return [[f] for f in self.reductions]
 
+    def row_func_groups(self) -> list[list]:
+        """Funcs over b of row values (quotients by row values): those that
+        wait for no sum, then one list per group of reduction_groups."""
+        return [[] for _ in range(len(self.reduction_groups()) + 1)]
+
+    def staging_groups(self) -> list[list]:
+        """stagings in groups that read none of each other, each group after
+        those it reads."""
+        return [[f] for f in self.stagings]
+
     def forward(self, xp, hg, prev, vec, H, j, b):
         """xp, hg: Func(j, gate, b); prev: {state: Func(j, b)}; vec:
         Func(j, channel) of the vector parameters; H: units.

@@ -7,7 +7,10 @@ the Funcs made are listed in `reductions`, children first, for the
 schedules to place (a Func with an update cannot be inlined). A costly
 unit value read by a sum and elsewhere (language.staged) becomes a Func
 over (unit, row), listed in `stagings`: inlined unless a schedule
-computes it once per row."""
+computes it once per row. A quotient by a row value that is not a
+number (layer norm's 1 / sqrt(var + eps)) becomes a Func over the row
+(of the quotient where both are row values, else of the reciprocal),
+listed in `row_funcs`: inlined unless a schedule computes it once."""
 from __future__ import annotations
 
 import itertools
@@ -50,19 +53,33 @@ def _sign(node: Sym) -> tuple[bool, Sym]:
     return False, node
 
 
+def _number(node: Sym) -> bool:
+    """Whether node is computed from numbers alone (const, units)."""
+    return all(n.op in ("const", "units") or (n.args and n.op not in REDUCTIONS)
+               for n in _topo([node]))
+
+
+def _shared() -> dict:
+    return {"row_funcs": {}, "staging_keys": {}}
+
+
 class _Lowering:
     """Exprs of a Definition's nodes at unit u (a Var, or a reduction's
     RVar) and batch row b. known(node, u) gives an Expr for a node read
     from a buffer or Func (None: compute it from its children)."""
 
     def __init__(self, name: str, H: int, b, known, reductions: list, rows: dict,
-                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False):
+                 staged=frozenset(), stagings=None, levels=None, stored=lambda n: False,
+                 shared=None):
         self.name, self.H, self.b, self.known = name, H, b, known
         self.reductions, self.rows = reductions, rows    # shared: one Func per row node
         self.staged = staged                 # ids of the nodes lowered as Funcs (unit, row)
         self.stagings = {} if stagings is None else stagings   # shared: id -> Func
-        self.levels = {} if levels is None else levels  # shared: reduction Func name -> level
+        self.levels = {} if levels is None else levels  # shared: sum or row Func name -> level
         self.stored = stored                 # whether a node is read from memory, not computed
+        # shared: "row_funcs" Expr text -> Func over b (_row_func); "staging_keys"
+        # Func name -> (level, depth): stagings of one key read none of each other
+        self.shared = _shared() if shared is None else shared
         self.per_row: dict = {}              # id -> whether a row value (_per_row)
         self.memo: dict = {}
 
@@ -90,10 +107,17 @@ class _Lowering:
 
     def _computed(self, node: Sym, u):
         op = node.op
-        if op == "/" and self._per_row(node.args[1]) and not self._per_row(node.args[0]):
-            # a unit value over a row value (layer norm's scale): times the
-            # reciprocal, which the unit loop computes once
-            return self(node.args[0], u) * (1.0 / self(node.args[1], u))
+        if op == "/" and self._per_row(node.args[1]):
+            # over a row value (layer norm's scale): a unit value times the
+            # reciprocal, which the unit loop computes once; a row value's
+            # quotient or reciprocal as a Func over b unless a number's
+            number = _number(node.args[1])
+            if self._per_row(node.args[0]):
+                if not number:
+                    return self._row_func(node, self(node.args[0], u) / self(node.args[1], u))
+            else:
+                rcp = 1.0 / self(node.args[1], u)
+                return self(node.args[0], u) * (rcp if number else self._row_func(node.args[1], rcp))
         if op in _UNARY:
             return _UNARY[op](self(node.args[0], u))
         if op in _BINARY:
@@ -107,7 +131,22 @@ class _Lowering:
             u = hl.Var("u")
             f[u, self.b] = self._computed(node, u)
             self.stagings[id(node)] = f
+            keys = self.shared["staging_keys"]
+            inner = [keys[self.stagings[id(n)].name()][1] for n in _topo([node])
+                     if n is not node and id(n) in self.stagings]
+            keys[f.name()] = (self._level(node), 1 + max(inner, default=0))
         return f
+
+    def _row_func(self, node: Sym, value: hl.Expr):
+        """A row value (no unit in value, node's Expr) as a Func over b, one
+        for equal Exprs (the adjoints repeat them)."""
+        funcs = self.shared["row_funcs"]
+        f = funcs.get(str(value))
+        if f is None:
+            f = funcs[str(value)] = hl.Func(f"{self.name}_row{next(_serial)}")
+            f[self.b] = value
+            self.levels[f.name()] = self._level(node)
+        return f[self.b]
 
     def _row(self, node: Sym) -> hl.Func:
         """The reduction at node as a Func over b: the sum over the units of
@@ -118,7 +157,7 @@ class _Lowering:
         k = next(_serial)      # (names unique in a pipeline: nested sums are made first)
         r = hl.RDom([(0, self.H)], f"r_u{k}")
         at_r = _Lowering(self.name, self.H, self.b, self.known, self.reductions, self.rows,
-                         self.staged, self.stagings, self.levels, self.stored)
+                         self.staged, self.stagings, self.levels, self.stored, self.shared)
         args, scale = node.args, 1.0 / (len(node.args) * self.H) if node.op == "mean" else 1.0
         if len(args) == 1:
             # sum(-t) as -sum(t): Halide simplifies f + (0 - t) to f - t, whose
@@ -175,6 +214,8 @@ class DefinedCell(Cell):
         self.reductions: list = []     # the reduction Funcs of the last forward or backward
         self.levels: dict = {}         # their levels by name (_Lowering._level)
         self.stagings: list = []       # its Funcs over (unit, row) (_Lowering)
+        self.row_funcs: list = []      # its Funcs over the row (_Lowering._row_func)
+        self.staging_keys: dict = {}   # the stagings' (level, depth) by name
 
     def reduction_groups(self) -> list[list]:
         """reductions in groups by level (_Lowering._level), lowest first."""
@@ -182,6 +223,24 @@ class DefinedCell(Cell):
         for f in self.reductions:
             groups.setdefault(self.levels[f.name()], []).append(f)
         return [groups[k] for k in sorted(groups)]
+
+    def row_func_groups(self) -> list[list]:
+        """row_funcs by the level of the sums they wait for: those of none
+        (read from memory), then one list per group of reduction_groups."""
+        levels = [0] + sorted({self.levels[f.name()] for f in self.reductions})
+        return [[f for f in self.row_funcs if self.levels[f.name()] == k] for k in levels]
+
+    def staging_groups(self) -> list[list]:
+        """stagings in groups that read none of each other, each group after
+        those it reads."""
+        groups: dict = {}
+        for f in self.stagings:
+            groups.setdefault(self.staging_keys[f.name()], []).append(f)
+        return [groups[k] for k in sorted(groups)]
+
+    def _lowered(self, shared: dict) -> None:
+        self.row_funcs = list(shared["row_funcs"].values())
+        self.staging_keys = dict(shared["staging_keys"])
 
     def _leaf(self, xp, hg, prev, vec, b):
         gate = {g: k for k, g in enumerate(self.gates)}
@@ -202,8 +261,9 @@ class DefinedCell(Cell):
     def forward(self, xp, hg, prev, vec, H, j, b):
         d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
         self.reductions, rows, stagings, self.levels = [], {}, {}, {}
+        shared = _shared()
         direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings,
-                           self.levels)
+                           self.levels, shared=shared)
         row_values = [direct(n, j) for n in d.row_saved]       # (the same at every unit)
         packed = [hl.select(*[e for k, r in enumerate(row_values[m:m + H]) for e in (j == k, r)],
                             hl.f32(0)) for m in range(0, len(row_values), H)]
@@ -216,12 +276,13 @@ class DefinedCell(Cell):
                 return saved[u, slot[id(n)], b]
             return leaf(n, u)
         lower = _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings,
-                          self.levels)
+                          self.levels, shared=shared)
         new = {}
         for s in self.states:
             new[s] = hl.Func(f"{d.name}_{s}")
             new[s][j, b] = lower(d.new[s], j)
         self.stagings = list(stagings.values())
+        self._lowered(shared)
         return saved, new
 
     def backward(self, saved, prev, new, dnew, vec, H, j, b):
@@ -244,8 +305,9 @@ class DefinedCell(Cell):
             return leaf(n, u)
         self.reductions, rows, self.stagings, self.levels = [], {}, [], {}
         stored = lambda n: id(n) in slot or id(n) in row_at or id(n) in new_node   # noqa: E731
+        shared = _shared()
         values = _Lowering(d.name + "_val", H, b, value, self.reductions, {},
-                           levels=self.levels, stored=stored)
+                           levels=self.levels, stored=stored, shared=shared)
 
         def known(n, u):
             if n.op == "val":
@@ -254,7 +316,7 @@ class DefinedCell(Cell):
                 return dnew[n.arg][u, b]
             return None
         lower_at = _Lowering(d.name + "_adj", H, b, known, self.reductions, rows,
-                             levels=self.levels, stored=stored)
+                             levels=self.levels, stored=stored, shared=shared)
 
         def lower(adjoint):
             return hl.f32(0) if adjoint is None else lower_at(adjoint, j)
@@ -271,4 +333,5 @@ class DefinedCell(Cell):
         dvec = None
         if self.channels:
             dvec = gate_func(f"{d.name}_dvec", [lower(a) for a in d.d_vec], j, b)
+        self._lowered(shared)
         return dxp, dhg, dprev, dvec
