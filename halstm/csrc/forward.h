@@ -165,6 +165,17 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             for (int c = 0; c < S; c++) v.args[n++] = v.sv[c].hb();
         return n;
     };
+    // v's views moved along their arrays to step t (the same rows as v.t's)
+    auto move_views = [&](StepViews &v, int t) {
+        const int64_t steps = t - v.t;
+        advance(v.xp, (sr.row0(t) - sr.row0(v.t)) * XP_ROW);
+        v.t = t;
+        for (int s = 0; s < NS; s++) {
+            advance(v.prev[s], steps * B * H);
+            advance(v.next[s], steps * B * H);
+        }
+        for (int c = 0; saved && c < S; c++) advance(v.sv[c], steps * B * S * H);
+    };
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
@@ -197,14 +208,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 if (vendor) v.args[n++] = v.h_bits.hb();
 #endif
             } else {     // the same rows of a later step: each view moved along its array
-                const int64_t steps = t - v.t;
-                advance(v.xp, (sr.row0(t) - sr.row0(v.t)) * XP_ROW);
-                v.t = t;
-                for (int s = 0; s < NS; s++) {
-                    advance(v.prev[s], steps * B * H);
-                    advance(v.next[s], steps * B * H);
-                }
-                for (int c = 0; saved && c < S; c++) advance(v.sv[c], steps * B * S * H);
+                move_views(v, t);
             }
             void **args = v.args;
             if (saved) {
@@ -242,15 +246,32 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         int rc = 0;
         const int n = barrier ? barrier->n : 1, panels = HP / P, quantum = two.quantum;
         float *prod = (float *)two.ws.ptr;
+        // views built once per row count and moved along by pointer, as
+        // part_steps' (h_t; every range's part of the products; each row
+        // of this thread's own share); rows taken from another's share
+        // get views built for the call
+        View h, whole_hg;
+        std::vector<View> range_hg(two.ranges);
+        std::vector<StepViews> own((B + n - 1) / n);   // (never resized: args point into it)
+        int built_rows = -1, built_t = 0;
         for (int t = 0; t < T; t++) {
             const int rows = step_rows(batch_sizes, t, B);
-            View h = bh(states[0], t, B, rows), whole_hg(prod, {{HP, 1}, {G, HP}, {rows, G * HP}});
+            if (rows != built_rows) {
+                h = bh(states[0], t, B, rows);
+                whole_hg = View(prod, {{HP, 1}, {G, HP}, {rows, G * HP}});
+                for (int r = 0; r < two.ranges; r++)
+                    range_hg[r] = part_of(whole_hg, Part{r * quantum, quantum, 0, rows}, HP, 2);
+                for (auto &v : own) v.rows = -1;
+                built_rows = rows;
+            } else {
+                advance(h, (int64_t)(t - built_t) * B * H);
+            }
+            built_t = t;
             rc = take_items(two.range_flags(), t + 1, two.ranges, me.q0 / quantum,
                             (me.q0 + me.nq) / quantum, [&](int r) {
-                const Part range{r * quantum, quantum, 0, rows};
-                View vhg = part_of(whole_hg, range, HP, 2);
-                void *args[] = {vwp_hh.hb(), vb_hh.hb(), h.hb(), (void *)&range.q0,
-                                (void *)&range.nq, vhg.hb()};
+                const int q0 = r * quantum;
+                void *args[] = {vwp_hh.hb(), vb_hh.hb(), h.hb(), (void *)&q0, (void *)&quantum,
+                                range_hg[r].hb()};
                 return halstm_step_product_argv(args);
             });
             if (!step_done(barrier, rc)) break;
@@ -258,8 +279,9 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             own_share(me, n, rows, &row0, &row1);
             rc = take_items(two.row_flags(), t + 1, rows, row0, row1, [&](int b) {   // row b's rest
                 const Part part{0, panels, b, 1};
-                StepViews v;
-                step_views(v, t, rows, part, whole_hg, false);
+                StepViews spare, &v = b >= row0 && b < row1 ? own[b - row0] : spare;
+                if (v.rows == rows) move_views(v, t);
+                else step_views(v, t, rows, part, whole_hg, false);
                 return saved ? halstm_step_cell_argv(v.args) : halstm_step_cell_infer_argv(v.args);
             });
             if (!step_done(barrier, rc)) break;
