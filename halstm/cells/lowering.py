@@ -108,9 +108,10 @@ class _Lowering:
     def _computed(self, node: Sym, u):
         op = node.op
         if op == "/" and self._per_row(node.args[1]):
-            # over a row value (layer norm's scale): a unit value times the
-            # reciprocal, which the unit loop computes once; a row value's
-            # quotient or reciprocal as a Func over b unless a number's
+            # by a row value (layer norm's scale): a unit value times the
+            # reciprocal, which the unit loop computes once; unless the
+            # divisor is a number, that reciprocal, or a quotient of two
+            # row values, is a Func over b (_row_func)
             number = _number(node.args[1])
             if self._per_row(node.args[0]):
                 if not number:
