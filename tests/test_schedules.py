@@ -326,6 +326,33 @@ def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_pa
                                                                          unstaged)
 
 
+def _nested_rows_step(x, r, s):
+    from halstm.cells import mean, sqrt, tanh
+    scale = mean(x.i) / (sqrt(mean(x.i * x.i)) + 1.0)      # a row value over a row value
+    return {"h": tanh(x.i / (scale * scale + 1.0) + r.i)}  # a unit value over one built on it
+
+
+@pytest.mark.parametrize("kind", ["step", "step_bwd"])
+def test_cuda_row_values_that_read_each_other(kind, tmp_path):
+    """A cell's quotients by row values where one reads another: the
+    cuda row block computes them in loops of their own, in order (in one
+    loop, Halide refuses them: "Invalid compute_with")."""
+    import halide as hl
+    from halstm import pipeline
+    from halstm.cells import define
+    from halstm.cells.lowering import DefinedCell
+    cell = DefinedCell(define("nested_rows", gates="i", states=("h",), step=_nested_rows_step))
+    target = hl.Target(CUDA_TARGET)
+    mod = schedules.for_target(target, "cuda")
+    p = pipeline.build(cell, kind, 32, 64, mod.layout(target))
+    if kind == "step":
+        assert [len(g) for g in p.row_func_groups] == [1, 1]
+    getattr(mod, kind)(p, target)
+    p.pipeline().compile_to({hl.OutputFileType.stmt: str(tmp_path / "k.stmt")},
+                            [hl.Argument(q) for q in p.inputs], "k",
+                            target.with_feature(hl.TargetFeature.NoRuntime))
+
+
 # ---- the registry -----------------------------------------------------------
 
 @pytest.mark.parametrize("target,default", [

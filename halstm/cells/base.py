@@ -71,9 +71,9 @@ class Cell:
         return [[f] for f in self.reductions]
 
     def row_func_groups(self) -> list[list]:
-        """Funcs over b of row values (quotients by row values): those that
-        wait for no sum, then one list per group of reduction_groups."""
-        return [[] for _ in range(len(self.reduction_groups()) + 1)]
+        """Funcs over b of row values (quotients by row values) in groups
+        that read none of each other, each group after those it reads."""
+        return []
 
     def staging_groups(self) -> list[list]:
         """stagings in groups that read none of each other, each group after

@@ -60,7 +60,7 @@ def _number(node: Sym) -> bool:
 
 
 def _shared() -> dict:
-    return {"row_funcs": {}, "staging_keys": {}}
+    return {"row_funcs": {}, "quotients": {}, "keys": {}}
 
 
 class _Lowering:
@@ -75,10 +75,11 @@ class _Lowering:
         self.reductions, self.rows = reductions, rows    # shared: one Func per row node
         self.staged = staged                 # ids of the nodes lowered as Funcs (unit, row)
         self.stagings = {} if stagings is None else stagings   # shared: id -> Func
-        self.levels = {} if levels is None else levels  # shared: sum or row Func name -> level
+        self.levels = {} if levels is None else levels  # shared: reduction Func name -> level
         self.stored = stored                 # whether a node is read from memory, not computed
-        # shared: "row_funcs" Expr text -> Func over b (_row_func); "staging_keys"
-        # Func name -> (level, depth): stagings of one key read none of each other
+        # shared: "row_funcs" Expr text -> Func over b (_row_func); "quotients"
+        # id -> the Func of that quotient node; "keys" Func name -> (level,
+        # depth) of a staging or row Func: those of one key read none of each other
         self.shared = _shared() if shared is None else shared
         self.per_row: dict = {}              # id -> whether a row value (_per_row)
         self.memo: dict = {}
@@ -115,7 +116,8 @@ class _Lowering:
             number = _number(node.args[1])
             if self._per_row(node.args[0]):
                 if not number:
-                    return self._row_func(node, self(node.args[0], u) / self(node.args[1], u))
+                    return self._row_func(node, self(node.args[0], u) / self(node.args[1], u),
+                                          quotient=True)
             else:
                 rcp = 1.0 / self(node.args[1], u)
                 return self(node.args[0], u) * (rcp if number else self._row_func(node.args[1], rcp))
@@ -132,21 +134,30 @@ class _Lowering:
             u = hl.Var("u")
             f[u, self.b] = self._computed(node, u)
             self.stagings[id(node)] = f
-            keys = self.shared["staging_keys"]
-            inner = [keys[self.stagings[id(n)].name()][1] for n in _topo([node])
-                     if n is not node and id(n) in self.stagings]
-            keys[f.name()] = (self._level(node), 1 + max(inner, default=0))
+            self._key(f, node, [self.stagings[id(n)] for n in _topo([node])
+                                if n is not node and id(n) in self.stagings])
         return f
 
-    def _row_func(self, node: Sym, value: hl.Expr):
-        """A row value (no unit in value, node's Expr) as a Func over b, one
-        for equal Exprs (the adjoints repeat them)."""
-        funcs = self.shared["row_funcs"]
+    def _key(self, f: hl.Func, node: Sym, inner: list) -> None:
+        """f's key: the level of node, and 1 + the most depth of the Funcs
+        of its kind that it reads (inner)."""
+        keys = self.shared["keys"]
+        depth = 1 + max((keys[g.name()][1] for g in inner), default=0)
+        keys[f.name()] = (self._level(node), depth)
+
+    def _row_func(self, node: Sym, value: hl.Expr, quotient: bool = False):
+        """A row value (no unit in value) as a Func over b, one for equal
+        Exprs (the adjoints repeat them): node's value where quotient, else
+        node's reciprocal."""
+        funcs, quotients = self.shared["row_funcs"], self.shared["quotients"]
         f = funcs.get(str(value))
         if f is None:
             f = funcs[str(value)] = hl.Func(f"{self.name}_row{next(_serial)}")
             f[self.b] = value
-            self.levels[f.name()] = self._level(node)
+            # (a row Func reads others only as quotients: a reciprocal multiplies unit values)
+            self._key(f, node, [quotients[id(n)] for n in _topo([node]) if id(n) in quotients])
+        if quotient:
+            quotients[id(node)] = f
         return f[self.b]
 
     def _row(self, node: Sym) -> hl.Func:
@@ -216,7 +227,7 @@ class DefinedCell(Cell):
         self.levels: dict = {}         # their levels by name (_Lowering._level)
         self.stagings: list = []       # its Funcs over (unit, row) (_Lowering)
         self.row_funcs: list = []      # its Funcs over the row (_Lowering._row_func)
-        self.staging_keys: dict = {}   # the stagings' (level, depth) by name
+        self.keys: dict = {}           # the stagings' and row Funcs' (level, depth) by name
 
     def reduction_groups(self) -> list[list]:
         """reductions in groups by level (_Lowering._level), lowest first."""
@@ -226,22 +237,22 @@ class DefinedCell(Cell):
         return [groups[k] for k in sorted(groups)]
 
     def row_func_groups(self) -> list[list]:
-        """row_funcs by the level of the sums they wait for: those of none
-        (read from memory), then one list per group of reduction_groups."""
-        levels = [0] + sorted({self.levels[f.name()] for f in self.reductions})
-        return [[f for f in self.row_funcs if self.levels[f.name()] == k] for k in levels]
+        return self._groups(self.row_funcs)
 
     def staging_groups(self) -> list[list]:
-        """stagings in groups that read none of each other, each group after
-        those it reads."""
+        return self._groups(self.stagings)
+
+    def _groups(self, funcs: list) -> list[list]:
+        """funcs by key (_Lowering._key): groups that read none of each
+        other, each after those it reads."""
         groups: dict = {}
-        for f in self.stagings:
-            groups.setdefault(self.staging_keys[f.name()], []).append(f)
+        for f in funcs:
+            groups.setdefault(self.keys[f.name()], []).append(f)
         return [groups[k] for k in sorted(groups)]
 
     def _lowered(self, shared: dict) -> None:
         self.row_funcs = list(shared["row_funcs"].values())
-        self.staging_keys = dict(shared["staging_keys"])
+        self.keys = dict(shared["keys"])
 
     def _leaf(self, xp, hg, prev, vec, b):
         gate = {g: k for k, g in enumerate(self.gates)}
