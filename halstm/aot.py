@@ -41,7 +41,8 @@ ENTRY_POINTS = {
         "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
         "ws xp (N, G, HP): N = T*B, or on a CPU given batch_sizes bs, bs[0] + sum(bs[:-1]) "
         "(runtime.step_rows_count)",
-        "ws x_rows (N, K) (one-hot: (N,) int32), on a CPU given batch_sizes (else unused, NULL)",
+        "ws x_rows (N, K) (one-hot: (N,) int32), on a CPU given batch_sizes; (2, B, G, HP) "
+        "where the pipelines include halstm_step_fold (else unused, NULL)",
         "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)",
         "out states[NS] (T+1, B, H): [0] the initial state, [t+1] the state after step t",
         "init[NS] (B, H): each state's initial value, or NULL: zeros"]},
@@ -84,6 +85,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.split is not None and layout.split.rows_only:   # (where rows give too few ranges)
         kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
+    if layout.fold_steps and spec.direction == "fwd" and not spec.onehot:
+        kinds += pipeline.FOLD_FWD
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
@@ -394,7 +397,8 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         saved=len(cell.saved_channels(spec.hidden_size)), vectors=len(cell.channels), dxp_is_dhg=cell.dxp_is_dhg, input_size=spec.input_size,
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
-        units_bwd="step_bwd_units" in plan.kinds, units_fwd="step_product" in plan.kinds,
+        units_bwd="step_bwd_units" in plan.kinds, units_fwd="step_cell" in plan.kinds,
+        fold_fwd="step_fold" in plan.kinds,
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),

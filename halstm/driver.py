@@ -47,6 +47,7 @@ class Layer:
     pack_bwd: bool        # the backward packs its weights (pack_bwd)
     units_bwd: bool = False      # the backward also has step_bwd_units (pipeline.UNITS_BWD)
     units_fwd: bool = False      # the forward also has steps in two parts (pipeline.UNITS_FWD)
+    fold_fwd: bool = False       # the forward also has folded steps (pipeline.FOLD_FWD)
     split_quantum: int = 1       # split steps: ranges of this many panels ...
     split_quantum_small: int = 1  # ... or of this many, where a step has fewer rows
     split_small_below: int = 0    # than this
@@ -78,6 +79,8 @@ class Layer:
             d["HALSTM_UNITS_BWD"] = 1
         if self.units_fwd:
             d["HALSTM_UNITS_FWD"] = 1
+        if self.fold_fwd:
+            d["HALSTM_FOLD_FWD"] = 1
         if self.direction == "bwd" and not self.pack_bwd:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:

@@ -42,6 +42,9 @@ class Layout:
     #                                many rows or more (0: never; HALSTM_VENDOR_STEP_ROWS overrides)
     vendor_bf16: bool = False      # ... their operands rounded to bfloat16 copies first
     #                                (pipeline to_bf16; precision "bf16")
+    fold_steps: bool = False       # CUDA, a step that reduces over units: the forward
+    #                                also has steps that compute the next step's product
+    #                                (pipeline.FOLD_FWD), run where the driver finds them fit
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -36,7 +36,7 @@ from .layout import Layout
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
          "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
-         "step_bwd_cell", "step_bwd_product")
+         "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -66,6 +66,14 @@ UNITS_BWD = ("step_bwd_units", "step_bwd_cell", "step_bwd_product")
 # reading that product. The driver calls them where ranges of rows would
 # be too few or would each read too large a W_hh.
 UNITS_FWD = ("step_product", "step_cell", "step_cell_infer")
+# On a GPU a step that reduces over units is two kernels (the product for
+# every unit, then a block a batch row). Where the layout folds steps
+# (Layout.fold_steps), step_fold is one: the rest of step t on the product
+# the last call left, then step t+1's product on the new h, each block of
+# the product's grid computing its batch row's rest (every unit) first.
+# The driver's loop: step_product (the first step's product), then
+# step_fold (step_fold_infer) once a step.
+FOLD_FWD = ("step_product", "step_fold", "step_fold_infer")
 # With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
@@ -228,13 +236,13 @@ def _matmul(name, args, init, term):
     return acc, out
 
 
-def _hg_product(p: "Pipe", wp_hh, b_hh, h_in, r) -> tuple:
+def _hg_product(p: "Pipe", wp_hh, b_hh, h_in, r, name: str = "hg") -> tuple:
     """hg (B, G, Hp) = b_hh + h W_hh^T over r (h's units) as _matmul's
-    `hg_acc` and `hg`; step and step_product both sum it so, for the same
-    results."""
+    `name_acc` and `name`; step, step_product and step_fold all sum it so,
+    for the same results."""
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     w = _packed(wp_hh, j, p.P)
-    return _matmul("hg", [j, gate, b], b_hh[hl.min(j, p.H - 1), gate],
+    return _matmul(name, [j, gate, b], b_hh[hl.min(j, p.H - 1), gate],
                    lambda: w(gate, r.x) * h_in[r.x, b])
 
 
@@ -399,13 +407,15 @@ def _dvec_sums(p: Pipe, dims) -> tuple:
     return [sums], _clamp(sums, dims)
 
 
-def _step(p: Pipe, save: bool = True, product: str = "") -> None:
+def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and (save) the saved channels, so that a schedule can
     compute the recurrent product, the cell and every store in one loop
     nest. product "input": the product is an input (hg, in place of
     wp_hh), the driver's vendor GEMM; "biased": an input with b_hh added
-    (step_product's; no b_hh input)."""
+    (step_product's; no b_hh input). fold (with "biased"): the Tuple also
+    holds the next step's product on the new h, one element a gate
+    (FOLD_FWD), whose inputs wp_hh and b_hh come last."""
     vendor = bool(product)
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
@@ -438,25 +448,38 @@ def _step(p: Pipe, save: bool = True, product: str = "") -> None:
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     p.reduction_groups, p.staging_groups = cell.reduction_groups(), cell.staging_groups()
     p.row_func_groups = cell.row_func_groups()
+    folded, nexts = [], []
+    if fold:     # the next step's product on the new h, itself a stage
+        folded = [_param(p, "wp_hh", [P, G, H, p.Hp // P]),     # numpy (Hp/P, H, G, P)
+                  _param(p, "b_hh", [H, G])]                     # numpy (G, H)
+        h_next = hl.Func("h_next")
+        h_next[j, b] = new["h"][j, b]
+        new = {**new, "h": h_next}
+        next_acc, next_hg = _hg_product(p, folded[0], folded[1], h_next, r, "hg_next")
+        nexts = [next_hg[j, g, b] for g in range(G)]
     # with bf16 vendor GEMMs, also h's bf16 bits: the next step's product reads them
-    bits = vendor and p.vendor_bf16
+    bits = product == "input" and p.vendor_bf16
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)] +
-                         ([_bf16_bits(new["h"][j, b])] if bits else []))
-    p.inputs = [xp, recurrent] + b_hh + [prev[s] for s in cell.states] + vec
+                         ([_bf16_bits(new["h"][j, b])] if bits else []) + nexts)
+    p.inputs = [xp, recurrent] + b_hh + [prev[s] for s in cell.states] + vec + folded
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
-    # of saved[t] (B, S, H), so a row stride of S*H; h's bits (B, H)
-    for n, q in enumerate(out.output_buffers()):
-        dense = n < len(cell.states) or (bits and n == len(out.output_buffers()) - 1)
-        _constrain(q, [H, None], None if dense else [1, S * H],
+    # of saved[t] (B, S, H), so a row stride of S*H; h's bits (B, H); the
+    # next product's gate g: (B, H) of its (B, G, Hp), a row stride of G*Hp
+    bufs = out.output_buffers()
+    for n, q in enumerate(bufs):
+        dense = n < len(cell.states) or (bits and n == len(bufs) - 1)
+        stride = G * p.Hp if n >= len(bufs) - len(nexts) else None if dense else S * H
+        _constrain(q, [H, None], None if stride is None else [1, stride],
                    bounds=n == 0 and not p.split_steps)
     p.shapes[out.name()] = [H, None]
     if p.split_steps:
         _unit_range(p, [(out.output_buffers()[0], H)])
     p.stages = {"hg": hg, "saved": saved, "out": out,
                 **({} if vendor else {"hg_acc": hg_acc}),
+                **({"h_next": h_next, "hg_next_acc": next_acc} if fold else {}),
                 **{"new_" + s: new[s] for s in cell.states},
                 **{"prev_in_" + s: prev_in[s] for s in cell.states}}   # (a schedule may stage h)
     p.rdoms = {"k": r}
@@ -503,10 +526,19 @@ def _step_cell_infer(p: Pipe) -> None:
     _step(p, save=False, product="biased")
 
 
+def _step_fold(p: Pipe) -> None:
+    _step(p, product="biased", fold=True)
+
+
+def _step_fold_infer(p: Pipe) -> None:
+    _step(p, save=False, product="biased", fold=True)
+
+
 def _step_product(p: Pipe) -> None:
     """A step's recurrent product alone, hg = b_hh + h W_hh^T (summed as
     step's, so that the results are the same), on the driver's ranges of
-    units (see UNITS_FWD): numpy (B, G, Hp)."""
+    units (see UNITS_FWD), or on every unit without split steps: numpy (B,
+    G, Hp)."""
     G, H, P = p.G, p.H, p.P
     p.split_rows_only = False
     wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])          # numpy (Hp/P, H, G, P)
@@ -517,9 +549,12 @@ def _step_product(p: Pipe) -> None:
     hg_acc, hg = _hg_product(p, wp_hh, b_hh, h_in, r)
     p.inputs, p.outputs = [wp_hh, b_hh, h], [hg]
     _constrain(hg.output_buffer(), [p.Hp, G, None], bounds=False)
-    hg.output_buffer().dim(1).set_bounds(0, G)      # (units: _unit_range's)
+    hg.output_buffer().dim(1).set_bounds(0, G)
     p.shapes[hg.name()] = [p.Hp, G, None]
-    _unit_range(p, [(hg.output_buffer(), p.Hp)])
+    if p.split_steps:     # the units of _unit_range's panels
+        _unit_range(p, [(hg.output_buffer(), p.Hp)])
+    else:                 # every unit (the first of folded steps: FOLD_FWD)
+        hg.output_buffer().dim(0).set_bounds(0, p.Hp)
     p.stages = {"hg_acc": hg_acc, "hg": hg, "prev_in_h": h_in}
     p.rdoms = {"k": r}
 

@@ -107,6 +107,7 @@ class Library:
             self._lib.halstm_cublas_init.argtypes = [ctypes.c_char_p]
             self._shared.check(self._lib.halstm_cublas_init(found.encode()),
                                f"loading cuBLAS from {found}")
+        self._folds = "halstm_step_fold" in manifest["pipelines"]   # (pipeline.FOLD_FWD)
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 14
@@ -308,9 +309,10 @@ class Library:
             ws = [self._workspace(mem, stream, "wp_ih", (Hp // P, K, G, P)),
                   self._workspace(mem, stream, "wp_hh", (Hp // P, H, G, P)),
                   self._workspace(mem, stream, "xp", (N, G, Hp)),
-                  # x in the steps' rows
+                  # x in the steps' rows, or the folded steps' two products
                   (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
-                   if packed else None)]
+                   if packed else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
+                   if self._folds else None)]
             reuse = self._pack_reused(mem, stream, ws[:2], pack_key)
             self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),

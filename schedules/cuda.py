@@ -47,7 +47,7 @@ def layout(target: hl.Target) -> Layout:
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
-          per_lane=1, tile_from=None, extent=None):
+          per_lane=1, tile_from=None, extent=None, partial_in_registers=False):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
     out, in-thread and unrolled; factor None takes the whole (small, fixed)
@@ -67,7 +67,10 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     covers 32 * per_lane), so that one broadcast load of the other operand
     feeds per_lane more FMAs. tile_from: the smallest extent of the
     runtime axis that gets tiles (default: the factor); below it, one row
-    a thread. extent: the runtime axis' extent where out is not an output."""
+    a thread. extent: the runtime axis' extent where out is not an output.
+    partial_in_registers: each thread sums its slice's tile in registers
+    and stores it to shared memory once, where a kernel's other shared
+    stages would have LLVM store it after every add (see _row_sum)."""
     runtime = [(v, f) for v, f, rt in cols if rt]
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
@@ -75,7 +78,9 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
         if extent is None:   # out is an output: the extent of its buffer
             dims = {a.name(): d for d, a in enumerate(out.args())}
             extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
-        _loops(out.specialize(extent >= max(f, tile_from or f)), out, lane, cols, f, per_lane)
+        if f > 1:
+            _loops(out.specialize(extent >= max(f, tile_from or f)), out, lane, cols, f,
+                   per_lane)
         _loops(out, out, lane, cols, 1, per_lane)
     else:
         _loops(out, out, lane, cols, None, per_lane)
@@ -102,12 +107,31 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     upd = acc.update().split(reduce[0], ro, ri, reduce_extent // slices)
     partial = upd.rfactor(ro, u)
     acc.update().reorder(*([lane] + tile_vars + [ro])).unroll(ro)
-    partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES)
     kio, kii = hl.RVar(acc.name() + "_kio"), hl.RVar(acc.name() + "_kii")
-    partial.reorder(*(tile_vars + [lane, u])).gpu_threads(lane, u)
+    threads = [lane, u]
+    if partial_in_registers:     # a thread's tile in registers, stored once (shared)
+        # (lanes and slices fused into one thread axis: the block's other
+        # stages' threads run along the first, whose extent Halide takes
+        # as the largest of any stage's; a second would multiply it)
+        t = hl.Var(acc.name() + "_t")
+        shared = partial.in_(acc).compute_at(out, hl.Var(lane.name() + "o")) \
+            .bound_extent(lane, LANES).bound_extent(u, slices) \
+            .reorder(*(tile_vars + threads)).fuse(lane, u, t) \
+            .gpu_threads(t)
+        for v in tile_vars:
+            shared.unroll(v)
+        partial.compute_at(shared, t).store_in(hl.MemoryType.Register) \
+            .bound_extent(lane, 1).bound_extent(u, 1)
+        threads = []
+    else:
+        partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES)
+    partial.reorder(*(tile_vars + [lane, u]))
     pu = partial.update()
     pu.split(ri, kio, kii, unroll, GUARD).unroll(kii)
-    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u])).gpu_threads(lane, u)
+    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u]))
+    if threads:
+        partial.gpu_threads(*threads)
+        pu.gpu_threads(*threads)
     for stage in (partial, pu):
         for v in tile_vars:
             stage.unroll(v)
@@ -457,19 +481,28 @@ def _row_block(p, out, j, b, along=()):
             f.unroll(g)
         if f is not out:
             f.compute_with(out, ji)
+    _row_work(p, out, b)
+
+
+def _row_work(p, out, at):
+    """The cell's sums, row values and stagings of one batch row, computed
+    at out's block loop `at` (a block's row; every unit) as _row_block
+    describes."""
+    threads = _row_threads(p.H)
+    b = p.vars["b"]
     for group in p.reduction_groups:
         # a group's sums read none of each other's results: each stage of
         # theirs in one loop, one barrier after it (compute_with)
-        stages = [_row_sum(f, out, b, threads, group[0].name()) for f in group]
+        stages = [_row_sum(f, out, at, threads, group[0].name()) for f in group]
         for other in stages[1:]:
-            for stage, lead, at in zip(other, stages[0], (ROW_T, ROW_T, b)):
-                stage.compute_with(lead, at)
+            for stage, lead, loop in zip(other, stages[0], (ROW_T, ROW_T, b)):
+                stage.compute_with(lead, loop)
     # quotients by row values (layer norm's 1 / sqrt(var + eps)): once a
     # row, by one thread, those after the same sums in one loop (else each
     # thread computes them in every stage that reads them)
     for funcs in p.row_func_groups:
         for f in funcs:
-            f.compute_at(out, b).gpu_threads(b)
+            f.compute_at(out, at).gpu_threads(b)
             if f is not funcs[0]:
                 f.compute_with(funcs[0], b)
     # costly unit values the sums read: once a row, in shared memory, where
@@ -480,7 +513,7 @@ def _row_block(p, out, j, b, along=()):
             uo, ui = hl.Var(f"staged{n}_uo"), hl.Var(f"staged{n}_ui")
             for f in group:
                 u = f.args()[0]
-                f.compute_at(out, b).split(u, uo, ui, threads, GUARD).reorder(ui, uo)
+                f.compute_at(out, at).split(u, uo, ui, threads, GUARD).reorder(ui, uo)
                 f.gpu_threads(ui)
                 if f is not group[0]:
                     f.compute_with(group[0], ui)
@@ -496,9 +529,9 @@ def _row_threads(H: int) -> int:
 ROW_T = hl.Var("row_t")
 
 
-def _row_sum(f, out, b, threads: int, tag: str):
-    """Schedule the sum f(b) over units for _row_block: every thread sums
-    strided units (4 loads in flight), a warp's lanes the threads' sums,
+def _row_sum(f, out, at, threads: int, tag: str):
+    """Schedule the sum f(b) over units for _row_work, at out's loop `at`:
+    every thread sums strided units (4 loads in flight), a warp's lanes the threads' sums,
     one thread the lanes' sums. Each of the three sums runs in a register
     and is copied once to shared memory for the row's other threads:
     returns the three copies (the first two with thread loop ROW_T, the
@@ -528,13 +561,14 @@ def _row_sum(f, out, b, threads: int, tag: str):
     # output of other row bounds, as the bf16 bits' beside dxp), a sum
     # computed at the thread loop would span that range, a register array
     # of dynamic size.
+    b = f.args()[0]
     copies = []
-    for stage, at in ((part, ROW_T), (lanes, ROW_T), (f, b)):
+    for stage, loop in ((part, ROW_T), (lanes, ROW_T), (f, b)):
         shared = stage.in_()
-        shared.compute_at(out, b)
-        if at is not b:
-            shared.reorder(b, at)
-        shared.gpu_threads(at)
+        shared.compute_at(out, at)
+        if loop is not b:
+            shared.reorder(b, loop)
+        shared.gpu_threads(loop)
         stage.compute_at(shared, b).store_in(hl.MemoryType.Register)
         copies.append(shared)
     return copies
@@ -587,12 +621,19 @@ def _step_rows(p, target):
     unit (register tiles, as _step_tile's), then the sums and the cell in
     one kernel a block a batch row (_row_block): 2 kernels."""
     v = p.vars
-    hg = p.stage("hg").compute_root()
-    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
     p.notes.append(f"step: the product for every unit, then {len(p.reductions)} sums over units "
                    f"and the cell in one kernel, a block a batch row")
-    batch = p.param("h_prev").dim(1).extent()
-    if _lanes_fit(p.H):    # as _step_lanes's product, into hg
+    _hg_kernel(p, p.stage("hg").compute_root(), p.param("h_prev").dim(1).extent())
+    _row_block(p, p.stage("out"), v["j"], v["b"])
+
+
+def _hg_kernel(p, hg, batch):
+    """hg (j, gate, b), the recurrent product for every unit, as one kernel:
+    as _step_lanes's product where _lanes_fit, else as _step_tile's
+    register tiles. batch: its rows' extent."""
+    v = p.vars
+    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    if _lanes_fit(p.H):
         rows, slices = (8 if p.H >= 1024 else 4), _lanes_slices(p.H, 8)
         _lanes_product(hg, p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
                        p.rdoms["k"].x, p.H, batch, p.stage("prev_in_h"), slices,
@@ -601,7 +642,53 @@ def _step_rows(p, target):
         _tile(hg, p.stage("hg_acc"), v["j"], [(v["gate"], None, False), (v["b"], rows, True)],
               [p.rdoms["k"].x], unroll=8, slices=slices, reduce_extent=p.H,
               tile_from=_tile_from(p.H), extent=batch)
-    _row_block(p, p.stage("out"), v["j"], v["b"])
+
+
+def reducing_layout(layout: Layout) -> Layout:
+    """The layout of a cell whose step reduces over the units: no fused
+    backward step (its product needs every unit's pointwise part first);
+    folded forward steps, which the driver runs where their blocks fit the
+    GPU's multiprocessors (step_fold; csrc/cuda_graphs.h fold_wanted)."""
+    return replace(layout.without("fused_bwd_below"), fold_steps=True)
+
+
+def step_product(p, target):
+    """The first step's product before the folded steps (pipeline.FOLD_FWD)."""
+    p.notes.append("step_product: the first step's product, one kernel")
+    _hg_kernel(p, p.stage("hg"), p.stage("hg").output_buffer().dim(2).extent())
+
+
+def step_fold(p, target):
+    """A folded step (pipeline.FOLD_FWD) as one kernel: blocks over a warp
+    of units x one batch row, each computing its row's sums, stagings and
+    new h for every unit first (_row_work; h in shared memory), then its
+    units' states, saved values and, in registers, every gate of the next
+    step's product, the reduction split over warps as _step_tile's. The
+    blocks of one row redo its row work side by side: the driver folds
+    steps only where every block has a multiprocessor of its own
+    (bench/RESULTS.md, "Schedule decisions": cuda.step_fold)."""
+    v = p.vars
+    out = p.stage("out")
+    # twice the warps of _step_tile's reduction: a folded step's blocks
+    # have a multiprocessor each (the driver's rule), so a block may take
+    # its whole register file (ROW_THREADS x max_registers = 65536)
+    # (bench/RESULTS.md, "Schedule decisions": cuda.step_fold slices)
+    slices = _slices(p.H, 2 * SLICES)
+    p.notes.append(f"step_fold: one kernel; a block a batch row and {LANES} units computes the "
+                   f"row's {len(p.reductions)} sums over units and h for every unit, then every "
+                   f"gate of its units' next product, the reduction split over {slices} warp(s)")
+    _tile(out, p.stage("hg_next_acc"), v["j"], [(v["b"], 1, True)], [p.rdoms["k"].x],
+          unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
+          partial_in_registers=True)
+    at = hl.Var(v["j"].name() + "o")     # (_loops' block loop over units)
+    threads = _row_threads(p.H)
+    ho, hi = hl.Var("h_next_o"), hl.Var("h_next_i")
+    p.stage("h_next").compute_at(out, at).split(v["j"], ho, hi, threads, GUARD) \
+        .reorder(hi, ho).gpu_threads(hi)
+    _row_work(p, out, at)
+
+
+step_fold_infer = step_fold
 
 
 def step(p, target):

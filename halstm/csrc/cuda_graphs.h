@@ -225,6 +225,35 @@ struct DeviceCopies {
     }
 };
 DeviceCopies g_copies;
+
+// The GPU's multiprocessors (halstm_cuda_init), and whether a forward
+// loop's steps fold (pipeline.FOLD_FWD): where each step's `blocks` run
+// at once, one a multiprocessor, so that the blocks that compute the same
+// batch row's rest side by side add no time. HALSTM_FOLD_STEPS=0 or 1 in
+// the environment: never or always (for measuring).
+int g_multiprocessors = 0;
+int g_fold_steps = -1;
+
+bool fold_wanted(int64_t blocks) {
+    return g_fold_steps >= 0 ? g_fold_steps == 1 : blocks <= g_multiprocessors;
+}
+
+// g_context's device's multiprocessor count, or 0 where it cannot be read
+int multiprocessors(void *context) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) return 0;
+    auto push = (int (*)(void *))dlsym(lib, "cuCtxPushCurrent_v2");
+    auto pop = (int (*)(void **))dlsym(lib, "cuCtxPopCurrent_v2");
+    auto device = (int (*)(int *))dlsym(lib, "cuCtxGetDevice");
+    auto attribute = (int (*)(int *, int, int))dlsym(lib, "cuDeviceGetAttribute");
+    if (!push || !pop || !device || !attribute || push(context)) return 0;
+    int dev = 0, n = 0;
+    const int MULTIPROCESSOR_COUNT = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    if (device(&dev) || attribute(&n, MULTIPROCESSOR_COUNT, dev)) n = 0;
+    void *prev;
+    pop(&prev);
+    return n;
+}
 #endif
 
 // Run a time loop (`steps` returns the first nonzero code of its calls);
@@ -282,6 +311,9 @@ int halstm_cuda_init(void *context) {
     const char *env = getenv("HALSTM_CUDA_GRAPHS");
     g_graphs.init(context, HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
     if (!g_copies.load()) return halide_error_code_device_interface_no_device;
+    g_multiprocessors = multiprocessors(context);
+    const char *fold = getenv("HALSTM_FOLD_STEPS");
+    g_fold_steps = fold && (fold[0] == '0' || fold[0] == '1') && !fold[1] ? fold[0] - '0' : -1;
     return halide_reuse_device_allocations(nullptr, true);
 }
 

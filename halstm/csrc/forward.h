@@ -23,15 +23,25 @@ int halstm_step_infer_argv(void **);
 int halstm_step_vendor_argv(void **);
 int halstm_step_vendor_infer_argv(void **);
 #endif
-#if HALSTM_UNITS_FWD
-// A step in two parts (threads.h two_parts_wanted): inputs wp_hh, b_hh,
-// h_prev, int panel0, panels; output hg (B, G, HP) = b_hh + h W_hh^T, its
-// units of those panels. Then the rest: halstm_step's arguments with hg in
-// place of wp_hh (the whole of it) and no b_hh, the outputs cropped to a
-// range of rows.
+#if HALSTM_UNITS_FWD || HALSTM_FOLD_FWD
+// A step's product: inputs wp_hh, b_hh, h_prev, [int panel0, panels];
+// output hg (B, G, HP) = b_hh + h W_hh^T, its units of those panels (steps
+// in two parts: threads.h two_parts_wanted) or every unit (the first of
+// folded steps).
 int halstm_step_product_argv(void **);
+#endif
+#if HALSTM_UNITS_FWD
+// Then the rest: halstm_step's arguments with hg in place of wp_hh (the
+// whole of it) and no b_hh, the outputs cropped to a range of rows.
 int halstm_step_cell_argv(void **);
 int halstm_step_cell_infer_argv(void **);
+#endif
+#if HALSTM_FOLD_FWD
+// A folded step (pipeline.FOLD_FWD): halstm_step_cell's inputs, then
+// wp_hh, b_hh; its outputs, then the next step's product (b_hh + h W_hh^T
+// on the new h) as G outputs, each gate's (B, H) of a (B, G, HP).
+int halstm_step_fold_argv(void **);
+int halstm_step_fold_infer_argv(void **);
 #endif
 
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
@@ -40,7 +50,8 @@ int halstm_step_cell_infer_argv(void **);
 // workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (N, G, HP), or
 // with HALSTM_XP_PANELS (HP/P, N, G, P): N rows, step t's from rows.h's
 // StepRows::row0(t) (T*B without batch sizes); x_rows (N, K) floats or (N)
-// int32 indices where StepRows is packed (else unused): x in that order.
+// int32 indices where StepRows is packed: x in that order; with
+// HALSTM_FOLD_FWD 2*B*G*HP floats: the folded steps' products (else unused).
 // out: saved (T, B, S, H), or NULL: the steps store no saved channels (a
 // forward that no backward follows); states[NS] each (T+1, B, H): on return
 // [0] holds init[s] (B, H) (NULL: zeros), [t+1] the state after step t.
@@ -228,7 +239,47 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         }
         return rc;
     };
-#if HALSTM_UNITS_FWD
+#if HALSTM_FOLD_FWD
+    // folded steps where their blocks (a warp of units by a batch row)
+    // fit the GPU at once (fold_wanted): step t's rest and step t+1's
+    // product in one kernel, the products alternating between the two
+    // halves of x_rows
+    const bool fold = !vendor && fold_wanted((int64_t)HP / P * B);
+    if (fold && !x_rows) {
+        halide_error(nullptr, "halstm_forward: no workspace x_rows for the folded steps\n");
+        return -1;
+    }
+    float *const prod[2] = {(float *)x_rows, (float *)x_rows + (size_t)B * G * HP};
+    auto fold_steps = [&]() {
+        const int rows0 = step_rows(batch_sizes, 0, B);
+        View h0 = bh(states[0], 0, B, rows0), hg0(prod[0], {{HP, 1}, {G, HP}, {rows0, G * HP}});
+        void *first[] = {vwp_hh.hb(), vb_hh.hb(), h0.hb(), hg0.hb()};
+        int rc = halstm_step_product_argv(first);
+        StepViews v;
+        View next[G];
+        for (int t = 0; !rc && t < T; t++) {
+            // step t's rows; the next product too (a superset of step t+1's)
+            const int rows = step_rows(batch_sizes, t, B);
+            View hg(prod[t & 1], {{HP, 1}, {G, HP}, {rows, G * HP}});
+            step_views(v, t, rows, 0, hg, false);
+            void *args[5 + 2 * NS + S + G];
+            int n = 0;
+            args[n++] = v.xp.hb(), args[n++] = hg.hb();
+            for (int s = 0; s < NS; s++) args[n++] = v.prev[s].hb();
+            if (NV) args[n++] = vvec.hb();
+            args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
+            for (int s = 0; s < NS; s++) args[n++] = v.next[s].hb();
+            for (int c = 0; saved && c < S; c++) args[n++] = v.sv[c].hb();
+            for (int g = 0; g < G; g++) {
+                next[g] = View(prod[(t + 1) & 1] + g * HP, {{H, 1}, {rows, G * HP}});
+                args[n++] = next[g].hb();
+            }
+            rc = saved ? halstm_step_fold_argv(args) : halstm_step_fold_infer_argv(args);
+        }
+        return rc;
+    };
+    auto steps = [&]() { return fold ? fold_steps() : run_steps(T, B, batch_sizes, part_steps); };
+#elif HALSTM_UNITS_FWD
     // each step in two parts: the product into hg (B, G, HP) in ranges of
     // `quantum` unit panels; once every range is in, the rest of the step
     // on each batch row; then the next step's product waits for every
@@ -296,11 +347,11 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     auto steps = [&]() { return run_steps(T, B, batch_sizes, part_steps); };
 #endif
     // (the vendor steps' GEMMs read w_hh or its copy, and write hg)
-    uint64_t key[11 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
+    uint64_t key[12 + NS] = {(uint64_t)T, (uint64_t)B, u64(xp), u64(wp_hh), u64(b_hh), u64(saved),
                              u64(vec), rows_hash(batch_sizes, T), u64(hg), u64(step.w),
-                             u64(step.act)};
-    for (int s = 0; s < NS; s++) key[11 + s] = u64(states[s]);
-    return run_loop(key, 11 + NS, steps);
+                             u64(step.act), u64(x_rows)};
+    for (int s = 0; s < NS; s++) key[12 + s] = u64(states[s]);
+    return run_loop(key, 12 + NS, steps);
 }
 #endif  // HALSTM_FORWARD
 

@@ -124,6 +124,36 @@ def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, m
             assert_close(k, np.asarray(got[k]), g, rtol)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_folded_steps_match_the_cpu(precision, gpu_target):
+    """A layer-norm LSTM at a batch whose forward steps fold (a step's
+    blocks fit the GPU: pipeline.FOLD_FWD) in each precision, two layers,
+    with and without the tape, against the CPU layer; three times: run
+    directly, captured into CUDA graphs, replayed."""
+    import halstm
+    from helpers import assert_close
+    K, Hs = 39, 70                       # (sizes no other test loads)
+    cpu = halstm.Recurrent("layernorm_lstm", K, Hs, num_layers=2, seed=3)
+    gpu = halstm.Recurrent("layernorm_lstm", K, Hs, num_layers=2, target=gpu_target,
+                           precision=precision)
+    gpu.load_state_dict(cpu.state_dict())
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((9, 3, K)).astype(np.float32)
+    dy = rng.standard_normal((9, 3, Hs)).astype(np.float32)
+    want_y, _ = cpu(x)
+    want = cpu.backward(dy)
+    rtol = RTOL[precision]
+    for _ in range(3):
+        with halstm.no_grad():
+            y, _ = gpu(x)
+        assert_close("y without the tape", np.asarray(y), want_y, rtol)
+        y, _ = gpu(x)
+        got = gpu.backward(dy)
+        assert_close("y", np.asarray(y), want_y, rtol)
+        for k, g in want.items():
+            assert_close(k, np.asarray(got[k]), g, rtol)
+
+
 def test_directions_side_by_side_keep_their_own_products(gpu_target, monkeypatch):
     """A bidirectional halstm.torch layer runs its two directions on two
     streams at once, through one library: each stream has its own cuBLAS
