@@ -103,50 +103,40 @@ def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, m
     backward dhg W_hh added to dh_prev), at a batch past the threshold,
     against the same layer on the CPU; three times: run directly, captured
     into CUDA graphs, replayed."""
-    import halstm
-    from helpers import assert_close
     monkeypatch.setenv("HALSTM_VENDOR_STEP_ROWS", "4")
-    K, Hs = VENDOR_SIZES[cell, precision]
-    cpu = halstm.Recurrent(cell, K, Hs, num_layers=2, seed=3)
-    gpu = halstm.Recurrent(cell, K, Hs, num_layers=2, target=gpu_target, precision=precision)
-    gpu.load_state_dict(cpu.state_dict())
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((9, 6, K)).astype(np.float32)
-    dy = rng.standard_normal((9, 6, Hs)).astype(np.float32)
-    want_y, _ = cpu(x)
-    want = cpu.backward(dy)
-    rtol = RTOL[precision]
-    for _ in range(3):
-        y, _ = gpu(x)
-        got = gpu.backward(dy)
-        assert_close("y", np.asarray(y), want_y, rtol)
-        for k, g in want.items():
-            assert_close(k, np.asarray(got[k]), g, rtol)
+    _two_layers_match_the_cpu(cell, *VENDOR_SIZES[cell, precision], 6, precision, gpu_target)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_folded_steps_match_the_cpu(precision, gpu_target):
     """A layer-norm LSTM at a batch whose forward steps fold (a step's
-    blocks fit the GPU: pipeline.FOLD_FWD) in each precision, two layers,
-    with and without the tape, against the CPU layer; three times: run
-    directly, captured into CUDA graphs, replayed."""
+    blocks fit the GPU: pipeline.FOLD_FWD) in each precision, with and
+    without the tape, as the vendor steps' test."""
+    # (sizes no other test loads)
+    _two_layers_match_the_cpu("layernorm_lstm", 39, 70, 3, precision, gpu_target, infer=True)
+
+
+def _two_layers_match_the_cpu(cell, K, Hs, B, precision, gpu_target, infer=False):
+    """Two layers of `cell` (K inputs, Hs units) at batch B on the GPU in
+    `precision` against the same layers on the CPU, forward (infer: also
+    without the tape) and every gradient, three times: run directly,
+    captured into CUDA graphs, replayed."""
     import halstm
     from helpers import assert_close
-    K, Hs = 39, 70                       # (sizes no other test loads)
-    cpu = halstm.Recurrent("layernorm_lstm", K, Hs, num_layers=2, seed=3)
-    gpu = halstm.Recurrent("layernorm_lstm", K, Hs, num_layers=2, target=gpu_target,
-                           precision=precision)
+    cpu = halstm.Recurrent(cell, K, Hs, num_layers=2, seed=3)
+    gpu = halstm.Recurrent(cell, K, Hs, num_layers=2, target=gpu_target, precision=precision)
     gpu.load_state_dict(cpu.state_dict())
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((9, 3, K)).astype(np.float32)
-    dy = rng.standard_normal((9, 3, Hs)).astype(np.float32)
+    x = rng.standard_normal((9, B, K)).astype(np.float32)
+    dy = rng.standard_normal((9, B, Hs)).astype(np.float32)
     want_y, _ = cpu(x)
     want = cpu.backward(dy)
     rtol = RTOL[precision]
     for _ in range(3):
-        with halstm.no_grad():
-            y, _ = gpu(x)
-        assert_close("y without the tape", np.asarray(y), want_y, rtol)
+        if infer:
+            with halstm.no_grad():
+                y, _ = gpu(x)
+            assert_close("y without the tape", np.asarray(y), want_y, rtol)
         y, _ = gpu(x)
         got = gpu.backward(dy)
         assert_close("y", np.asarray(y), want_y, rtol)
