@@ -531,11 +531,11 @@ ROW_T = hl.Var("row_t")
 
 def _row_sum(f, out, at, threads: int, tag: str):
     """Schedule the sum f(b) over units for _row_work, at out's loop `at`:
-    every thread sums strided units (4 loads in flight), a warp's lanes the threads' sums,
-    one thread the lanes' sums. Each of the three sums runs in a register
-    and is copied once to shared memory for the row's other threads:
-    returns the three copies (the first two with thread loop ROW_T, the
-    last with b; reduction loops named by tag)."""
+    every thread sums strided units (4 loads in flight), a warp's lanes
+    the threads' sums, one thread the lanes' sums. Each of the three sums
+    runs in a register and is copied once to shared memory for the row's
+    other threads: returns the three copies (the first two with thread
+    loop ROW_T, the last with b; reduction loops named by tag)."""
     r = f.rvars(0)[0]
     ro, ri, u = hl.RVar(tag + "_ro"), hl.RVar(tag + "_ri"), ROW_T
     part = f.update().split(r, ro, ri, threads, GUARD).rfactor(ri, u)

@@ -360,7 +360,8 @@ def test_folded_steps_only_for_cells_that_reduce_on_cuda():
     LSTM's, a CPU's and a backward library do not."""
     from halstm import pipeline
     for cell, target, direction, folds in (
-            ("layernorm_lstm", CUDA_TARGET, "fwd", True), ("layernorm_lstm", CUDA_TARGET, "bwd", False),
+            ("layernorm_lstm", CUDA_TARGET, "fwd", True),
+            ("layernorm_lstm", CUDA_TARGET, "bwd", False),
             ("lstm", CUDA_TARGET, "fwd", False), ("layernorm_lstm", "host", "fwd", False)):
         kinds = aot._plan(aot.Spec(cell, I, 64, direction, target), (), False).kinds
         assert all(k in kinds for k in pipeline.FOLD_FWD) == folds, (cell, target, kinds)
