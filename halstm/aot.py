@@ -85,7 +85,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.split is not None and layout.split.rows_only:   # (where rows give too few ranges)
         kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
-    if layout.fold_steps and spec.direction == "fwd" and not spec.onehot:
+    if layout.fold_steps and spec.direction == "fwd":
         kinds += pipeline.FOLD_FWD
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")

@@ -102,12 +102,10 @@ def test_cuda_backward_of_sums_of_negated_terms(tmp_path):
 
 
 def test_cuda_library_of_a_reducing_cell_has_folded_steps(tmp_path):
-    """A CUDA layer-norm LSTM library builds with the folded forward steps
-    (pipeline.FOLD_FWD): its driver, compiled with HALSTM_FOLD_FWD, calls
-    them. (Builds, needs no GPU; tests/gpu runs them.)"""
+    """A CUDA layer-norm LSTM library has the folded forward steps
+    (pipeline.FOLD_FWD) and its driver links with them. (Builds, needs no
+    GPU; tests/gpu runs them.)"""
     import json
-    import shlex
-    import subprocess
     run_cli("compile", "--cell", "layernorm_lstm", "-i", 13, "-H", 40, "--target", CUDA_TARGET,
             "--out", tmp_path / "ln")
     (fwd,) = (tmp_path / "ln").glob("fwd_*")
@@ -116,11 +114,6 @@ def test_cuda_library_of_a_reducing_cell_has_folded_steps(tmp_path):
         set(m["pipelines"])
     assert any(a.startswith("ws x_rows") and "halstm_step_fold" in a
                for a in m["entry_points"]["halstm_forward"])
-    if m["library"]:          # linked here: the driver compiled and found them
-        assert (fwd / m["library"]).is_file()
-    else:                     # a target this machine cannot load: the driver compiles
-        cmd = shlex.split(m["driver_build"].split(" (")[0])
-        cmd = cmd[:cmd.index("driver.cpp") + 1] + ["-c", "-o", str(tmp_path / "d.o")]
-        assert "-DHALSTM_FOLD_FWD=1" in cmd
-        res = subprocess.run(cmd, cwd=fwd, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr
+    # (a host-cuda target links here: the driver compiled and found them)
+    assert m["library"] and (fwd / m["library"]).is_file()
+    assert m["layout"]["fold_steps"] is True
