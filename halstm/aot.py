@@ -85,8 +85,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds = tuple(pipeline.FUSED_BWD.get(k, k) for k in kinds)
     if layout.split is not None and layout.split.rows_only:   # (where rows give too few ranges)
         kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
-    if layout.fold_steps and spec.direction == "fwd":
-        kinds += pipeline.FOLD_FWD
+    if layout.fold_steps:
+        kinds += pipeline.FOLD_FWD if spec.direction == "fwd" else pipeline.FOLD_BWD
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
@@ -398,7 +398,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         hidden_size=spec.hidden_size, onehot=spec.onehot, layout=plan.layout, cuda=plan.cuda,
         fused_bwd="step_bwd_fused" in plan.kinds, pack_bwd="pack_bwd" in plan.kinds,
         units_bwd="step_bwd_units" in plan.kinds, units_fwd="step_cell" in plan.kinds,
-        fold_fwd="step_fold" in plan.kinds,
+        fold_fwd="step_fold" in plan.kinds, fold_bwd="step_bwd_fold" in plan.kinds,
         split_quantum=math.lcm(*(p.split_quantum for p in pipes)),
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),

@@ -48,6 +48,7 @@ class Layer:
     units_bwd: bool = False      # the backward also has step_bwd_units (pipeline.UNITS_BWD)
     units_fwd: bool = False      # the forward also has steps in two parts (pipeline.UNITS_FWD)
     fold_fwd: bool = False       # the forward also has folded steps (pipeline.FOLD_FWD)
+    fold_bwd: bool = False       # the backward also has folded steps (pipeline.FOLD_BWD)
     split_quantum: int = 1       # split steps: ranges of this many panels ...
     split_quantum_small: int = 1  # ... or of this many, where a step has fewer rows
     split_small_below: int = 0    # than this
@@ -81,6 +82,8 @@ class Layer:
             d["HALSTM_UNITS_FWD"] = 1
         if self.fold_fwd:
             d["HALSTM_FOLD_FWD"] = 1
+        if self.fold_bwd:
+            d["HALSTM_FOLD_BWD"] = 1
         if self.direction == "bwd" and not self.pack_bwd:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:

@@ -36,7 +36,7 @@ from .layout import Layout
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
          "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
-         "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer")
+         "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer", "step_bwd_fold")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -74,6 +74,10 @@ UNITS_FWD = ("step_product", "step_cell", "step_cell_infer")
 # The driver's loop: step_product (the first step's product), then
 # step_fold (step_fold_infer) once a step.
 FOLD_FWD = ("step_product", "step_fold", "step_fold_infer")
+# ... and backward, step_bwd_fold is step_bwd as one kernel: each block of
+# its product dh_prev = W_hh^T dhg computes its batch row's pointwise
+# backward (every unit) first. The driver calls it in step_bwd's place.
+FOLD_BWD = ("step_bwd_fold",)
 # With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
@@ -246,12 +250,12 @@ def _hg_product(p: "Pipe", wp_hh, b_hh, h_in, r, name: str = "hg") -> tuple:
                    lambda: w(gate, r.x) * h_in[r.x, b])
 
 
-def _dh_product(p: "Pipe", w, init, dhg_in, r) -> tuple:
+def _dh_product(p: "Pipe", w, init, dhg_in, r, unit: str = "k") -> tuple:
     """dh_prev (B, Hp) = init + W_hh^T dhg over r (dhg's units, gates) as
-    _matmul's `dh_prev_acc` and `dh_prev`; step_bwd and step_bwd_product
-    both sum it so, for the same results."""
-    k, b = p.vars["k"], p.vars["b"]
-    return _matmul("dh_prev", [k, b], init, lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    _matmul's `dh_prev_acc` and `dh_prev` over (unit, b); step_bwd,
+    step_bwd_product and step_bwd_fold all sum it so."""
+    return _matmul("dh_prev", [p.vars[unit], p.vars["b"]], init,
+                   lambda: w(r.x, r.y) * dhg_in[r.x, r.y, p.vars["b"]])
 
 
 def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> Pipe:
@@ -646,16 +650,18 @@ def _step_bwd_product(p: Pipe) -> None:
     p.rdoms = {"jg": r}
 
 
-def _step_bwd(p: Pipe, vendor: bool = False) -> None:
+def _step_bwd(p: Pipe, vendor: bool = False, fold: bool = False) -> None:
     """One backward step: the pointwise backward, then dh_prev = its own
     term + W_hh^T dhg. vendor: without that product, which the driver adds
-    to dh_prev (a vendor GEMM, beta = 1), and without the w_hh input."""
+    to dh_prev (a vendor GEMM, beta = 1), and without the w_hh input. fold
+    (FOLD_BWD): the same inputs, the outputs one Func over (j, b) (see
+    _fold_bwd_outputs)."""
     cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
     j, k, b, gate = p.vars["j"], p.vars["k"], p.vars["b"], p.vars["gate"]
     # (dh is computed over all Hp)
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states)
-    if not vendor:
-        w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
+    if not vendor:    # (the param: panels, or the weight as given)
+        w_hh, w = _bwd_weight(p, "w_hh", H, j if fold else k)
     dnew = {}
     for s in cell.states:
         f = hl.Func("d" + s + "_new")
@@ -675,10 +681,19 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     p.reduction_groups, p.staging_groups = cell.reduction_groups(), cell.staging_groups()
     p.row_func_groups = cell.row_func_groups()
+    sums, sums_in = _dvec_sums(p, (2,))
+    r = hl.RDom([(0, H), (0, G)], "r_jg")
+    p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
+                + [dy] + [dnext[s] for s in cell.states] + ([] if vendor else [w_hh]) + vec
+                + sums)
+    p.rdoms = {"jg": r}
+    assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
+    if fold:
+        return _fold_bwd_outputs(p, w, dxp, dhg, dprev, dvec, sums_in,
+                                 {**inputs, "vec_in": vec_in})
     outs = {"dxp_out": _output(dxp)}
     if not cell.dxp_is_dhg:
         outs["dhg_out"] = _output(dhg)
-    sums, sums_in = _dvec_sums(p, (2,))
     if dvec is not None:   # (not a copy of dvec: it reads no output buffer)
         outs["dvec_out"] = hl.Func("dvec_out")
         outs["dvec_out"][dvec.args()] = sums_in[dvec.args()] + dvec[dvec.args()]
@@ -690,7 +705,6 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
     # that stores it, instead of a kernel of its own plus a copy. CPU
     # schedules must not (Halide assumes an output read is aligned, above).
     dhg_in = outs["dxp_out" if cell.dxp_is_dhg else "dhg_out"] if p.read_outputs else dhg
-    r = hl.RDom([(0, H), (0, G)], "r_jg")
     if vendor:       # dh_prev's own term (B, Hp) rows, H used; the driver adds the product
         dh_prev = hl.Func("dh_prev")
         dh_prev[j, b] = dprev["h"][j, b] if dprev["h"] is not None else hl.f32(0)
@@ -698,10 +712,6 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
         init = dprev["h"][hl.min(k, H - 1), b] if dprev["h"] is not None else hl.f32(0)
         dh_acc, dh_prev = _dh_product(p, w, init, dhg_in, r)          # numpy (B, Hp)
     dprev = {**dprev, "h": dh_prev}
-    p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
-                + [dy] + [dnext[s] for s in cell.states] + ([] if vendor else [w_hh]) + vec
-                + sums)
-    assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
     p.stages = {"dxp": dxp, "dhg": dhg, **outs, **({} if vendor else {"dh_prev_acc": dh_acc}),
                 **{"dprev_" + s: dprev[s] for s in cell.states}, **inputs, "vec_in": vec_in}
     if dvec is not None:
@@ -722,9 +732,41 @@ def _step_bwd(p: Pipe, vendor: bool = False) -> None:
         _fix_output(p, dh_prev, [Hp, None])             # numpy (B, Hp)
     for s in cell.states[1:]:
         _fix_output(p, dprev[s], [H, None], [1, Hp])    # (B, Hp) rows, H used
-    p.rdoms = {"jg": r}
     if p.split_steps:   # with ranges of units, each thread computes the pointwise part for all
         _unit_range(p, [(f.output_buffer(), Hp if f is dh_prev else H) for f in p.outputs])
+
+
+def _fold_bwd_outputs(p: Pipe, w, dxp, dhg, dprev, dvec, sums_in, inputs) -> None:
+    """step_bwd's outputs as one Func over (j, b), j < H, whose Tuple holds
+    dxp a gate an element, dhg so (unless dxp is dhg), dh_prev, the other
+    states' gradients and the vector sums a channel an element; dh_prev's
+    product reads dhg_row, the row's dhg for every unit, a stage of its own
+    (a GPU block computes it for its row, then its units' products)."""
+    cell, G, H, Hp, V = p.cell, p.G, p.H, p.Hp, p.V
+    j, b, gate = p.vars["j"], p.vars["b"], p.vars["gate"]
+    assert not p.split_steps, "folded backward steps run whole"
+    dhg_row = hl.Func("dhg_row")
+    dhg_row[j, gate, b] = dhg[j, gate, b]
+    init = dprev["h"][hl.min(j, H - 1), b] if dprev["h"] is not None else hl.f32(0)
+    dh_acc, dh_prev = _dh_product(p, w, init, dhg_row, p.rdoms["jg"], "j")
+    planes = [dhg_row] if cell.dxp_is_dhg else [dxp, dhg_row]
+    out = hl.Func("dstep")
+    out[j, b] = hl.Tuple([f[j, g, b] for f in planes for g in range(G)] + [dh_prev[j, b]]
+                         + [dprev[s][j, b] for s in cell.states[1:]]
+                         + [sums_in[j, c, b] + dvec[j, c, b] for c in range(V)])
+    p.outputs = [out]
+    # dxp and dhg: a gate's plane of (B, G, H); the states' gradients (B,
+    # Hp) rows, H used; the vector sums: a channel's plane of (B, V, H)
+    strides = [G * H] * (G * len(planes)) + [Hp] * len(cell.states) + [V * H] * V
+    for n, (q, stride) in enumerate(zip(out.output_buffers(), strides)):
+        _constrain(q, [H, None], [1, stride], bounds=n == 0)
+    p.shapes["dstep"] = [H, None]
+    p.stages = {"out": out, "dhg_row": dhg_row, "dh_prev_acc": dh_acc, "dxp": dxp, "dhg": dhg,
+                **inputs}
+
+
+def _step_bwd_fold(p: Pipe) -> None:
+    _step_bwd(p, fold=True)
 
 
 def _step_bwd_units(p: Pipe) -> None:

@@ -574,15 +574,15 @@ def _row_sum(f, out, at, threads: int, tag: str):
     return copies
 
 
-def _row_inputs(p, out, b, names):
+def _row_inputs(p, out, b, names, budget=None):
     """A row block's inputs loaded once into shared memory, where the sums
     and the outputs read them, instead of from global memory in every
     stage: the stages `names` (over (unit, [channel,] row); the vector
     parameters "vec_in" over (unit, channel)) in that order, as many as
-    fit in ROW_INPUT_BYTES."""
+    fit in `budget` bytes (default ROW_INPUT_BYTES)."""
     threads = _row_threads(p.H)
     channels = {"saved_in": len(p.cell.saved_channels(p.H)), "vec_in": p.V}
-    left, first = ROW_INPUT_BYTES, {}
+    left, first = ROW_INPUT_BYTES if budget is None else budget, {}
     jo, ji = hl.Var("inputs_jo"), hl.Var("inputs_ji")
     for name in (n for n in names if n in p.stages):
         size = p.H * 4 * channels.get(name, 1)
@@ -600,6 +600,12 @@ def _row_inputs(p, out, b, names):
         lead = first.setdefault(per_row, f)
         if lead is not f:
             f.compute_with(lead, ji)
+
+
+def _bwd_row_inputs(p) -> list:
+    """The stages a backward step's row block loads first (_row_inputs)."""
+    return ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
+                           for s in p.cell.states] + ["vec_in"]
 
 
 # Shared memory the backward row block may give its inputs (_row_inputs),
@@ -691,6 +697,31 @@ def step_fold(p, target):
 step_fold_infer = step_fold
 
 
+def step_bwd_fold(p, target):
+    """A folded backward step (pipeline.FOLD_BWD) as one kernel: blocks over
+    a warp of units x one batch row, each computing its row's inputs (in
+    shared memory), sums, stagings and dhg for every unit first (_row_work;
+    dhg in shared memory), then its units' outputs and, in registers, their
+    dh_prev = W_hh^T dhg, the reduction split over warps as step_fold's.
+    The driver folds these steps where step_fold's would fold."""
+    v, r = p.vars, p.rdoms["jg"]
+    out = p.stage("out")
+    slices = _slices(p.H, 2 * SLICES)     # (as step_fold's)
+    p.notes.append(f"step_bwd_fold: one kernel; a block a batch row and {LANES} units computes "
+                   f"the row's {len(p.reductions)} sums over units and dhg for every unit, then "
+                   f"its units' dh = W_hh^T dhg, the reduction split over {slices} warp(s)")
+    _tile(out, p.stage("dh_prev_acc"), v["j"], [(v["b"], 1, True)], [r.x, r.y], unroll=8,
+          slices=slices, reduce_extent=p.H, partial_in_registers=True)
+    at = hl.Var(v["j"].name() + "o")     # (_loops' block loop over units)
+    do, di = hl.Var("dhg_row_o"), hl.Var("dhg_row_i")
+    p.stage("dhg_row").compute_at(out, at).split(v["j"], do, di, _row_threads(p.H), GUARD) \
+        .reorder(v["gate"], di, do).gpu_threads(di).unroll(v["gate"])
+    _row_work(p, out, at)
+    # (the inputs' shared memory less dhg's and the product's partial sums')
+    _row_inputs(p, out, at, _bwd_row_inputs(p),
+                ROW_INPUT_BYTES - 4 * (p.G * p.H + slices * LANES))
+
+
 def step(p, target):
     if p.reductions:
         return _step_rows(p, target)
@@ -742,9 +773,7 @@ def _bwd_pointwise(p, states):
         ([p.stage("dhg_bf16_out")] if "dhg_bf16_out" in p.stages else [])
     if p.reductions:      # a block a batch row, its sums first (_row_block)
         _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
-        _row_inputs(p, p.stage("dxp_out"), v["b"],
-                    ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
-                                    for s in p.cell.states] + ["vec_in"])
+        _row_inputs(p, p.stage("dxp_out"), v["b"], _bwd_row_inputs(p))
     else:
         pointwise = _grid(p.stage("dxp_out"))
         for f in others:

@@ -102,18 +102,22 @@ def test_cuda_backward_of_sums_of_negated_terms(tmp_path):
 
 
 def test_cuda_library_of_a_reducing_cell_has_folded_steps(tmp_path):
-    """A CUDA layer-norm LSTM library has the folded forward steps
-    (pipeline.FOLD_FWD) and its driver links with them. (Builds, needs no
-    GPU; tests/gpu runs them.)"""
+    """A CUDA layer-norm LSTM's libraries have the folded steps
+    (pipeline.FOLD_FWD, FOLD_BWD) and their drivers link with them.
+    (Builds, needs no GPU; tests/gpu runs them.)"""
     import json
     run_cli("compile", "--cell", "layernorm_lstm", "-i", 13, "-H", 40, "--target", CUDA_TARGET,
             "--out", tmp_path / "ln")
     (fwd,) = (tmp_path / "ln").glob("fwd_*")
+    (bwd,) = (tmp_path / "ln").glob("bwd_*")
     m = json.loads((fwd / "manifest.json").read_text())
     assert {"halstm_step_product", "halstm_step_fold", "halstm_step_fold_infer"} <= \
         set(m["pipelines"])
     assert any(a.startswith("ws x_rows") and "halstm_step_fold" in a
                for a in m["entry_points"]["halstm_forward"])
-    # (a host-cuda target links here: the driver compiled and found them)
-    assert m["library"] and (fwd / m["library"]).is_file()
-    assert m["layout"]["fold_steps"] is True
+    mb = json.loads((bwd / "manifest.json").read_text())
+    assert "halstm_step_bwd_fold" in mb["pipelines"] and "halstm_step_bwd" in mb["pipelines"]
+    # (a host-cuda target links here: the drivers compiled and found them)
+    for folder, manifest in ((fwd, m), (bwd, mb)):
+        assert manifest["library"] and (folder / manifest["library"]).is_file()
+        assert manifest["layout"]["fold_steps"] is True

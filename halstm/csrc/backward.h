@@ -28,6 +28,12 @@ int halstm_step_bwd_units_argv(void **);
 int halstm_step_bwd_cell_argv(void **);
 int halstm_step_bwd_product_argv(void **);
 #endif
+#if HALSTM_FOLD_BWD
+// step_bwd as one kernel on a GPU (pipeline.FOLD_BWD): step_bwd's inputs;
+// its outputs as planes: dxp[G], [dhg[G]], dprev[NS] (h's over H units),
+// dvec sums[NV], each a gate's (channel's) (B, H) of its (B, G, H) ((B, NV, H))
+int halstm_step_bwd_fold_argv(void **);
+#endif
 #ifdef HALSTM_VENDOR_STEP_ROWS
 // step_bwd without its product (and without w_hh): the driver adds dhg W_hh
 // to dprev[0] by cuBLAS
@@ -94,15 +100,16 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     // Backward step t's unfused call: its views and argument list, for
     // step_bwd (w_hh given; h's gradient over HP units, the product's) or,
     // with vendor, step_bwd_vendor (no w_hh: the driver adds the product;
-    // h's gradient over H units).
+    // h's gradient over H units), or, with fold, step_bwd_fold (w_hh
+    // given; the outputs as planes, h's gradient over H units).
     struct StepArgs {
         View saved, dxp, dhg, dy, dvec, dvec_in, prev[NS], next[NS], dnext[NS], dprev[NS],
-            dhg_bits;
-        void *args[7 + 4 * NS + 5];
+            dhg_bits, planes[2 * G + NV];
+        void *args[11 + 4 * NS + 2 * G + NV];
     };
     // dhg_bits: with HALSTM_BF16, where step_bwd_vendor stores dhg's bf16 bits
     auto step_args = [&](StepArgs &v, int t, int rows, const auto &part, bool vendor,
-                         const void *dhg_bits = nullptr) {
+                         const void *dhg_bits = nullptr, bool fold = false) {
         (void)part, (void)dhg_bits;
         const int cur = (T - 1 - t) & 1, nxt = cur ^ 1;
         v.saved = View(saved + (int64_t)t * B * S * H, {{H, 1}, {S, H}, {rows, S * H}});
@@ -115,7 +122,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         for (int s = 0; s < NS; s++) {
             v.prev[s] = bh(states[s], t, B, rows), v.next[s] = bh(states[s], t + 1, B, rows);
             v.dnext[s] = dstate_row(dstate[s], cur, B, H, rows);
-            const int units = s == 0 && !vendor ? HP : H;
+            const int units = s == 0 && !vendor && !fold ? HP : H;
             v.dprev[s] = PART(dstate_row(dstate[s], nxt, B, units, rows), units, 1);
         }
         int n = 0;
@@ -129,6 +136,18 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #if HALSTM_SPLIT
         v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
 #endif
+        if (fold) {   // a gate's (channel's) plane: (rows, H) of (rows, G, H) ((rows, NV, H))
+            int m = 0;
+            auto plane = [&](float *base, int i, int width) {
+                v.planes[m] = View(base + i * H, {{H, 1}, {rows, width * H}});
+                v.args[n++] = v.planes[m++].hb();
+            };
+            for (int g = 0; g < G; g++) plane(dxp + sr.row0(t) * G * H, g, G);
+            for (int g = 0; !DXP_IS_DHG && g < G; g++) plane(dhg + sr.row0(t) * G * H, g, G);
+            for (int s = 0; s < NS; s++) v.args[n++] = v.dprev[s].hb();
+            for (int c = 0; c < NV; c++) plane(dvec_rows + nxt * B * NV * H, c, NV);
+            return;
+        }
         v.args[n++] = v.dxp.hb();
         if (!DXP_IS_DHG) v.args[n++] = v.dhg.hb();
         for (int s = 0; s < NS; s++) v.args[n++] = v.dprev[s].hb();
@@ -222,6 +241,15 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
         return rc;
     };
 #else
+#if HALSTM_FOLD_BWD
+    // folded steps where step_fold's would fold (fold_wanted: blocks of a
+    // warp of units by a batch row, each redoing its row's pointwise part)
+    const bool fold = fold_wanted((int64_t)HP / P * B);
+    int (*const step_bwd)(void **) = fold ? halstm_step_bwd_fold_argv : halstm_step_bwd_argv;
+#else
+    const bool fold = false;
+    int (*const step_bwd)(void **) = halstm_step_bwd_argv;
+#endif
     auto part_steps = [&](const auto &part, void *barrier) {
         (void)part, (void)barrier;
         int rc = 0;
@@ -232,8 +260,8 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
                 continue;
             }
             StepArgs v;
-            step_args(v, t, rows, part, false);
-            rc = halstm_step_bwd_argv(v.args);
+            step_args(v, t, rows, part, false, nullptr, fold);
+            rc = step_bwd(v.args);
             if (!step_done(barrier, rc)) break;
         }
         return rc;

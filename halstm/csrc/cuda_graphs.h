@@ -226,8 +226,8 @@ struct DeviceCopies {
 };
 DeviceCopies g_copies;
 
-// The GPU's multiprocessors (halstm_cuda_init), and whether a forward
-// loop's steps fold (pipeline.FOLD_FWD): where each step's `blocks` run
+// The GPU's multiprocessors (halstm_cuda_init), and whether a time
+// loop's steps fold (pipeline.FOLD_FWD, FOLD_BWD): where each step's `blocks` run
 // at once, one a multiprocessor, so that the blocks that compute the same
 // batch row's rest side by side add no time. HALSTM_FOLD_STEPS=0 or 1 in
 // the environment: never or always (for measuring).

@@ -109,8 +109,8 @@ def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, m
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_folded_steps_match_the_cpu(precision, gpu_target):
-    """A layer-norm LSTM at a batch whose forward steps fold (a step's
-    blocks fit the GPU: pipeline.FOLD_FWD) in each precision, with and
+    """A layer-norm LSTM at a batch whose steps fold (a step's blocks fit
+    the GPU: pipeline.FOLD_FWD, FOLD_BWD) in each precision, with and
     without the tape, as the vendor steps' test."""
     # (sizes no other test loads)
     _two_layers_match_the_cpu("layernorm_lstm", 39, 70, 3, precision, gpu_target, infer=True)
