@@ -367,14 +367,23 @@ def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H, tmp_path):
 
 def test_folded_steps_only_for_cells_that_reduce_on_cuda():
     """A CUDA library of a reducing cell has the folded steps of its
-    direction; an LSTM's and a CPU's do not."""
+    direction, and its driver is built to run them; an LSTM's and a CPU's
+    have neither."""
+    from types import SimpleNamespace
     from halstm import pipeline
+    pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
+                           split_batch_bytes=0)    # (what the driver build reads of the pipes)
     for cell, target, folds in (("layernorm_lstm", CUDA_TARGET, True), ("lstm", CUDA_TARGET, False),
                                 ("layernorm_lstm", "host", False)):
-        for direction, fold in (("fwd", pipeline.FOLD_FWD), ("bwd", pipeline.FOLD_BWD)):
-            kinds = aot._plan(aot.Spec(cell, I, 64, direction, target), (), False).kinds
-            assert all(k in kinds for k in fold) == folds, (cell, target, kinds)
-            assert ("step_fold" in kinds or "step_bwd_fold" in kinds) == folds
+        for direction, fold, define in (("fwd", pipeline.FOLD_FWD, "HALSTM_FOLD_FWD"),
+                                        ("bwd", pipeline.FOLD_BWD, "HALSTM_FOLD_BWD")):
+            spec = aot.Spec(cell, I, 64, direction, target)
+            plan = aot._plan(spec, (), False)
+            assert all(k in plan.kinds for k in fold) == folds, (cell, target, plan.kinds)
+            assert ("step_fold" in plan.kinds or "step_bwd_fold" in plan.kinds) == folds
+            defines = aot._driver_build(spec, plan, [pipe]).defines()
+            assert (defines.get(define) == 1) == folds, (cell, target, direction)
+            assert not {"HALSTM_FOLD_FWD", "HALSTM_FOLD_BWD"} - {define} & set(defines)
 
 
 def _nested_rows_step(x, r, s):

@@ -238,20 +238,19 @@ bool fold_wanted(int64_t blocks) {
     return g_fold_steps >= 0 ? g_fold_steps == 1 : blocks <= g_multiprocessors;
 }
 
-// g_context's device's multiprocessor count, or 0 where it cannot be read
+// context's device's multiprocessor count, or 0 where it cannot be read
+// (after g_copies.load(), whose push and pop it uses)
 int multiprocessors(void *context) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!lib) return 0;
-    auto push = (int (*)(void *))dlsym(lib, "cuCtxPushCurrent_v2");
-    auto pop = (int (*)(void **))dlsym(lib, "cuCtxPopCurrent_v2");
+    if (!lib || !g_copies.push) return 0;
     auto device = (int (*)(int *))dlsym(lib, "cuCtxGetDevice");
     auto attribute = (int (*)(int *, int, int))dlsym(lib, "cuDeviceGetAttribute");
-    if (!push || !pop || !device || !attribute || push(context)) return 0;
+    if (!device || !attribute || g_copies.push(context)) return 0;
     int dev = 0, n = 0;
     const int MULTIPROCESSOR_COUNT = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
     if (device(&dev) || attribute(&n, MULTIPROCESSOR_COUNT, dev)) n = 0;
     void *prev;
-    pop(&prev);
+    g_copies.pop(&prev);
     return n;
 }
 #endif

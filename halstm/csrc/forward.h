@@ -142,16 +142,17 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     // a View a state and saved channel, took about 3% of a small layer's
     // forward on 2 cores).
     struct StepViews {
-        View xp, hg, prev[NS], next[NS], sv[S > 0 ? S : 1], h_bits;
-        void *args[4 + 2 * NS + 2 + S + 1];
+        View xp, hg, prev[NS], next[NS], sv[S > 0 ? S : 1], h_bits, next_hg[G];
+        void *args[6 + 2 * NS + 2 + S + G];
         int rows = -1, t = 0;
     };
     // v's views and arguments for step t's rows, its outputs part's share:
     // xp, `product` (wp_hh, or the product hg), b_hh where `bias` (the
-    // product lacks it), the states, [vec], [part's range], the new states,
-    // the saved channels. Returns the arguments' count.
+    // product lacks it), the states, [vec], [wp_hh, b_hh where `fold`: the
+    // next step's product's], [part's range], the new states, the saved
+    // channels. Returns the arguments' count.
     auto step_views = [&](StepViews &v, int t, int rows, const auto &part, View &product,
-                          bool bias) {
+                          bool bias, bool fold = false) {
         (void)part;
         v.rows = rows, v.t = t;
         v.xp = xp_rows(sr.row0(t), rows);
@@ -168,6 +169,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         if (bias) v.args[n++] = vb_hh.hb();
         for (int s = 0; s < NS; s++) v.args[n++] = v.prev[s].hb();
         if (NV) v.args[n++] = vvec.hb();
+        if (fold) v.args[n++] = vwp_hh.hb(), v.args[n++] = vb_hh.hb();
 #if HALSTM_SPLIT
         v.args[n++] = (void *)&part.q0, v.args[n++] = (void *)&part.nq;
 #endif
@@ -255,26 +257,24 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         View h0 = bh(states[0], 0, B, rows0), hg0(prod[0], {{HP, 1}, {G, HP}, {rows0, G * HP}});
         void *first[] = {vwp_hh.hb(), vb_hh.hb(), h0.hb(), hg0.hb()};
         int rc = halstm_step_product_argv(first);
-        StepViews v;
-        View next[G];
+        // even and odd steps' views (their products' halves of x_rows),
+        // each built for a row count, then moved along by two steps
+        StepViews v[2];
         for (int t = 0; !rc && t < T; t++) {
             // step t's rows; the next product too (a superset of step t+1's)
             const int rows = step_rows(batch_sizes, t, B);
-            View hg(prod[t & 1], {{HP, 1}, {G, HP}, {rows, G * HP}});
-            step_views(v, t, rows, 0, hg, false);
-            void *args[5 + 2 * NS + S + G];
-            int n = 0;
-            args[n++] = v.xp.hb(), args[n++] = hg.hb();
-            for (int s = 0; s < NS; s++) args[n++] = v.prev[s].hb();
-            if (NV) args[n++] = vvec.hb();
-            args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
-            for (int s = 0; s < NS; s++) args[n++] = v.next[s].hb();
-            for (int c = 0; saved && c < S; c++) args[n++] = v.sv[c].hb();
-            for (int g = 0; g < G; g++) {
-                next[g] = View(prod[(t + 1) & 1] + g * HP, {{H, 1}, {rows, G * HP}});
-                args[n++] = next[g].hb();
+            StepViews &u = v[t & 1];
+            if (rows != u.rows) {
+                u.hg = View(prod[t & 1], {{HP, 1}, {G, HP}, {rows, G * HP}});
+                int n = step_views(u, t, rows, 0, u.hg, false, true);
+                for (int g = 0; g < G; g++) {   // gate g's (rows, H) of the next (rows, G, HP)
+                    u.next_hg[g] = View(prod[(t + 1) & 1] + g * HP, {{H, 1}, {rows, G * HP}});
+                    u.args[n++] = u.next_hg[g].hb();
+                }
+            } else {
+                move_views(u, t);
             }
-            rc = saved ? halstm_step_fold_argv(args) : halstm_step_fold_infer_argv(args);
+            rc = saved ? halstm_step_fold_argv(u.args) : halstm_step_fold_infer_argv(u.args);
         }
         return rc;
     };
