@@ -1,7 +1,8 @@
 """The ceiling of a step's product on one CPU core: out = W_hh h over
 `--panels` weight panels of 16 units x 4 gates (AVX-512), every batch row
-in tiles of 4 rows x 4 gates (16 accumulators), the panel loop outermost,
-as schedules/cpu.py's step tiles it, but with no cell, no xp and no state
+in tiles of 4 rows x 4 gates (16 accumulators; `--tile-rows` to try
+others, the batch a multiple of them), the panel loop outermost, as
+schedules/cpu.py's step tiles it, but with no cell, no xp and no state
 stores. Prints microseconds a call and the share of one core's peak
 (`--peak`, GFLOP/s of one core from bench/cpu_peak.py).
 
@@ -23,7 +24,10 @@ def main():
     ap.add_argument("--panels", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peak", type=float, default=265.0)
+    ap.add_argument("--tile-rows", type=int, default=4)
     a = ap.parse_args()
+    if a.batch % a.tile_rows:
+        ap.error(f"--batch: expected a multiple of --tile-rows {a.tile_rows}, got {a.batch}")
     P, G, K, B = 16, 4, a.hidden, a.batch
     w = hl.ImageParam(hl.Float(32), 4, "w")   # numpy (panels, K, G, P)
     h = hl.ImageParam(hl.Float(32), 2, "h")   # numpy (B, K)
@@ -35,7 +39,7 @@ def main():
     acc[j, g, b, jo] += w[j, g, r.x, jo] * h[r.x, b]
     out[j, g, b, jo] = acc[j, g, b, jo]
     out.bound(j, 0, P).bound(g, 0, G).bound(b, 0, B).bound(jo, 0, a.panels)
-    out.split(b, bo, bi, 4).reorder(j, g, bi, bo, jo).vectorize(j).unroll(g).unroll(bi)
+    out.split(b, bo, bi, a.tile_rows).reorder(j, g, bi, bo, jo).vectorize(j).unroll(g).unroll(bi)
     acc.compute_at(out, bo).vectorize(j).unroll(g).unroll(b)
     acc.update().reorder(j, g, b, r.x).vectorize(j).unroll(g).unroll(b)
     out.compile_jit(hl.get_host_target())
@@ -54,7 +58,7 @@ def main():
             out.realize(o)
         best = min(best, (time.perf_counter() - t) / a.reps)
     gflops = 2 * P * G * B * K * a.panels / best / 1e9
-    print(f"H={K} B={B} panels={a.panels}: {best * 1e6:.1f} us a call, {gflops:.1f} GFLOP/s, "
+    print(f"H={K} B={B} panels={a.panels} tile rows {a.tile_rows}: {best * 1e6:.1f} us a call, {gflops:.1f} GFLOP/s, "
           f"{100 * gflops / a.peak:.0f}% of one core's {a.peak:g}")
 
 
