@@ -702,11 +702,18 @@ def step_bwd_fold(p, target):
     a warp of units x one batch row, each computing its row's inputs (in
     shared memory), sums, stagings and dhg for every unit first (_row_work;
     dhg in shared memory), then its units' outputs and, in registers, their
-    dh_prev = W_hh^T dhg, the reduction split over warps as step_fold's.
-    The driver folds these steps where step_fold's would fold."""
+    dh_prev = W_hh^T dhg, the reduction split over warps (below). The
+    driver folds these steps where step_fold's would fold."""
     v, r = p.vars, p.rdoms["jg"]
     out = p.stage("out")
-    slices = _slices(p.H, 2 * SLICES)     # (as step_fold's)
+    # warps of the product's reduction: as many as the row work's threads
+    # hold (at most step_fold's 16), so that no idle warp waits at the row
+    # stages' barriers (bench/RESULTS.md, "Schedule decisions":
+    # cuda.step_bwd_fold slices)
+    want = 2 * SLICES
+    while want > 1 and want * LANES > _row_threads(p.H):
+        want //= 2
+    slices = _slices(p.H, want)
     p.notes.append(f"step_bwd_fold: one kernel; a block a batch row and {LANES} units computes "
                    f"the row's {len(p.reductions)} sums over units and dhg for every unit, then "
                    f"its units' dh = W_hh^T dhg, the reduction split over {slices} warp(s)")
