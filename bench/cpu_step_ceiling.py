@@ -58,8 +58,8 @@ def main():
             out.realize(o)
         best = min(best, (time.perf_counter() - t) / a.reps)
     gflops = 2 * P * G * B * K * a.panels / best / 1e9
-    print(f"H={K} B={B} panels={a.panels} tile rows {a.tile_rows}: {best * 1e6:.1f} us a call, {gflops:.1f} GFLOP/s, "
-          f"{100 * gflops / a.peak:.0f}% of one core's {a.peak:g}")
+    print(f"H={K} B={B} panels={a.panels} tile rows {a.tile_rows}: {best * 1e6:.1f} us a call, "
+          f"{gflops:.1f} GFLOP/s, {100 * gflops / a.peak:.0f}% of one core's {a.peak:g}")
 
 
 if __name__ == "__main__":

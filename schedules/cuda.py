@@ -674,7 +674,6 @@ def step_fold(p, target):
     steps only where every block has a multiprocessor of its own
     (bench/RESULTS.md, "Schedule decisions": cuda.step_fold)."""
     v = p.vars
-    out = p.stage("out")
     # twice the warps of _step_tile's reduction: a folded step's blocks
     # have a multiprocessor each (the driver's rule), so a block may take
     # its whole register file (ROW_THREADS x max_registers = 65536)
@@ -683,18 +682,31 @@ def step_fold(p, target):
     p.notes.append(f"step_fold: one kernel; a block a batch row and {LANES} units computes the "
                    f"row's {len(p.reductions)} sums over units and h for every unit, then every "
                    f"gate of its units' next product, the reduction split over {slices} warp(s)")
-    _tile(out, p.stage("hg_next_acc"), v["j"], [(v["b"], 1, True)], [p.rdoms["k"].x],
-          unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
-          partial_in_registers=True)
-    at = hl.Var(v["j"].name() + "o")     # (_loops' block loop over units)
-    threads = _row_threads(p.H)
-    ho, hi = hl.Var("h_next_o"), hl.Var("h_next_i")
-    p.stage("h_next").compute_at(out, at).split(v["j"], ho, hi, threads, GUARD) \
-        .reorder(hi, ho).gpu_threads(hi)
-    _row_work(p, out, at)
+    _fold_kernel(p, p.stage("hg_next_acc"), [p.rdoms["k"].x], [v["gate"]], slices, "h_next")
 
 
 step_fold_infer = step_fold
+
+
+def _fold_kernel(p, acc, reduce, acc_only, slices, row_stage):
+    """A folded step's kernel (step_fold, step_bwd_fold): out's blocks over
+    a warp of units x one batch row, acc its product in registers, the
+    reduction split over `slices` warps; at each block's start its row's
+    work (_row_work) and `row_stage`, the product's operand for every unit
+    of the row (shared memory). Returns the block loop over units."""
+    v, out = p.vars, p.stage("out")
+    _tile(out, acc, v["j"], [(v["b"], 1, True)], reduce, unroll=8, acc_only=acc_only,
+          slices=slices, reduce_extent=p.H, partial_in_registers=True)
+    at = hl.Var(v["j"].name() + "o")     # (_loops' block loop over units)
+    f = p.stage(row_stage)
+    inner = f.args()[1:-1]               # (its gates, if any: a thread's, unrolled)
+    fo, fi = hl.Var(row_stage + "_o"), hl.Var(row_stage + "_i")
+    f.compute_at(out, at).split(v["j"], fo, fi, _row_threads(p.H), GUARD) \
+        .reorder(*inner, fi, fo).gpu_threads(fi)
+    for c in inner:
+        f.unroll(c)
+    _row_work(p, out, at)
+    return at
 
 
 def step_bwd_fold(p, target):
@@ -704,8 +716,7 @@ def step_bwd_fold(p, target):
     dhg in shared memory), then its units' outputs and, in registers, their
     dh_prev = W_hh^T dhg, the reduction split over warps (below). The
     driver folds these steps where step_fold's would fold."""
-    v, r = p.vars, p.rdoms["jg"]
-    out = p.stage("out")
+    r = p.rdoms["jg"]
     # warps of the product's reduction: as many as the row work's threads
     # hold (at most step_fold's 16), so that no idle warp waits at the row
     # stages' barriers (bench/RESULTS.md, "Schedule decisions":
@@ -717,15 +728,9 @@ def step_bwd_fold(p, target):
     p.notes.append(f"step_bwd_fold: one kernel; a block a batch row and {LANES} units computes "
                    f"the row's {len(p.reductions)} sums over units and dhg for every unit, then "
                    f"its units' dh = W_hh^T dhg, the reduction split over {slices} warp(s)")
-    _tile(out, p.stage("dh_prev_acc"), v["j"], [(v["b"], 1, True)], [r.x, r.y], unroll=8,
-          slices=slices, reduce_extent=p.H, partial_in_registers=True)
-    at = hl.Var(v["j"].name() + "o")     # (_loops' block loop over units)
-    do, di = hl.Var("dhg_row_o"), hl.Var("dhg_row_i")
-    p.stage("dhg_row").compute_at(out, at).split(v["j"], do, di, _row_threads(p.H), GUARD) \
-        .reorder(v["gate"], di, do).gpu_threads(di).unroll(v["gate"])
-    _row_work(p, out, at)
+    at = _fold_kernel(p, p.stage("dh_prev_acc"), [r.x, r.y], [], slices, "dhg_row")
     # (the inputs' shared memory less dhg's and the product's partial sums')
-    _row_inputs(p, out, at, _bwd_row_inputs(p),
+    _row_inputs(p, p.stage("out"), at, _bwd_row_inputs(p),
                 ROW_INPUT_BYTES - 4 * (p.G * p.H + slices * LANES))
 
 
