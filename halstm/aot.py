@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from . import cache, cells, driver
+from . import cache, cells, driver, machine
 from . import manifest as manifest_schema
 from .errors import CompileError
 from .layout import Layout
@@ -198,6 +198,9 @@ def cache_key(spec: Spec) -> str:
         from halstm import schedules
         from halstm.schedules import auto
         material["parallelism"] = auto.parallelism(schedules.family(spec.target))
+    from halstm.schedules.knobs import CORES
+    if spec.direction in CORES.get(spec.schedule, ()):
+        material["cores"] = machine.cores()
     return cache.key(material, spec.target)
 
 

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ FILE = "tuning.json"
 MIN_GAIN = 0.03           # a value replaces the current one where it is this much faster
 #                           (alternating rounds of one layer vary by about 2% on the 2-core VMs)
 _read: dict = {}          # path -> (mtime, data)
+_warned: set = set()      # (path, layer key) whose stale knobs were warned of
 
 
 def machine_key(target: str) -> str:
@@ -78,12 +80,24 @@ def this_machine() -> dict:
 
 
 def stored(spec) -> dict:
-    """The knobs kept for spec's layer on this machine ({}: the defaults)."""
+    """The knobs kept for spec's layer on this machine ({}: the defaults).
+    A kept knob its schedule no longer has (tuned by another version of
+    halstm) is left out, with a warning."""
     data = load()
     if not data:
         return {}
     entry = data.get(machine_key(spec.target), {}).get(layer_key(spec))
-    return dict(entry["knobs"]) if entry else {}
+    if not entry:
+        return {}
+    from .aot import schedule_knobs
+    have = schedule_knobs(spec.schedule)
+    stale = sorted(k for k in entry["knobs"] if k not in have)
+    if stale and (str(_path()), layer_key(spec)) not in _warned:
+        _warned.add((str(_path()), layer_key(spec)))
+        warnings.warn(f"{_path()}: {', '.join(stale)} (kept for {layer_key(spec)}) is no knob "
+                      f"of schedule {spec.schedule!r} any more, so it is not used; "
+                      f"`halstm tune` this layer again", stacklevel=2)
+    return {k: v for k, v in entry["knobs"].items() if k in have}
 
 
 def store(entries: dict, target: str) -> None:

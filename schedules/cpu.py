@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import halide as hl
 
+from .. import machine
 from ..layout import Layout, StepSplit
 from .knobs import KNOBS as _KNOBS
 
@@ -649,28 +650,13 @@ def grads(p, target, ids=False):
         f.compute_root().reorder_storage(ji, row, g, jo)
         f.split(row, ro, ri, 64, GUARD).reorder(ji, g, ri, jo, ro).unroll(ji).unroll(g)
         f.parallel(ro)
-    # Weight gradients: a dw_cols x dw_rows register tile per (panel, unit
-    # tile, gate); the input-panel loop outermost so that its panel stays in
-    # L2 while every unit tile streams past it
-    # (bench/RESULTS.md, "Schedule decisions": cpu.layout).
+    # Weight gradients: dw_cols x dw_rows register tiles in blocks of unit
+    # tiles, one block a task, the rows in chunks outermost within it
+    # (_dw_blocks); K or H below a tile: whole tiles, copied out.
     for name, vec in (("dw_hh", v["k"]),) if ids else (("dw_ih", i), ("dw_hh", v["k"])):
-        width, jo = (p.K if vec is i else H), hl.Var("jo")
+        width = p.K if vec is i else H
         if width >= p.dw_cols and H >= p.dw_rows:
-            # tiles straight into the output, the edge tiles shifted inwards
-            # (they recompute a few units): no buffer of whole tiles to copy
-            # out afterwards (16 MB each for dW_ih and dW_hh at deepbench_1024)
-            # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
-            out, acc = p.stage(name), p.stage(name + "_acc")
-            _tile(out, acc, vec, p.dw_cols, [(j, p.dw_rows, SHIFT)], [rn.x], vec_tail=SHIFT)
-            # knob dw_panels input panels (dw_cols units each; default 4)
-            # per pass over the unit tiles: each tile's dxp panel is then
-            # read from memory once per dw_panels input panels (kept in
-            # L2), not once per panel (bench/RESULTS.md, "Schedule
-            # decisions": cpu.dw_panels)
-            vo, voo, voi = (hl.Var(vec.name() + n) for n in ("o", "oo", "oi"))
-            out.split(vo, voo, voi, knob(p, "dw_panels"), GUARD).reorder(voi, jo, gate)
-            acc.compute_at(out, voi)
-            out.fuse(jo, gate, jo).parallel(jo)
+            _dw_blocks(p, p.stage(name), p.stage(name + "_acc"), vec, width, rn)
             continue
         tiles = p.stage(name + "_tiles").compute_root()
         _tile(tiles, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, ROUND)], [rn.x])
@@ -684,6 +670,66 @@ def grads(p, target, ids=False):
             continue
         rows = p.rdoms["v"] if bias == "dvec" else rn     # (dvec: over batch rows)
         _bias(p.stage(bias), p.stage(bias + "_acc"), j, gate, rows, _vw(target, H), H)
+
+
+# The rows of a dW block's chunk: its x (or h) panel's chunk, dw_cols x
+# rows floats, fills 16 KiB, a third of a 48 KiB L1 (half of 32 KiB), so
+# that every unit tile of the block reads it from L1.
+DW_CHUNK_BYTES = 16 << 10
+# Below blocks: a tile a task over all N rows, DW_PASS_PANELS input panels
+# per pass over the tiles, where a pass's panels (N rows each) fit in
+# DW_PASS_BYTES (a 1 MiB L2), so that a thread's tiles read them from L2.
+DW_PASS_PANELS = 4
+DW_PASS_BYTES = 1 << 20
+
+
+def _dw_blocks(p, out, acc, vec, width, rn) -> None:
+    """dW(vec, j, gate) = sum over rows n of a(n, vec) d(n, j, gate) in
+    dw_cols x dw_rows register tiles of one gate. Where the rows N are
+    many, in blocks of tiles, one block a task: in a block the rows run in
+    chunks (DW_CHUNK_BYTES) outermost, then the input panels (dw_cols
+    inputs), then the block's tiles, each tile's accumulators in registers
+    for one chunk; a block's accumulators (width x units floats) fill at
+    most the knob dw_block_kib (default 256 KiB, a quarter of a 1 MiB L2),
+    in at least two blocks a core. Every operand is then read from L1 or
+    L2, where a tile summing all N rows at once streams its input panels
+    from memory (1.6 MB each at N = 6400). Fewer rows (DW_PASS_BYTES): a
+    tile a task, straight into dW, the edge tiles shifted inwards
+    (bench/RESULTS.md, "Schedule decisions": cpu.dw blocks)."""
+    j, gate = p.vars["j"], p.vars["gate"]
+    C, R = p.dw_cols, p.dw_rows
+    panels = -(-width // C)
+    few_rows = rn.x.extent() * (min(DW_PASS_PANELS, panels) * C * 4) <= DW_PASS_BYTES
+    jb = hl.Var("jb")       # the loop acc is computed in: a block, or a tile's pass
+    # few rows: _tile's loops, the input panels in passes; the pass's tile loop is jb
+    tiled = out.specialize(few_rows)
+    _loops(tiled, out, vec, C, 1, [(j, R, SHIFT)], None, SHIFT)
+    vo, voo, voi, jo = (hl.Var(n) for n in (vec.name() + "o", vec.name() + "oo",
+                                            vec.name() + "oi", "jo"))
+    tiled.split(vo, voo, voi, DW_PASS_PANELS, GUARD).reorder(voi, jo, gate).rename(voi, jb)
+    tiled.fuse(jo, gate, jo).parallel(jo)
+    # blocks: at least two a core, in whole rounds of the cores where the
+    # tiles allow (knobs.CORES: the core count is in the cache key)
+    most = max(1, min((knob(p, "dw_block_kib") << 10) // (panels * C * R * 4), p.H // R))
+    cores = machine.cores()
+    blocks = max(-(-p.H // (R * most)), -(-2 * cores // p.G))
+    whole_rounds = cores // math.gcd(cores, p.G)
+    blocks = min(-(-blocks // whole_rounds) * whole_rounds, -(-p.H // R))
+    units = R * -(-p.H // (R * blocks))       # the fewest tiles a block for that many blocks
+    jt, vi = hl.Var("jt"), hl.Var(vec.name() + "i")
+    out.split(j, jb, jt, units, SHIFT).split(vec, vo, vi, p.P, SHIFT).vectorize(vi)
+    out.reorder(vi, vo, jt, jb, gate).fuse(jb, gate, jb).parallel(jb)
+    acc.compute_at(out, jb)
+    vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
+    for stage in (acc.specialize(few_rows), acc.update().specialize(few_rows)):
+        stage.split(vec, vp, vv, C).vectorize(vv).unroll(vp).unroll(j)
+    acc.update().specialize(few_rows).reorder(vv, vp, j, rn.x)
+    acc.vectorize(vec, p.P)
+    wo, wv, to, ti = (hl.Var(n) for n in ("dw_o", "dw_v", "dw_to", "dw_ti"))
+    no, ni = hl.RVar("dw_no"), hl.RVar("dw_ni")
+    chunk = max(1, DW_CHUNK_BYTES // (C * 4))
+    acc.update().split(vec, wo, wv, C).split(j, to, ti, R).split(rn.x, no, ni, chunk, GUARD) \
+        .reorder(wv, ti, ni, to, wo, no).vectorize(wv).unroll(ti)
 
 
 def _bias(out, acc, j, gate, rn, vw, H):

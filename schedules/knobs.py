@@ -12,16 +12,21 @@ class Knob(NamedTuple):
     reducing: bool = False    # acts only on cells whose step reduces over units
 
 
-# cpu (schedules/cpu.py): input panels per pass over dW's unit tiles, the
-# projection's row chunk (tiles), the backward product's panel budget (KiB)
-# and, for a cell that reduces over units, the W_hh size up to which its
-# forward takes ranges of batch rows (in KiB: 1 never, 1 GiB always;
-# cpu._cell_rows; past it, steps in two parts). Which value is fastest
-# depends on the machine: dw_panels 4 was fastest on the AMD VM, 1 on the
-# Intel VM (bench/RESULTS.md, "Tuned knobs"); ranges of rows forward past
-# 512 KiB of W_hh lost to Halide's pool on 16 cores and won on 2 ("cpu.step
-# rows", "Tuned knobs").
-KNOBS = {"cpu": {"dw_panels": Knob("bwd", 4, (1, 2, 4, 8)),
+# cpu (schedules/cpu.py): the accumulators of a weight-gradient block
+# (KiB), the projection's row chunk (tiles), the backward product's panel
+# budget (KiB) and, for a cell that reduces over units, the W_hh size up
+# to which its forward takes ranges of batch rows (in KiB: 1 never, 1 GiB
+# always; cpu._cell_rows; past it, steps in two parts). Which value is
+# fastest depends on the machine: ranges of rows forward past 512 KiB of
+# W_hh lost to Halide's pool on 16 cores and won on 2 (bench/RESULTS.md,
+# "cpu.step rows", "Tuned knobs").
+KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64)),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048)),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)}}
+
+
+# Per schedule, the directions whose libraries it shapes by the core count
+# of the machine that compiles them (machine.cores(); cpu._dw_blocks: the
+# weight gradients' tasks): their cache keys hold that count.
+CORES = {"cpu": ("bwd",)}

@@ -97,14 +97,17 @@ def test_source_hash_reads_code_not_text(tmp_path):
 
 def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch):
     """The autoschedulers search for this machine's cores (CPU) or SMs
-    (CUDA), so their libraries are cached per count; the hand schedules'
-    are not."""
+    (CUDA), so their libraries are cached per count; so are the cpu
+    schedule's backward libraries (the weight gradients' tasks,
+    knobs.CORES), not its forward ones."""
     from halstm import aot, machine
     from halstm.schedules import auto
     assert auto.parallelism("cpu") == len(os.sched_getaffinity(0))
     auto_spec = aot.Spec("lstm", 13, 37, "fwd", "x86-64-linux-avx2", "auto:Adams2019")
     hand_spec = aot.Spec("lstm", 13, 37, "fwd", "x86-64-linux-avx2", "cpu")
-    before = aot.cache_key(auto_spec), aot.cache_key(hand_spec)
+    hand_bwd = aot.Spec("lstm", 13, 37, "bwd", "x86-64-linux-avx2", "cpu")
+    before = aot.cache_key(auto_spec), aot.cache_key(hand_spec), aot.cache_key(hand_bwd)
     monkeypatch.setattr(machine, "cores", lambda: 97)
     assert auto.parallelism("cpu") == 97
     assert aot.cache_key(auto_spec) != before[0] and aot.cache_key(hand_spec) == before[1]
+    assert aot.cache_key(hand_bwd) != before[2]

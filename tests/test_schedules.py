@@ -85,20 +85,24 @@ def test_cpu_schedule_matches_reference(schedule, cell, B):
         assert_close(k, grads[k], rgrads[k])
 
 
-def test_cpu_weight_gradients_where_tiles_write_the_output():
+def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
     """From K, H >= the weight-gradient tile (64 x 6 with AVX-512, 16 x 6
-    with AVX2), the cpu schedule writes dW tiles straight into the output,
-    the edge tiles shifted inwards; the sizes above are below it. Here
-    65 and 70 units: partial tiles along both axes, two layers."""
+    with AVX2), the cpu schedule sums dW in blocks of unit tiles, the rows
+    in chunks (cpu._dw_blocks); the sizes above are below it. Here 65 and
+    70 units: partial tiles along both axes, two layers; 23 x 3 rows (a
+    block a tile, one partial chunk) and 129 x 65 (past
+    DW_BLOCKS_FROM_BYTES: blocks of several tiles, the last shifted
+    inwards, whole chunks and a partial one)."""
     rng = np.random.default_rng(7)
     m = halstm.LSTM(65, 70, num_layers=2, schedule="cpu", seed=4)
-    x = rng.standard_normal((4, 3, 65)).astype(np.float32)
-    dy = rng.standard_normal((4, 3, 70)).astype(np.float32)
-    m(x)
-    grads = m.backward(dy)
-    _, _, rgrads = ref_run("lstm", m, x, dy=dy)
-    for k in rgrads:
-        assert_close(k, grads[k], rgrads[k])
+    for T, B in ((23, 3), (129, 65)):
+        x = rng.standard_normal((T, B, 65)).astype(np.float32)
+        dy = rng.standard_normal((T, B, 70)).astype(np.float32)
+        m(x)
+        grads = m.backward(dy)
+        _, _, rgrads = ref_run("lstm", m, x, dy=dy)
+        for k in rgrads:
+            assert_close(f"{k} (T={T}, B={B})", grads[k], rgrads[k])
 
 
 @pytest.mark.parametrize("target,registers,step_rows,proj_rows,dw_vectors", [

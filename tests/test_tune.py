@@ -21,35 +21,35 @@ def own_cache(tmp_path, monkeypatch):
 
 
 def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
-    report = tuning.tune("lstm", I, H, 3, 7, names=["dw_panels"], budget=300, rounds=3,
+    report = tuning.tune("lstm", I, H, 3, 7, names=["dw_block_kib"], budget=300, rounds=3,
                          progress=False)
-    (layer, entry), = report.items()                    # dw_panels acts on backward only
+    (layer, entry), = report.items()                    # dw_block_kib acts on backward only
     assert layer == tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
     (step,) = entry["by_knob"]
-    assert step["knob"] == "dw_panels" and step["base"] == {}
-    assert [t["value"] for t in step["tried"]] == [1, 2, 8]
+    assert step["knob"] == "dw_block_kib" and step["base"] == {}
+    assert [t["value"] for t in step["tried"]] == [128, 512, 1024]
     assert all(t["correct"] and t["ms"] > 0 for t in step["tried"])
-    if step["kept"] != 4:                               # (4: the default)
+    if step["kept"] != 256:                             # (256: the default)
         won = next(t for t in step["tried"] if t["value"] == step["kept"])
         assert won["ms"] < (1 - tuning.MIN_GAIN) * step["base_ms"]
     stored = json.loads((own_cache / tuning.FILE).read_text())
     assert stored[tuning.machine_key("host")][layer]["knobs"] == entry["knobs"]
     lines = tuning.report_lines()
     assert lines[0] == f"machine: {tuning.machine_key('host')}"
-    assert any("dw_panels=8: " in line and " ms" in line for line in lines)
+    assert any("dw_block_kib=1024: " in line and " ms" in line for line in lines)
 
 
 def test_tune_starts_from_what_is_kept(own_cache):
     """Tuning one knob keeps another's kept value and measures against it."""
     layer = tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
-    tuning.store({layer: {"knobs": {"dw_panels": 2}, "B": 3, "T": 7, "rounds": 3,
+    tuning.store({layer: {"knobs": {"dw_block_kib": 128}, "B": 3, "T": 7, "rounds": 3,
                           "by_knob": [], "when": "now"}}, "host")
     report = tuning.tune("lstm", I, H, 3, 7, names=["dh_panel_kib"], budget=300, rounds=3,
                          progress=False)
     (step,) = report[layer]["by_knob"]
-    assert step["base"] == {"dw_panels": 2}
-    assert report[layer]["knobs"]["dw_panels"] == 2
-    assert ("dw_panels", 2) in aot.Spec("lstm", I, H, "bwd").knobs
+    assert step["base"] == {"dw_block_kib": 128}
+    assert report[layer]["knobs"]["dw_block_kib"] == 128
+    assert ("dw_block_kib", 128) in aot.Spec("lstm", I, H, "bwd").knobs
 
 
 def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
@@ -63,9 +63,9 @@ def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
     m = halstm.LSTM(I, H, seed=1)
     m(x)
     want = m.backward(dy)
-    tuning.store({layer: {"knobs": {"dw_panels": 2}, "B": 3, "T": 7, "rounds": 3,
+    tuning.store({layer: {"knobs": {"dw_block_kib": 128}, "B": 3, "T": 7, "rounds": 3,
                           "by_knob": [], "when": "now"}}, "host")
-    assert aot.Spec("lstm", I, H, "bwd").knobs == (("dw_panels", 2),)
+    assert aot.Spec("lstm", I, H, "bwd").knobs == (("dw_block_kib", 128),)
     assert aot.Spec("lstm", I, H, "fwd").knobs == ()
     assert aot.Spec("lstm", I, H, "bwd", knobs=()).knobs == ()       # explicit: defaults
     assert aot.cache_key(aot.Spec("lstm", I, H, "bwd")) != default_key
@@ -75,21 +75,32 @@ def test_stored_knobs_reach_spec_and_modules(own_cache, rng):
     for k in want:
         assert_close(f"d {k}", got[k], want[k])
     _, manifest = aot.library(aot.Spec("lstm", I, H, "bwd"))
-    assert manifest["knobs"] == {"dw_panels": 2}
+    assert manifest["knobs"] == {"dw_block_kib": 128}
     out = own_cache.parent / "model"
     r = CliRunner().invoke(main, ["compile", "-i", str(I), "-H", str(H), "--out", str(out)])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["inspect", str(out)])
-    assert r.exit_code == 0 and r.output.count("knobs: dw_panels=2") == 1, r.output
+    assert r.exit_code == 0 and r.output.count("knobs: dw_block_kib=128") == 1, r.output
+
+
+def test_a_kept_knob_the_schedule_lost_is_left_out(own_cache):
+    """A tuning.json from another halstm version may keep a knob the
+    schedule no longer has: it is left out with a warning, not an error."""
+    layer = tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
+    tuning.store({layer: {"knobs": {"gone_knob": 2, "dw_block_kib": 128}, "B": 3, "T": 7,
+                          "rounds": 3, "by_knob": [], "when": "now"}}, "host")
+    with pytest.warns(UserWarning, match="gone_knob .* is no knob of schedule 'cpu'"):
+        spec = aot.Spec("lstm", I, H, "bwd")
+    assert spec.knobs == (("dw_block_kib", 128),)
 
 
 def test_knob_errors(own_cache):
     with pytest.raises(ValueError, match="knobs: schedule 'cpu' has no knob 'tile'"):
         aot.Spec("lstm", I, H, "bwd", knobs={"tile": 2})
-    with pytest.raises(ValueError, match="knobs: dw_panels expects a positive int, got 0"):
-        aot.Spec("lstm", I, H, "bwd", knobs={"dw_panels": 0})
+    with pytest.raises(ValueError, match="knobs: dw_block_kib expects a positive int, got 0"):
+        aot.Spec("lstm", I, H, "bwd", knobs={"dw_block_kib": 0})
     # a default value is the default library
-    assert aot.Spec("lstm", I, H, "bwd", knobs={"dw_panels": 4}).knobs == ()
+    assert aot.Spec("lstm", I, H, "bwd", knobs={"dw_block_kib": 256}).knobs == ()
     r = CliRunner().invoke(main, ["tune"])
     assert r.exit_code == 2 and "give --shape NAME or --sizes" in r.output
     r = CliRunner().invoke(main, ["tune", "--sizes", "13,37,3"])
