@@ -95,14 +95,14 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
     inwards, whole chunks and a partial one)."""
     rng = np.random.default_rng(7)
     m = halstm.LSTM(65, 70, num_layers=2, schedule="cpu", seed=4)
-    for T, B in ((23, 3), (129, 65)):
-        x = rng.standard_normal((T, B, 65)).astype(np.float32)
-        dy = rng.standard_normal((T, B, 70)).astype(np.float32)
+    for steps, batch in ((23, 3), (129, 65)):
+        x = rng.standard_normal((steps, batch, 65)).astype(np.float32)
+        dy = rng.standard_normal((steps, batch, 70)).astype(np.float32)
         m(x)
         grads = m.backward(dy)
         _, _, rgrads = ref_run("lstm", m, x, dy=dy)
         for k in rgrads:
-            assert_close(f"{k} (T={T}, B={B})", grads[k], rgrads[k])
+            assert_close(f"{k} (T={steps}, B={batch})", grads[k], rgrads[k])
 
 
 @pytest.mark.parametrize("target,registers,step_rows,proj_rows,dw_vectors", [
