@@ -92,9 +92,10 @@ def stored(spec) -> dict:
     from .aot import schedule_knobs
     have = schedule_knobs(spec.schedule)
     stale = sorted(k for k in entry["knobs"] if k not in have)
-    if stale and (str(_path()), layer_key(spec)) not in _warned:
-        _warned.add((str(_path()), layer_key(spec)))
-        warnings.warn(f"{_path()}: {', '.join(stale)} (kept for {layer_key(spec)}) is no knob "
+    where = (str(_path()), layer_key(spec))
+    if stale and where not in _warned:
+        _warned.add(where)
+        warnings.warn(f"{where[0]}: {', '.join(stale)} (kept for {where[1]}) is no knob "
                       f"of schedule {spec.schedule!r} any more, so it is not used; "
                       f"`halstm tune` this layer again", stacklevel=2)
     return {k: v for k, v in entry["knobs"].items() if k in have}

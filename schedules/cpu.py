@@ -721,9 +721,10 @@ def _dw_blocks(p, out, acc, vec, width, rn) -> None:
     out.reorder(vi, vo, jt, jb, gate).fuse(jb, gate, jb).parallel(jb)
     acc.compute_at(out, jb)
     vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
-    for stage in (acc.specialize(few_rows), acc.update().specialize(few_rows)):
+    tile_acc, tile_update = acc.specialize(few_rows), acc.update().specialize(few_rows)
+    for stage in (tile_acc, tile_update):
         stage.split(vec, vp, vv, C).vectorize(vv).unroll(vp).unroll(j)
-    acc.update().specialize(few_rows).reorder(vv, vp, j, rn.x)
+    tile_update.reorder(vv, vp, j, rn.x)
     acc.vectorize(vec, p.P)
     wo, wv, to, ti = (hl.Var(n) for n in ("dw_o", "dw_v", "dw_to", "dw_ti"))
     no, ni = hl.RVar("dw_no"), hl.RVar("dw_ni")
