@@ -87,6 +87,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
     if layout.fold_steps:
         kinds += pipeline.FOLD_FWD if spec.direction == "fwd" else pipeline.FOLD_BWD
+    if layout.narrow_rows and spec.direction == "fwd" and not spec.onehot:
+        kinds += pipeline.NARROW
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
@@ -198,9 +200,9 @@ def cache_key(spec: Spec) -> str:
         from halstm import schedules
         from halstm.schedules import auto
         material["parallelism"] = auto.parallelism(schedules.family(spec.target))
-    from halstm.schedules.knobs import CORES
-    if spec.direction in CORES.get(spec.schedule, ()):
-        material["cores"] = machine.cores()
+    from halstm.schedules.knobs import MACHINE_FACTS
+    for fact in MACHINE_FACTS.get(spec.schedule, {}).get(spec.direction, ()):
+        material[fact] = getattr(machine, fact)()
     return cache.key(material, spec.target)
 
 
@@ -340,6 +342,9 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
             reducing = getattr(module, "reducing_layout", None)
             layout = (reducing(layout) if reducing
                       else layout.without("split", "fused_bwd_below"))
+        narrow = getattr(module, "narrow_layout", None)
+        if narrow and not d.reduces and spec.direction == "fwd":   # steps of few rows
+            layout = narrow(layout, len(d.gates), spec.hidden_size)
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,

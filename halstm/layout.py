@@ -45,6 +45,8 @@ class Layout:
     fold_steps: bool = False       # CUDA, a step that reduces over units: the forward
     #                                also has steps that compute the next step's product
     #                                (pipeline.FOLD_FWD), run where the driver finds them fit
+    narrow_rows: int = 0           # CUDA forward: steps of up to this many batch rows run
+    #                                the narrow step pipelines (pipeline.NARROW; 0: none)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

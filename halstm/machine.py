@@ -78,6 +78,16 @@ def _gpu() -> dict:
             "cuda_driver": f"{version.value // 1000}.{version.value % 1000 // 10}"}
 
 
+# SMs assumed for a CUDA build where no GPU is at hand (an H100's count)
+SMS_WITHOUT_GPU = 132
+
+
+def gpu_sms() -> int:
+    """The multiprocessors of the CUDA GPU at hand, else SMS_WITHOUT_GPU:
+    what a CUDA build is shaped for (a cache key of such a build holds it)."""
+    return facts().get("gpu_sms", SMS_WITHOUT_GPU)
+
+
 @lru_cache(maxsize=None)
 def facts() -> dict:
     """What this machine is, as JSON data."""

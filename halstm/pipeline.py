@@ -36,7 +36,8 @@ from .layout import Layout
 KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd_fused",
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
          "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
-         "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer", "step_bwd_fold")
+         "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer", "step_bwd_fold",
+         "step_narrow", "step_narrow_infer")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -78,6 +79,10 @@ FOLD_FWD = ("step_product", "step_fold", "step_fold_infer")
 # its product dh_prev = W_hh^T dhg computes its batch row's pointwise
 # backward (every unit) first. The driver calls it in step_bwd's place.
 FOLD_BWD = ("step_bwd_fold",)
+# Where the layout has narrow_rows, the forward also has step_narrow and
+# step_narrow_infer: step and step_infer themselves, scheduled for steps of
+# few batch rows; the driver calls them for steps of up to narrow_rows rows.
+NARROW = ("step_narrow", "step_narrow_infer")
 # With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
@@ -511,6 +516,13 @@ def _unit_range(p: Pipe, bufs) -> None:
 
 def _step_infer(p: Pipe) -> None:
     """A step that stores the new states only (no saved channels)."""
+    _step(p, save=False)
+
+
+_step_narrow = _step
+
+
+def _step_narrow_infer(p: Pipe) -> None:
     _step(p, save=False)
 
 

@@ -38,18 +38,14 @@ ANDERSON_FALLBACK = {"step": "SIGFPE in its cost model on the step's Tuple outpu
                      "grads": "an invalid GPU loop nest at estimates of 1"}
 
 
-# SMs assumed for a CUDA build where no GPU is at hand (an H100's count)
-SMS_WITHOUT_GPU = 132
-
-
 def parallelism(family: str) -> int:
     """The autoschedulers' parallelism: this machine's usable cores (CPU),
-    the GPU's SM count (CUDA; SMS_WITHOUT_GPU without a GPU). A cache key
-    of an autoscheduled build includes it."""
+    the GPU's SM count (CUDA; machine.gpu_sms). A cache key of an
+    autoscheduled build includes it."""
     from .. import machine
     if family == "cpu":
         return machine.cores()
-    return machine.facts().get("gpu_sms", SMS_WITHOUT_GPU)
+    return machine.gpu_sms()
 
 
 @lru_cache(maxsize=None)

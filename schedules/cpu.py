@@ -709,7 +709,7 @@ def _dw_blocks(p, out, acc, vec, width, rn) -> None:
     tiled.split(vo, voo, voi, DW_PASS_PANELS, GUARD).reorder(voi, jo, gate).rename(voi, jb)
     tiled.fuse(jo, gate, jo).parallel(jo)
     # blocks: at least two a core, in whole rounds of the cores where the
-    # tiles allow (knobs.CORES: the core count is in the cache key)
+    # tiles allow (knobs.MACHINE_FACTS: the core count is in the cache key)
     most = max(1, min((knob(p, "dw_block_kib") << 10) // (panels * C * R * 4), p.H // R))
     cores = machine.cores()
     blocks = max(-(-p.H // (R * most)), -(-2 * cores // p.G))

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import halide as hl
 
+from .. import machine
 from ..layout import Layout
 
 LANES = 32                      # a warp; also the weight panel width
@@ -47,7 +48,8 @@ def layout(target: hl.Target) -> Layout:
 
 
 def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
-          per_lane=1, tile_from=None, extent=None, partial_in_registers=False):
+          per_lane=1, tile_from=None, extent=None, partial_in_registers=False,
+          gate_lanes=None):
     """Register-tile out(lane, ...): lane split across a warp's threads,
     blocks over the tiles. cols: (var, factor, runtime) per other axis of
     out, in-thread and unrolled; factor None takes the whole (small, fixed)
@@ -70,7 +72,11 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     a thread. extent: the runtime axis' extent where out is not an output.
     partial_in_registers: each thread sums its slice's tile in registers
     and stores it to shared memory once, where a kernel's other shared
-    stages would have LLVM store it after every add (see _row_sum)."""
+    stages would have LLVM store it after every add (see _row_sum).
+    gate_lanes: (gate, G), an acc_only axis of extent G, with slices > 1
+    and tiles of one row: that axis on the lanes too, a warp holding
+    _gate_lane_units(G) units x every gate, one accumulator a thread."""
+    lanes = LANES if gate_lanes is None else _gate_lane_units(gate_lanes[1])
     runtime = [(v, f) for v, f, rt in cols if rt]
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
@@ -81,9 +87,9 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
         if f > 1:
             _loops(out.specialize(extent >= max(f, tile_from or f)), out, lane, cols, f,
                    per_lane)
-        _loops(out, out, lane, cols, 1, per_lane)
+        _loops(out, out, lane, cols, 1, per_lane, lanes)
     else:
-        _loops(out, out, lane, cols, None, per_lane)
+        _loops(out, out, lane, cols, None, per_lane, lanes)
     acc.compute_at(out, hl.Var(lane.name() + "i"))
     tile_vars = [v for v, f, rt in cols] + list(acc_only)
     if per_lane > 1:
@@ -124,11 +130,23 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
             .bound_extent(lane, 1).bound_extent(u, 1)
         threads = []
     else:
-        partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, LANES)
-    partial.reorder(*(tile_vars + [lane, u]))
+        partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, lanes)
     pu = partial.update()
     pu.split(ri, kio, kii, unroll, GUARD).unroll(kii)
-    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u]))
+    if gate_lanes is not None:
+        # thread (unit, gate): units first, so that a warp's loads of one
+        # gate's weights are contiguous
+        gate, G = gate_lanes
+        partial.bound_extent(gate, G)
+        tile_vars = [v for v in tile_vars if v.name() != gate.name()]
+        t = hl.Var(acc.name() + "_t")
+        partial.reorder(*(tile_vars + [lane, gate, u])).fuse(lane, gate, t)
+        pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, gate, u])) \
+            .fuse(lane, gate, t)
+        threads = [t, u]
+    else:
+        partial.reorder(*(tile_vars + [lane, u]))
+        pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u]))
     if threads:
         partial.gpu_threads(*threads)
         pu.gpu_threads(*threads)
@@ -147,9 +165,9 @@ def _slices(extent: int, want: int) -> int:
     return n
 
 
-def _loops(stage, func, lane, cols, runtime_factor, per_lane=1):
+def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
     lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
-    stage.split(lane, lo, li, LANES * per_lane, GUARD)
+    stage.split(lane, lo, li, lanes * per_lane, GUARD)
     inner, blocks = [], [lo]
     if per_lane > 1:
         lv = hl.Var(lane.name() + "v")
@@ -328,6 +346,55 @@ def _step_tile(p, target):
     _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
           [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
           tile_from=first)
+
+
+# A one-row block of the step's tiles (32 units x every gate) reads its
+# units' rows of W_hh, 32 * G * H floats a step, through its one
+# multiprocessor's share of L2 bandwidth; from this many bytes that read
+# is most of the step's time, and spreading it over G times the blocks
+# (step_narrow) pays: 128 KiB at G * H = 1024 took 0.84x-0.88x of the
+# step's time forward, 64 and 96 KiB 1.0x-1.12x (bench/RESULTS.md,
+# "Schedule decisions": cuda.step_narrow).
+NARROW_FROM_BYTES = 128 << 10
+
+
+def narrow_layout(layout: Layout, gates: int, H: int) -> Layout:
+    """layout with the forward's narrow steps (pipeline.NARROW) where a
+    one-row block of step's tiles reads NARROW_FROM_BYTES of W_hh or more,
+    for the batches whose blocks of narrow steps still fit the GPU's
+    multiprocessors at once, one block each (machine.gpu_sms; the driver
+    calls them for steps of up to narrow_rows rows). None for one gate, or
+    from H = 512 (the lanes products)."""
+    if (gates < 2 or H >= 512 or _slices(H, SLICES) < 2
+            or LANES * gates * H * 4 < NARROW_FROM_BYTES):
+        return layout
+    rows = machine.gpu_sms() // -(-H // _gate_lane_units(gates))
+    return replace(layout, narrow_rows=rows) if rows else layout
+
+
+def _gate_lane_units(G: int) -> int:
+    """Units a warp of a narrow step holds with every gate on a lane of
+    its own: the largest power of two whose G gates fit a warp (8 for the
+    LSTM's 4 and the GRU's 3): a divisor of the weight panels' 32, so that
+    a block's units never pass the last panel."""
+    return 1 << ((LANES // G).bit_length() - 1)
+
+
+def step_narrow(p, target):
+    """The forward step for few batch rows (narrow_layout): one row and
+    one gate of one unit a thread, a warp _gate_lane_units(G) units x
+    every gate, so that a step has about G times the blocks of step's
+    one-row tiles."""
+    v, slices = p.vars, _slices(p.H, SLICES)
+    p.notes.append(f"step_narrow: one kernel; a thread holds one gate of one unit for one batch "
+                   f"row ({_gate_lane_units(p.G)} units a warp); the {p.H}-long reduction split "
+                   f"over {slices} warps")
+    _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], 1, True)], [p.rdoms["k"].x],
+          unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
+          gate_lanes=(v["gate"], p.G))
+
+
+step_narrow_infer = step_narrow
 
 
 def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,

@@ -26,7 +26,9 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)}}
 
 
-# Per schedule, the directions whose libraries it shapes by the core count
-# of the machine that compiles them (machine.cores(); cpu._dw_blocks: the
-# weight gradients' tasks): their cache keys hold that count.
-CORES = {"cpu": ("bwd",)}
+# Per schedule and direction, the facts of the machine that compiles them
+# (halstm.machine's functions of those names) that shape its libraries:
+# their cache keys hold them. cpu: the core count, the weight gradients'
+# tasks (cpu._dw_blocks); cuda: the SM count, the batches whose forward
+# steps put the gates on the lanes (cuda._gate_lane_rows).
+MACHINE_FACTS = {"cpu": {"bwd": ("cores",)}, "cuda": {"fwd": ("gpu_sms",)}}

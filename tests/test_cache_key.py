@@ -14,6 +14,7 @@ import pytest
 import halstm
 import halstm.schedules
 from halstm import cache
+from helpers import CUDA_TARGET
 
 SPECS = "[aot.Spec('lstm', 13, 37, d, 'x86-64-linux-avx2') for d in ('fwd', 'bwd')]"
 
@@ -98,8 +99,9 @@ def test_source_hash_reads_code_not_text(tmp_path):
 def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch):
     """The autoschedulers search for this machine's cores (CPU) or SMs
     (CUDA), so their libraries are cached per count; so are the cpu
-    schedule's backward libraries (the weight gradients' tasks,
-    knobs.CORES), not its forward ones."""
+    schedule's backward libraries (the weight gradients' tasks) and the
+    cuda schedule's forward ones (the steps' gate lanes), not the others
+    (knobs.MACHINE_FACTS)."""
     from halstm import aot, machine
     from halstm.schedules import auto
     assert auto.parallelism("cpu") == len(os.sched_getaffinity(0))
@@ -111,3 +113,8 @@ def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch
     assert auto.parallelism("cpu") == 97
     assert aot.cache_key(auto_spec) != before[0] and aot.cache_key(hand_spec) == before[1]
     assert aot.cache_key(hand_bwd) != before[2]
+    cuda = [aot.Spec("lstm", 13, 37, d, CUDA_TARGET, "cuda") for d in ("fwd", "bwd")]
+    before = [aot.cache_key(s) for s in cuda]
+    monkeypatch.setattr(machine, "gpu_sms", lambda: 7)
+    assert auto.parallelism("cuda") == 7
+    assert [aot.cache_key(s) == b for s, b in zip(cuda, before)] == [False, True]

@@ -390,6 +390,58 @@ def test_folded_steps_only_for_cells_that_reduce_on_cuda():
             assert not {"HALSTM_FOLD_FWD", "HALSTM_FOLD_BWD"} - {define} & set(defines)
 
 
+def test_narrow_steps_where_their_blocks_fit_the_multiprocessors(monkeypatch):
+    """A CUDA forward library of a cell with several gates below H = 512,
+    whose one-row step blocks read 128 KiB of W_hh or more, has the
+    narrow step pipelines, for batches whose blocks of 8 units fit the
+    GPU's SMs (machine.gpu_sms) at once, and its driver is built to call
+    them up to that batch; their kernels take one gate of one unit a
+    thread (8 units x 4 gates a warp for the LSTM at H = 256: 32 blocks a
+    row, 32 x 8 threads, no local memory). Smaller products, one-gate
+    cells, reducing cells, H = 512, backward libraries and CPU targets
+    have none."""
+    import re
+    from types import SimpleNamespace
+    from halstm import machine, pipeline
+    monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
+    pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
+                           split_batch_bytes=0)    # (what the driver build reads of the pipes)
+    for cell, H, direction, target, rows in (
+            ("lstm", 256, "fwd", CUDA_TARGET, 132 // 32), ("lstm", 384, "fwd", CUDA_TARGET, 2),
+            ("gru", 384, "fwd", CUDA_TARGET, 132 // 48), ("peephole_lstm", 256, "fwd", CUDA_TARGET, 4),
+            ("lstm", 128, "fwd", CUDA_TARGET, 0), ("gru", 256, "fwd", CUDA_TARGET, 0),
+            ("lstm", 256, "bwd", CUDA_TARGET, 0), ("lstm", 512, "fwd", CUDA_TARGET, 0),
+            ("rnn_tanh", 256, "fwd", CUDA_TARGET, 0), ("layernorm_lstm", 256, "fwd", CUDA_TARGET, 0),
+            ("lstm", 256, "fwd", "host", 0)):
+        spec = aot.Spec(cell, I, H, direction, target)
+        plan = aot._plan(spec, (), False)
+        assert plan.layout.narrow_rows == rows, (cell, H, direction, target)
+        assert all(k in plan.kinds for k in pipeline.NARROW) == bool(rows)
+        defines = aot._driver_build(spec, plan, [pipe]).defines()
+        assert defines.get("HALSTM_NARROW_ROWS", 0) == rows
+    monkeypatch.setattr(machine, "gpu_sms", lambda: 16)     # a smaller GPU: fewer rows
+    assert aot._plan(aot.Spec("lstm", I, 256, "fwd", CUDA_TARGET), (), False) \
+        .layout.narrow_rows == 0
+    p, notes, target = _cuda_pipe("lstm", "step_narrow", I, 256)
+    assert any("one gate of one unit" in n for n in notes), notes
+    text = _lowered(p, target)
+    runs = re.findall(r'halide_cuda_run\(cuda\[0\], "\w+", (\w+), [^,]+, 1, (\w+), (\w+), 1,', text)
+    assert runs == [("32", "32", "8")], runs
+    assert ".local" not in text
+
+
+def _lowered(p, target) -> str:
+    """p compiled for target: the lowered statement with the PTX."""
+    import tempfile
+    import halide as hl
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/k.stmt"
+        p.pipeline().compile_to({hl.OutputFileType.stmt: path}, [hl.Argument(q) for q in p.inputs],
+                                "k", target.with_feature(hl.TargetFeature.NoRuntime))
+        with open(path, "rb") as f:
+            return f.read().decode("latin1")
+
+
 def _nested_rows_step(x, r, s):
     from halstm.cells import mean, sqrt, tanh
     scale = mean(x.i) / (sqrt(mean(x.i * x.i)) + 1.0)      # a row value over a row value

@@ -36,6 +36,12 @@ int halstm_step_product_argv(void **);
 int halstm_step_cell_argv(void **);
 int halstm_step_cell_infer_argv(void **);
 #endif
+#ifdef HALSTM_NARROW_ROWS
+// halstm_step and halstm_step_infer scheduled for steps of up to
+// HALSTM_NARROW_ROWS rows (pipeline.NARROW): the same arguments.
+int halstm_step_narrow_argv(void **);
+int halstm_step_narrow_infer_argv(void **);
+#endif
 #if HALSTM_FOLD_FWD
 // A folded step (pipeline.FOLD_FWD): halstm_step_cell's inputs, then
 // wp_hh, b_hh; its outputs, then the next step's product (b_hh + h W_hh^T
@@ -229,10 +235,18 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
                 if (vendor) rc = halstm_step_vendor_argv(args);
                 else
 #endif
+#ifdef HALSTM_NARROW_ROWS
+                if (rows <= HALSTM_NARROW_ROWS) rc = halstm_step_narrow_argv(args);
+                else
+#endif
                 rc = halstm_step_argv(args);
             } else {
 #ifdef HALSTM_VENDOR_STEP_ROWS
                 if (vendor) rc = halstm_step_vendor_infer_argv(args);
+                else
+#endif
+#ifdef HALSTM_NARROW_ROWS
+                if (rows <= HALSTM_NARROW_ROWS) rc = halstm_step_narrow_infer_argv(args);
                 else
 #endif
                 rc = halstm_step_infer_argv(args);

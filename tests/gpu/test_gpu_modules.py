@@ -152,6 +152,30 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B, gpu_target):
         assert_close(k, g, rgrads[k])
 
 
+# Steps of few rows run the narrow step kernels (cuda.narrow_layout, one
+# gate of one unit a thread: up to 4 rows for the LSTM at H=256, 2 for the
+# GRU at H=384 on 132 SMs), the others the tiles above: these lengths take
+# a batch of 8 from 8 rows a step down to 2, across both within one call;
+# each sequence alone runs narrow steps only.
+@pytest.mark.parametrize("cell,Hn", [("lstm", 256), ("gru", 384)])
+def test_narrow_and_wide_steps_in_one_call(cell, Hn, gpu_target):
+    from halstm import aot
+    rng = np.random.default_rng(11)
+    Tn, Bn = 7, 8
+    lengths = np.array([7, 2, 7, 4, 6, 1, 5, 3])
+    m = CLASSES[cell](I, Hn, num_layers=2, seed=0, target=gpu_target)
+    narrow = aot.library(aot.Spec(cell, Hn, Hn, "fwd", gpu_target))[1]["layout"]["narrow_rows"]
+    assert 2 <= narrow < Bn, narrow
+    x = rng.standard_normal((Tn, Bn, I)).astype(np.float32)
+    hx = [rng.standard_normal((2, Bn, Hn)).astype(np.float32) for _ in STATES[cell]]
+    dy = rng.standard_normal((Tn, Bn, Hn)).astype(np.float32)
+    dfinal = [rng.standard_normal((2, Bn, Hn)).astype(np.float32) for _ in STATES[cell]]
+    check_lengths_against_alone(m, x, lengths, hx, dy, dfinal)
+    y, _ = call(m, cell, x)
+    ry, _, _ = ref_run(cell, m, x)
+    assert_close("y", y, ry)
+
+
 # From H=512 (a multiple of 32) the per-step products, the projection and
 # dx are lanes products (schedules/cuda.py _lanes_product): 8 rows a lane
 # (4 in the forward step below H=1024) where there are that many, one row
