@@ -101,6 +101,24 @@ def test_cuda_backward_of_sums_of_negated_terms(tmp_path):
     assert levels == {"step": [2], "step_bwd": [2]}
 
 
+def test_cuda_forward_library_has_narrow_steps(tmp_path):
+    """A CUDA LSTM's forward library at H = 256 has the narrow steps
+    (pipeline.NARROW) for up to 4 rows on a GPU of 132 SMs (the count
+    assumed without a GPU) and its driver links with them; the backward
+    has none. (Builds, needs no GPU; tests/gpu runs them.)"""
+    import json
+    from halstm import machine
+    run_cli("compile", "-i", 13, "-H", 256, "--target", CUDA_TARGET, "--out", tmp_path / "l")
+    (fwd,) = (tmp_path / "l").glob("fwd_*")
+    (bwd,) = (tmp_path / "l").glob("bwd_*")
+    m, mb = (json.loads((f / "manifest.json").read_text()) for f in (fwd, bwd))
+    assert {"halstm_step_narrow", "halstm_step_narrow_infer"} <= set(m["pipelines"])
+    assert m["layout"]["narrow_rows"] == machine.gpu_sms() // 32
+    assert mb["layout"]["narrow_rows"] == 0
+    assert not any("narrow" in k for k in mb["pipelines"])
+    assert m["library"] and (fwd / m["library"]).is_file()
+
+
 def test_cuda_library_of_a_reducing_cell_has_folded_steps(tmp_path):
     """A CUDA layer-norm LSTM's libraries have the folded steps
     (pipeline.FOLD_FWD, FOLD_BWD) and their drivers link with them.
