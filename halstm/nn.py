@@ -525,7 +525,7 @@ class _RNN:
             finals.append(self._result(f, host))
         if rows is not None:
             return self._seq_out(self._mem.take(inp, rows[1]), host, False, fresh=True), finals
-        return self._seq_out(inp, host, taped=save and D == 1 and not masks), finals
+        return self._seq_out(inp, host, taped=save and D == 1), finals
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:
