@@ -57,6 +57,7 @@ def _caches() -> dict:
     return out
 
 
+@lru_cache(maxsize=None)
 def _gpu() -> dict:
     """Device 0 of the CUDA driver, or {} without one."""
     from . import cuda
@@ -85,7 +86,7 @@ SMS_WITHOUT_GPU = 132
 def gpu_sms() -> int:
     """The multiprocessors of the CUDA GPU at hand, else SMS_WITHOUT_GPU:
     what a CUDA build is shaped for (a cache key of such a build holds it)."""
-    return facts().get("gpu_sms", SMS_WITHOUT_GPU)
+    return _gpu().get("gpu_sms", SMS_WITHOUT_GPU)
 
 
 @lru_cache(maxsize=None)

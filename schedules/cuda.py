@@ -78,6 +78,8 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     _gate_lane_units(G) units x every gate, one accumulator a thread."""
     lanes = LANES if gate_lanes is None else _gate_lane_units(gate_lanes[1])
     runtime = [(v, f) for v, f, rt in cols if rt]
+    assert gate_lanes is None or (slices > 1 and all(f == 1 for _, f in runtime)), \
+        "gate lanes: a reduction over warps, one row a thread"
     assert len(runtime) <= 1, "one runtime axis per tile"
     if runtime:
         v, f = runtime[0]

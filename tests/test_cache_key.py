@@ -114,6 +114,7 @@ def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch
     assert aot.cache_key(auto_spec) != before[0] and aot.cache_key(hand_spec) == before[1]
     assert aot.cache_key(hand_bwd) != before[2]
     cuda = [aot.Spec("lstm", 13, 37, d, CUDA_TARGET, "cuda") for d in ("fwd", "bwd")]
+    monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
     before = [aot.cache_key(s) for s in cuda]
     monkeypatch.setattr(machine, "gpu_sms", lambda: 7)
     assert auto.parallelism("cuda") == 7

@@ -406,16 +406,16 @@ def test_narrow_steps_where_their_blocks_fit_the_multiprocessors(monkeypatch):
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
     pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
                            split_batch_bytes=0)    # (what the driver build reads of the pipes)
-    for cell, H, direction, target, rows in (
+    for cell, hidden, direction, target, rows in (
             ("lstm", 256, "fwd", CUDA_TARGET, 132 // 32), ("lstm", 384, "fwd", CUDA_TARGET, 2),
             ("gru", 384, "fwd", CUDA_TARGET, 132 // 48), ("peephole_lstm", 256, "fwd", CUDA_TARGET, 4),
             ("lstm", 128, "fwd", CUDA_TARGET, 0), ("gru", 256, "fwd", CUDA_TARGET, 0),
             ("lstm", 256, "bwd", CUDA_TARGET, 0), ("lstm", 512, "fwd", CUDA_TARGET, 0),
             ("rnn_tanh", 256, "fwd", CUDA_TARGET, 0), ("layernorm_lstm", 256, "fwd", CUDA_TARGET, 0),
             ("lstm", 256, "fwd", "host", 0)):
-        spec = aot.Spec(cell, I, H, direction, target)
+        spec = aot.Spec(cell, I, hidden, direction, target)
         plan = aot._plan(spec, (), False)
-        assert plan.layout.narrow_rows == rows, (cell, H, direction, target)
+        assert plan.layout.narrow_rows == rows, (cell, hidden, direction, target)
         assert all(k in plan.kinds for k in pipeline.NARROW) == bool(rows)
         defines = aot._driver_build(spec, plan, [pipe]).defines()
         assert defines.get("HALSTM_NARROW_ROWS", 0) == rows
