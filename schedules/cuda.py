@@ -353,10 +353,11 @@ def _step_tile(p, target):
 # A one-row block of the step's tiles (32 units x every gate) reads its
 # units' rows of W_hh, 32 * G * H floats a step, through its one
 # multiprocessor's share of L2 bandwidth; from this many bytes that read
-# is most of the step's time, and spreading it over G times the blocks
-# (step_narrow) pays: 128 KiB at G * H = 1024 took 0.84x-0.88x of the
-# step's time forward, 64 and 96 KiB 1.0x-1.12x (bench/RESULTS.md,
-# "Schedule decisions": cuda.step_narrow).
+# is most of the step's time, and spreading it over LANES /
+# _gate_lane_units(G) times the blocks (step_narrow: 4 times for 3 or 4
+# gates) pays: 128 KiB at G * H = 1024 took 0.84x-0.88x of the step's
+# time forward, 64 and 96 KiB 1.0x-1.12x (bench/RESULTS.md, "Schedule
+# decisions": cuda.step_narrow).
 NARROW_FROM_BYTES = 128 << 10
 
 
@@ -385,8 +386,8 @@ def _gate_lane_units(G: int) -> int:
 def step_narrow(p, target):
     """The forward step for few batch rows (narrow_layout): one row and
     one gate of one unit a thread, a warp _gate_lane_units(G) units x
-    every gate, so that a step has about G times the blocks of step's
-    one-row tiles."""
+    every gate, so that a step has LANES / _gate_lane_units(G) times the
+    blocks of step's one-row tiles (4 for 3 or 4 gates)."""
     v, slices = p.vars, _slices(p.H, SLICES)
     p.notes.append(f"step_narrow: one kernel; a thread holds one gate of one unit for one batch "
                    f"row ({_gate_lane_units(p.G)} units a warp); the {p.H}-long reduction split "
