@@ -87,7 +87,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
     if layout.fold_steps:
         kinds += pipeline.FOLD_FWD if spec.direction == "fwd" else pipeline.FOLD_BWD
-    if layout.narrow_rows and spec.direction == "fwd":
+    if layout.narrow_rows:           # (set for forward libraries only: aot._plan)
         kinds += pipeline.NARROW
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")

@@ -519,11 +519,7 @@ def _step_infer(p: Pipe) -> None:
     _step(p, save=False)
 
 
-_step_narrow = _step
-
-
-def _step_narrow_infer(p: Pipe) -> None:
-    _step(p, save=False)
+_step_narrow, _step_narrow_infer = _step, _step_infer
 
 
 def _step_vendor(p: Pipe) -> None:
