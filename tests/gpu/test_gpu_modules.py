@@ -152,11 +152,12 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B, gpu_target):
         assert_close(k, g, rgrads[k])
 
 
-# Steps of few rows run the narrow step kernels (cuda.narrow_layout, one
-# gate of one unit a thread: up to 4 rows for the LSTM at H=256, 2 for the
-# GRU at H=384 on 132 SMs), the others the tiles above: these lengths take
-# a batch of 8 from 8 rows a step down to 2, across both within one call;
-# each sequence alone runs narrow steps only.
+# Forward steps of few rows run the narrow step kernels
+# (cuda.narrow_layout, one gate of one unit a thread: up to 4 rows for the
+# LSTM at H=256, 2 for the GRU at H=384 on 132 SMs), the others the tiles
+# above: these lengths take a batch of 8 from 8 rows a step down to 2,
+# across both within one call; each sequence alone, and the first two
+# against the reference (gradients too), run narrow steps only.
 @pytest.mark.parametrize("cell,Hn", [("lstm", 256), ("gru", 384)])
 def test_narrow_and_wide_steps_in_one_call(cell, Hn, gpu_target):
     from halstm import aot
@@ -174,6 +175,12 @@ def test_narrow_and_wide_steps_in_one_call(cell, Hn, gpu_target):
     y, _ = call(m, cell, x)
     ry, _, _ = ref_run(cell, m, x)
     assert_close("y", y, ry)
+    y, _ = call(m, cell, x[:, :2])
+    grads = backward(m, cell, dy[:, :2])
+    ry, _, rgrads = ref_run(cell, m, x[:, :2], dy=dy[:, :2])
+    assert_close("y", y, ry)
+    for k, g in grads.items():
+        assert_close(k, g, rgrads[k])
 
 
 # From H=512 (a multiple of 32) the per-step products, the projection and
