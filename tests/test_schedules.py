@@ -259,15 +259,10 @@ def test_cuda_weight_gradients_as_lanes_products_from_2048_tiles():
     ("gru", "step", 512, "step_out", False), ("lstm", "proj", 128, "xp", True),
     ("lstm", "grads", 128, "dx", True), ("lstm", "grads", 1024, "dw_hh", True),
     ("gru", "grads", 1024, "dw_hh", True)])
-def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp, tmp_path):
+def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp):
     import re
-    import halide as hl
     p, _, target = _cuda_pipe(cell, kind, 64, H)
-    stmt = tmp_path / "k.stmt"
-    p.pipeline().compile_to({hl.OutputFileType.stmt: str(stmt)},
-                            [hl.Argument(q) for q in p.inputs], "k",
-                            target.with_feature(hl.TargetFeature.NoRuntime))
-    ptx = stmt.read_bytes().decode("latin1")
+    ptx = _lowered(p, target)
     kernels = {m.group(1): m.group(2) for m in
                re.finditer(r"\.entry\s+(\S+)\((.*?)\n}\n", ptx, re.S)}
     # (names made unique within the process: xp, xp_1, xp__1, ...)
@@ -287,15 +282,10 @@ def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp, 
 # states and vector parameters into shared memory once where they fit, in
 # one loop (cuda._row_inputs: at H = 512, 14 saved channels in 28 KiB, not
 # at 640), instead of from global memory in every stage.
-def _row_kernel(kind, H, tmp_path):
+def _row_kernel(kind, H):
     import re
-    import halide as hl
     p, _, target = _cuda_pipe("layernorm_lstm", kind, 64, H)
-    stmt = tmp_path / f"{kind}{H}.stmt"
-    p.pipeline().compile_to({hl.OutputFileType.stmt: str(stmt)},
-                            [hl.Argument(q) for q in p.inputs], "k",
-                            target.with_feature(hl.TargetFeature.NoRuntime))
-    text = stmt.read_bytes().decode("latin1")
+    text = _lowered(p, target)
     row = [m.group(2) for m in re.finditer(r"\.entry\s+(\S+)\((.*?)\n}\n", text, re.S)
            if re.match(r"_kernel_(step_out|layernorm_lstm_dxp_\w*out)", m.group(1))]
     assert len(row) == 1, re.findall(r"\.entry\s+(\S+)\(", text)
@@ -305,9 +295,9 @@ def _row_kernel(kind, H, tmp_path):
 @pytest.mark.parametrize("kind,H,barriers,staged", [
     ("step", 256, 15, False), ("step_bwd", 256, 15, True), ("step_bwd", 512, 14, True),
     ("step_bwd", 640, 14, False)])
-def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_path, monkeypatch):
+def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, monkeypatch):
     from halstm.schedules import cuda
-    body = _row_kernel(kind, H, tmp_path)
+    body = _row_kernel(kind, H)
     assert body.count("bar.sync") == barriers
     assert "ld.local" not in body and "st.local" not in body
     # quotients by row values once a row (by one thread), not in every
@@ -325,7 +315,7 @@ def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_pa
         assert sum("ld.global" in s for s in stages) == 3, [s.count("ld.global") for s in stages]
     if kind == "step_bwd":
         monkeypatch.setattr(cuda, "ROW_INPUT_BYTES", 0)
-        unstaged = _row_kernel(kind, H, tmp_path).count("ld.global")
+        unstaged = _row_kernel(kind, H).count("ld.global")
         assert (body.count("ld.global") * 3 < unstaged * 2) == staged, (body.count("ld.global"),
                                                                          unstaged)
 
@@ -333,7 +323,7 @@ def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, tmp_pa
 @pytest.mark.parametrize("kind,H", [("step_fold", 72), ("step_fold", 256), ("step_fold", 512),
                                     ("step_bwd_fold", 72), ("step_bwd_fold", 256),
                                     ("step_bwd_fold", 2048)])
-def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H, tmp_path):
+def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H):
     """step_fold (pipeline.FOLD_FWD) and step_bwd_fold (FOLD_BWD) are one
     kernel each: a block's row work and its units' product, one axis of at
     most ROW_THREADS threads (the row stages' and the product's thread
@@ -342,15 +332,10 @@ def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H, tmp_path):
     shared memory a block gets without opting in, no local or device
     memory."""
     import re
-    import halide as hl
     from halstm.schedules import cuda
     p, notes, target = _cuda_pipe("layernorm_lstm", kind, 64, H)
     assert any(f"{kind}: one kernel" in n for n in notes), notes
-    stmt = tmp_path / "fold.stmt"
-    p.pipeline().compile_to({hl.OutputFileType.stmt: str(stmt)},
-                            [hl.Argument(q) for q in p.inputs], "k",
-                            target.with_feature(hl.TargetFeature.NoRuntime))
-    text = stmt.read_bytes().decode("latin1")
+    text = _lowered(p, target)
     assert len(re.findall(r"\.entry\s", text)) == 1
     launch = re.findall(r'halide_cuda_run\(cuda\[0\], "[^"]*", ([^,]+), ([^,]+), ([^,]+), '
                         r'(\d+), (\d+), (\d+), 0 \+ \((\d+)\*4\)', text)
@@ -449,7 +434,7 @@ def _nested_rows_step(x, r, s):
 
 
 @pytest.mark.parametrize("kind", ["step", "step_bwd"])
-def test_cuda_row_values_that_read_each_other(kind, tmp_path):
+def test_cuda_row_values_that_read_each_other(kind):
     """A cell's quotients by row values where one reads another: the
     cuda row block computes them in loops of their own, in order (in one
     loop, Halide refuses them: "Invalid compute_with")."""
@@ -464,9 +449,7 @@ def test_cuda_row_values_that_read_each_other(kind, tmp_path):
     if kind == "step":
         assert [len(g) for g in p.row_func_groups] == [1, 1]
     getattr(mod, kind)(p, target)
-    p.pipeline().compile_to({hl.OutputFileType.stmt: str(tmp_path / "k.stmt")},
-                            [hl.Argument(q) for q in p.inputs], "k",
-                            target.with_feature(hl.TargetFeature.NoRuntime))
+    _lowered(p, target)
 
 
 # ---- the registry -----------------------------------------------------------
