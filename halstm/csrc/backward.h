@@ -138,14 +138,12 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #endif
         if (fold) {   // a gate's (channel's) plane: (rows, H) of (rows, G, H) ((rows, NV, H))
             int m = 0;
-            auto plane = [&](float *base, int i, int width) {
-                v.planes[m] = View(base + i * H, {{H, 1}, {rows, width * H}});
-                v.args[n++] = v.planes[m++].hb();
-            };
-            for (int g = 0; g < G; g++) plane(dxp + sr.row0(t) * G * H, g, G);
-            for (int g = 0; !DXP_IS_DHG && g < G; g++) plane(dhg + sr.row0(t) * G * H, g, G);
+            auto put = [&](View p) { v.planes[m] = p, v.args[n++] = v.planes[m++].hb(); };
+            for (int g = 0; g < G; g++) put(plane(dxp + sr.row0(t) * G * H, g, G, rows));
+            for (int g = 0; !DXP_IS_DHG && g < G; g++)
+                put(plane(dhg + sr.row0(t) * G * H, g, G, rows));
             for (int s = 0; s < NS; s++) v.args[n++] = v.dprev[s].hb();
-            for (int c = 0; c < NV; c++) plane(dvec_rows + nxt * B * NV * H, c, NV);
+            for (int c = 0; c < NV; c++) put(plane(dvec_rows + nxt * B * NV * H, c, NV, rows));
             return;
         }
         v.args[n++] = v.dxp.hb();
@@ -193,8 +191,6 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             View add_out = PART(dstate_row(add, t & 1, B, H, rows), H, 1);
             View dh = PART(t < 0 ? dstate_row(dstate[0], T & 1, B, H, rows)
                                  : dstate_row(dh_scratch, 0, B, H, rows), H, 1);
-            // a gate's plane of (B, G, H), its leading rows
-            auto plane = [&](float *base, int g) { return View(base + g * H, {{H, 1}, {rows, G * H}}); };
             float *dxp_t = t < 0 ? scratch : dxp + sr.row0(t) * G * H;
             View prev[NS], next[NS], dnext[NS], dprev[NS];
             for (int s = 1; s < NS; s++) {   // (h's are above: h0, h1, dh_add, dh)
@@ -223,17 +219,17 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #endif
             args[n++] = dh.hb();
             View dplanes[G];
-            for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = PART(plane(dxp_t, g), H, 1)).hb();
+            for (int g = 0; g < G; g++) args[n++] = (dplanes[g] = PART(plane(dxp_t, g, G, rows), H, 1)).hb();
 #if !DXP_IS_DHG
             float *dhg_t = t < 0 ? scratch + (int64_t)B * G * H : dhg + sr.row0(t) * G * H;
             View eplanes[G];
-            for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = PART(plane(dhg_t, g), H, 1)).hb();
+            for (int g = 0; g < G; g++) args[n++] = (eplanes[g] = PART(plane(dhg_t, g, G, rows), H, 1)).hb();
 #endif
             for (int s = 1; s < NS; s++) args[n++] = dprev[s].hb();
             // dvec channel c: a plane of the sums (B, NV, H)
             View vplanes[NV > 0 ? NV : 1];
             for (int c = 0; c < NV; c++)
-                args[n++] = (vplanes[c] = PART(View(dvec_t + c * H, {{H, 1}, {rows, NV * H}}), H, 1)).hb();
+                args[n++] = (vplanes[c] = PART(plane(dvec_t, c, NV, rows), H, 1)).hb();
             args[n++] = add_out.hb();
             rc = halstm_step_bwd_fused_argv(args);
             if (!step_done(barrier, rc)) break;

@@ -169,7 +169,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
         // saved channel c: the (rows, H) rows of saved[t] (B, S, H)
         const float *saved_t = saved + (int64_t)t * B * S * H;
         for (int c = 0; saved && c < S; c++)
-            v.sv[c] = PART(View(saved_t + c * H, {{H, 1}, {rows, S * H}}), H, 1);
+            v.sv[c] = PART(plane(saved_t, c, S, rows), H, 1);
         int n = 0;
         v.args[n++] = v.xp.hb(), v.args[n++] = product.hb();
         if (bias) v.args[n++] = vb_hh.hb();

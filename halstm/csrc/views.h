@@ -81,6 +81,12 @@ uint64_t rows_hash(const int *batch_sizes, int T) {
     return h | 1;
 }
 
+// Plane i of a (rows, width, H) array: its (rows, H) slice i (a gate's of
+// (B, G, H), a saved channel's of (B, S, H), a vector channel's of (B, NV, H)).
+View plane(const float *base, int i, int width, int rows) {
+    return View(base + (int64_t)i * H, {{H, 1}, {rows, width * H}});
+}
+
 // Row i of a (2, B, HP) state-gradient array, its leading `rows` of B:
 // `units` (H or HP) used per row.
 View dstate_row(const float *base, int i, int B, int units, int rows) {
