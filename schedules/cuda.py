@@ -135,20 +135,21 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
         partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, lanes)
     pu = partial.update()
     pu.split(ri, kio, kii, unroll, GUARD).unroll(kii)
+    lane_axes = [lane]
     if gate_lanes is not None:
         # thread (unit, gate): units first, so that a warp's loads of one
         # gate's weights are contiguous
         gate, G = gate_lanes
         partial.bound_extent(gate, G)
         tile_vars = [v for v in tile_vars if v.name() != gate.name()]
+        lane_axes = [lane, gate]
+    partial.reorder(*(tile_vars + lane_axes + [u]))
+    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + lane_axes + [u]))
+    if gate_lanes is not None:
         t = hl.Var(acc.name() + "_t")
-        partial.reorder(*(tile_vars + [lane, gate, u])).fuse(lane, gate, t)
-        pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, gate, u])) \
-            .fuse(lane, gate, t)
+        partial.fuse(lane, gate, t)
+        pu.fuse(lane, gate, t)
         threads = [t, u]
-    else:
-        partial.reorder(*(tile_vars + [lane, u]))
-        pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + [lane, u]))
     if threads:
         partial.gpu_threads(*threads)
         pu.gpu_threads(*threads)
