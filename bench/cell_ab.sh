@@ -5,7 +5,8 @@
 # diff, applied by patch -p1). Each variant compiles every cell and shape
 # into /tmp/cell-ab/NAME (all at once, in parallel), then each cell and
 # shape times every variant; the first variant is the base of the ratios.
-#   [TARGET=host-cuda] [CELLS="lstm gru"] [SHAPES="I H B T;..."] [REPS=30] \
+# AB_ARGS: more arguments for bench/gpu_ab.py (--infer: the no_grad forward).
+#   [TARGET=host-cuda] [CELLS="lstm gru"] [SHAPES="I H B T;..."] [REPS=30] [AB_ARGS=...] \
 #       bench/cell_ab.sh OUT.txt NAME[:PATCH] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ for cell in ${CELLS:-lstm gru}; do
     folders=()
     for v in "$@"; do folders+=("${v%%:*}=$root/${v%%:*}/$cell-$I-$H"); done
     python3 bench/gpu_ab.py --target "$target" --cell "$cell" --input-size "$I" \
-      --hidden-size "$H" --batch "$B" --steps "$T" --reps "${REPS:-30}" "${folders[@]}" \
+      --hidden-size "$H" --batch "$B" --steps "$T" --reps "${REPS:-30}" ${AB_ARGS:-} "${folders[@]}" \
       2>&1 | tee -a "$out"
   done
 done

@@ -12,6 +12,10 @@ every variant once, in turn, and the medians are printed with their ratio
 to the first variant's:
 
     python bench/gpu_ab.py --hidden-size 128 --batch 16 --steps 100 base B C
+
+--infer times a forward that no backward follows (under halstm.no_grad(),
+as `halstm bench --fwd` does) in place of the training forward and the
+backward.
 """
 import argparse
 import os
@@ -35,6 +39,7 @@ def main():
     ap.add_argument("--cell", default="lstm", help="any cell of halstm.cells")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--target", default="host-cuda")
+    ap.add_argument("--infer", action="store_true", help="time the no_grad forward only")
     a = ap.parse_args()
     I, H, B, T = a.input_size or a.hidden_size, a.hidden_size, a.batch, a.steps
     def cls(I, H, **kw):
@@ -65,9 +70,13 @@ def main():
     if first not in mods:
         raise SystemExit(f"the first variant, {first}, is needed for the ratios")
     calls = {}
+    modes = ("infer",) if a.infer else ("fwd", "bwd")
     for n, m in mods.items():             # (m=m: each call its own module)
-        calls[n, "fwd"] = lambda m=m: m(x)
-        calls[n, "bwd"] = lambda m=m: m.backward(dy)
+        if a.infer:
+            calls[n, "infer"] = lambda m=m: _no_grad(m, x)
+        else:
+            calls[n, "fwd"] = lambda m=m: m(x)
+            calls[n, "bwd"] = lambda m=m: m.backward(dy)
     # the first round warms up
     sync = cuda.synchronize if gpu else (lambda: None)
     med = {k: s * 1e3 for k, s in alternating(calls, a.reps + 1, 1, sync).items()}
@@ -75,9 +84,13 @@ def main():
           f"(ratio to {first})")
     for n, m in mods.items():
         captures = sum(lib.graph_stats()["captures"] for lib in m._libs.values()) if gpu else 0
-        print(f"  {n:12s} fwd {med[n, 'fwd']:8.3f} ({med[n, 'fwd'] / med[first, 'fwd']:.3f})  "
-              f"bwd {med[n, 'bwd']:8.3f} ({med[n, 'bwd'] / med[first, 'bwd']:.3f})  "
-              f"graphs captured {captures}")
+        times = "  ".join(f"{k} {med[n, k]:8.3f} ({med[n, k] / med[first, k]:.3f})" for k in modes)
+        print(f"  {n:12s} {times}  graphs captured {captures}")
+
+
+def _no_grad(m, x):
+    with halstm.no_grad():
+        return m(x)
 
 
 if __name__ == "__main__":

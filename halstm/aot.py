@@ -89,6 +89,8 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds += pipeline.FOLD_FWD if spec.direction == "fwd" else pipeline.FOLD_BWD
     if layout.narrow_rows:           # (set for forward libraries only: aot._plan)
         kinds += pipeline.NARROW
+    if layout.loop_rows:             # (the same)
+        kinds += pipeline.LOOP
     if layout.raw_bwd_weights:       # the backward reads the weights as given
         kinds = tuple(k for k in kinds if k != "pack_bwd")
     if layout.vendor_gemm and layout.vendor_step_rows:   # steps whose product is a vendor GEMM
@@ -345,6 +347,9 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         narrow = getattr(module, "narrow_layout", None)
         if narrow and not d.reduces and spec.direction == "fwd":   # steps of few rows
             layout = narrow(layout, len(d.gates), spec.hidden_size)
+        loop = getattr(module, "loop_layout", None)
+        if loop and not d.reduces and spec.direction == "fwd":     # one kernel a forward
+            layout = loop(layout, len(d.gates), spec.hidden_size)
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,

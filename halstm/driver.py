@@ -86,6 +86,8 @@ class Layer:
             d["HALSTM_FOLD_BWD"] = 1
         if lay.narrow_rows:
             d["HALSTM_NARROW_ROWS"] = lay.narrow_rows
+        if lay.loop_rows:
+            d["HALSTM_LOOP_ROWS"] = lay.loop_rows
         if self.direction == "bwd" and not self.pack_bwd:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:

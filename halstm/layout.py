@@ -47,6 +47,8 @@ class Layout:
     #                                (pipeline.FOLD_FWD), run where the driver finds them fit
     narrow_rows: int = 0           # CUDA forward: steps of up to this many batch rows run
     #                                the narrow step pipelines (pipeline.NARROW; 0: none)
+    loop_rows: int = 0             # CUDA forward: inference of up to this many batch rows
+    #                                runs every step in one pipeline (pipeline.LOOP; 0: none)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -76,17 +76,28 @@ def _gpu() -> dict:
     return {"gpu": d.name, "gpu_capability": f"{major}.{minor}",
             "gpu_sms": attribute(16),                    # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
             "gpu_shared_bytes_per_block": attribute(97),  # ..._MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            "gpu_shared_bytes_per_sm": attribute(81),     # ..._MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
             "cuda_driver": f"{version.value // 1000}.{version.value % 1000 // 10}"}
 
 
-# SMs assumed for a CUDA build where no GPU is at hand (an H100's count)
+# SMs and shared memory a multiprocessor assumed for a CUDA build where no
+# GPU is at hand (an H100's)
 SMS_WITHOUT_GPU = 132
+SM_SHARED_BYTES_WITHOUT_GPU = 228 << 10
 
 
 def gpu_sms() -> int:
     """The multiprocessors of the CUDA GPU at hand, else SMS_WITHOUT_GPU:
     what a CUDA build is shaped for (a cache key of such a build holds it)."""
     return _gpu().get("gpu_sms", SMS_WITHOUT_GPU)
+
+
+def gpu_sm_shared_bytes() -> int:
+    """The shared memory a multiprocessor of the CUDA GPU at hand may give
+    its blocks (the part of its on-chip L1/shared store that can be shared
+    memory), else SM_SHARED_BYTES_WITHOUT_GPU; a cache key of a build
+    shaped by it holds it."""
+    return _gpu().get("gpu_shared_bytes_per_sm", SM_SHARED_BYTES_WITHOUT_GPU)
 
 
 @lru_cache(maxsize=None)

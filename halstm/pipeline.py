@@ -37,7 +37,7 @@ KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
          "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
          "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer", "step_bwd_fold",
-         "step_narrow", "step_narrow_infer")
+         "step_narrow", "step_narrow_infer", "loop_infer")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -83,6 +83,11 @@ FOLD_BWD = ("step_bwd_fold",)
 # step_narrow_infer: step and step_infer themselves, scheduled for steps of
 # few batch rows; the driver calls them for steps of up to narrow_rows rows.
 NARROW = ("step_narrow", "step_narrow_infer")
+# Where the layout has loop_rows, the forward also has loop_infer: a
+# forward that no backward follows with every step in one pipeline, for a
+# cell without sums over units; the driver calls it once, in place of the
+# steps, for batches of up to loop_rows rows without batch sizes.
+LOOP = ("loop_infer",)
 # With vendor GEMMs (Layout.vendor_gemm) a layer also has steps whose
 # recurrent product the driver runs (h W_hh^T, dhg W_hh) as a vendor GEMM:
 # the pipelines are the pointwise rest, used where a step has many rows.
@@ -520,6 +525,69 @@ def _step_infer(p: Pipe) -> None:
 
 
 _step_narrow, _step_narrow_infer = _step, _step_infer
+
+
+class _At:
+    """f[args] as fn(*args): an indexable of Exprs (DefinedCell.step_exprs
+    reads its inputs by index)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, args):
+        return self.fn(*args)
+
+
+def _loop_infer(p: Pipe) -> None:
+    """Every step of a forward that no backward follows (LOOP): output
+    per state its values after each step (T, B, H), a Func whose update
+    runs the steps in order. Halide lets an update read its own Func only
+    with its pure variables in place, so the units are an RVar (the step
+    reads every unit of the state before it) and the step's product is,
+    per gate, b_hh plus an H-term sum written out: Exprs, not a Func that
+    would read the update's own output (DefinedCell.step_exprs)."""
+    cell, G, H, P = p.cell, p.G, p.H, p.P
+    j, gate, b, t = (p.vars[n] for n in ("j", "gate", "b", "t"))
+    NS = len(cell.states)
+    if p.xp_panels:    # numpy (Hp/P, N, G, P), N = T*B rows (row t*B + b: step t's b)
+        xp = _param(p, "xp", [P, G, None, p.Hp // P])
+    else:              # numpy (N, G, Hp)
+        xp = _param(p, "xp", [p.Hp, G, None])
+    wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])         # numpy (Hp/P, H, G, P)
+    b_hh = _param(p, "b_hh", [H, G])                         # numpy (G, H)
+    init = [_param(p, s + "_0", [H, None]) for s in cell.states]   # (B, H)
+    vec = [_param(p, "vec", [H, p.V])] if p.V else []       # numpy (V, H)
+    f32 = hl.Float(32)
+    out = hl.Func("loop_out")
+    out[j, b, t] = hl.undef(f32) if NS == 1 else tuple(hl.undef(f32) for _ in range(NS))
+    first = out.output_buffers()[0]
+    B, T = first.dim(1).extent(), first.dim(2).extent()
+    xs = hl.Func("xs")           # step t's xp (a stage of the step loop: see cuda.loop_infer)
+    row = t * B + b
+    xs[j, gate, b, t] = (xp[j % P, gate, row, j / P] if p.xp_panels else xp[j, gate, row])
+    r = hl.RDom([(0, H), (0, T)], "r_loop")
+    unit, step = r.x, r.y
+
+    def prev(s, k):   # state s of unit k before the step
+        last = out[k, b, hl.max(step - 1, 0)]
+        return hl.select(step == 0, init[s][k, b], last if NS == 1 else last[s])
+
+    def product(u, g):   # b_hh + W_hh h at unit u, gate g
+        w = _packed(wp_hh, u, P)
+        return sum((w(g, k) * prev(0, k) for k in range(H)), b_hh[u, g])
+    new = cell.step_exprs(_At(lambda u, g, _: xs[u, g, b, step]), _At(lambda u, g, _: product(u, g)),
+                          {s: _At(lambda u, _, n=n: prev(n, u)) for n, s in enumerate(cell.states)},
+                          _At(lambda u, c: vec[0][u, c]), H, unit, b)
+    values = [new[s] for s in cell.states]
+    out[unit, b, step] = values[0] if NS == 1 else hl.Tuple(values)
+    # each state (T, B, H): the states array's steps 1..T
+    for n, q in enumerate(out.output_buffers()):
+        _constrain(q, [H, None, None], bounds=n == 0)
+    p.inputs = [xp, wp_hh, b_hh] + init + vec
+    p.outputs = [out]
+    p.shapes[out.name()] = [H, None, None]
+    p.stages = {"out": out, "xs": xs}
+    p.rdoms = {"loop": r}
 
 
 def _step_vendor(p: Pipe) -> None:

@@ -28,6 +28,7 @@ from .. import machine
 from ..layout import Layout
 
 LANES = 32                      # a warp; also the weight panel width
+MAX_THREADS = 1024              # a CUDA block's threads at most
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
 
@@ -399,6 +400,41 @@ def step_narrow(p, target):
 
 
 step_narrow_infer = step_narrow
+
+
+def loop_layout(layout: Layout, gates: int, H: int) -> Layout:
+    """layout with loop_infer (pipeline.LOOP) where W_hh takes at most half
+    the shared memory of a multiprocessor (machine.gpu_sm_shared_bytes;
+    228 KiB on an H100): each block, a batch row, reads all of W_hh every
+    step from its multiprocessor's L1, so its step time grows with W_hh
+    (on an H100 about W_hh's bytes over 65 GB/s plus 0.3 us), while the
+    one-kernel-a-step loop's hardly moves at small sizes. The driver calls
+    it for batches of up to one block an SM (machine.gpu_sms). Inference
+    forwards on an H100, one layer: 0.40x-0.81x the steps' time up to 113
+    KiB of W_hh, 0.999x there for the RNN (H = 170); past it 0.92x at 144
+    KiB (LSTM, H = 96) but 1.31x (RNN, H = 192), 1.29x at 192 KiB (GRU, H
+    = 128) (bench/RESULTS.md, "Schedule decisions": cuda.loop)."""
+    if gates * H * H * 4 > machine.gpu_sm_shared_bytes() // 2 or H > MAX_THREADS:
+        return layout
+    return replace(layout, loop_rows=machine.gpu_sms())
+
+
+def loop_infer(p, target):
+    """pipeline.LOOP in one kernel: a block a batch row runs its steps in
+    order, a thread a unit (every gate's product as an unrolled sum, the
+    cell, the new states). The step's xp is staged first (Func xs); that
+    puts a barrier between it and the step and, since Halide closes a
+    block-level loop with a barrier only where its body holds one, a
+    barrier after every step, before the next reads the new states."""
+    v, r = p.vars, p.rdoms["loop"]
+    out = p.stage("out")
+    p.notes.append(f"loop_infer: one kernel; a block a batch row, a thread one unit's "
+                   f"{p.G} gate(s), each an unrolled {p.H}-term product")
+    out.gpu_blocks(v["b"])     # (the pure stage, undefined, computes nothing: on the
+    #                            device, so that the output needs no host memory)
+    out.update(0).allow_race_conditions().reorder(r.x, r.y, v["b"]) \
+        .gpu_blocks(v["b"]).gpu_threads(r.x)
+    p.stage("xs").compute_at(out, r.y).gpu_threads(v["j"]).unroll(v["gate"])
 
 
 def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,

@@ -30,5 +30,8 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # (halstm.machine's functions of those names) that shape its libraries:
 # their cache keys hold them. cpu: the core count, the weight gradients'
 # tasks (cpu._dw_blocks); cuda: the SM count, the batches whose forward
-# steps put the gates on the lanes (cuda.narrow_layout).
-MACHINE_FACTS = {"cpu": {"bwd": ("cores",)}, "cuda": {"fwd": ("gpu_sms",)}}
+# steps put the gates on the lanes (cuda.narrow_layout) or whose forward
+# runs as one kernel (cuda.loop_layout), and a multiprocessor's shared
+# memory, the weights that forward may read (cuda.loop_layout).
+MACHINE_FACTS = {"cpu": {"bwd": ("cores",)},
+                 "cuda": {"fwd": ("gpu_sms", "gpu_sm_shared_bytes")}}

@@ -217,7 +217,8 @@ def check_case(cell, case, target="host", schedule=None, put=lambda a: a, rtol=R
 
 def check_no_grad(cell, target="host"):
     """Under halstm.no_grad() the steps store only the states (their own
-    kernel, step_infer): the results equal a training forward's to float
+    kernel, step_infer; on a GPU, where W_hh is small, every step in one
+    kernel, loop_infer): the results equal a training forward's to float
     rounding (the compiler contracts the cell's math differently when the
     gates are not stored), with an initial state and B=1 too, and backward
     then raises."""

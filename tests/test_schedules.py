@@ -526,3 +526,106 @@ def test_unknown_schedule_raises_listing_known_ones(target):
         assert "fastest" in msg
         for known in schedules.names():
             assert repr(known) in msg or known in msg, (known, msg)
+
+
+
+# ---- one kernel a forward (cuda.loop) -----------------------------------------
+
+def _layer_states(cell, w, vectors, x, states0):
+    """Each state after every step of one layer, (T, B, H) each, by the
+    float64 reference: w (w_ih, w_hh, b_ih, b_hh), vectors by name."""
+    from halstm import reference
+    if cell == "lstm":
+        cache = reference.lstm_layer_forward(x, *states0, *w)[3]
+        return [np.stack(cache["hs"][1:]), np.stack(cache["cs"][1:])]
+    if cell == "gru":
+        return [reference.gru_layer_forward(x, *states0, *w)[0]]
+    w_ih, w_hh, b_ih, b_hh = w
+    s, out = tuple(states0), []
+    for t in range(x.shape[0]):
+        s = reference.STEPS[cell](x[t] @ w_ih.T + b_ih, s[0] @ w_hh.T + b_hh, s,
+                                  *((vectors,) if vectors else ()))
+        out.append(s)
+    return [np.stack([o[n] for o in out]) for n in range(len(states0))]
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_relu", "cifg_lstm", "peephole_lstm"])
+def test_loop_pipeline_matches_the_reference(cell):
+    """pipeline.LOOP's algorithm (every step of an inference forward in
+    one pipeline), run here on the CPU as Halide's default schedule
+    leaves it, against the float64 reference: T = 1 and several steps,
+    B = 1 and several rows, 11 units in panels of 4 (the last one
+    padded), a vector parameter (peephole_lstm)."""
+    import halide as hl
+    from halstm import cells, pipeline
+    from halstm.layout import Layout
+    d = cells.definition(cell)
+    G, NS, K, Hs, P = len(d.gates), len(d.states), 5, 11, 4
+    Hp = -(-Hs // P) * P
+    rng = np.random.default_rng(7)
+    p = pipeline.build(cells.get(cell), "loop_infer", K, Hs, Layout(panel=P))
+    f = p.pipeline()
+    for steps, B in ((1, 1), (6, 3)):
+        w = [rng.uniform(-0.5, 0.5, shape) for shape in ((G * Hs, K), (G * Hs, Hs), (G * Hs,),
+                                                         (G * Hs,))]
+        vectors = {v.name: rng.uniform(-0.5, 0.5, Hs) for v in d.vectors}
+        x = rng.standard_normal((steps, B, K))
+        states0 = [rng.uniform(-1, 1, (B, Hs)) for _ in range(NS)]
+        xp = np.zeros((steps * B, G, Hp))                   # (N, G, Hp), units past H zero
+        xp[:, :, :Hs] = (x @ w[0].T + w[2]).reshape(steps * B, G, Hs)
+        wp = np.zeros((Hp // P, Hs, G, P))              # wp[jo, k, g, ji] = W_hh[g*H + jo*P + ji, k]
+        for g in range(G):
+            for j in range(Hs):
+                wp[j // P, :, g, j % P] = w[1][g * Hs + j]
+        inputs = {"xp": xp, "wp_hh": wp, "b_hh": w[3].reshape(G, Hs),
+                  **{s + "_0": a for s, a in zip(d.states, states0)}}
+        if d.vectors:
+            inputs["vec"] = np.stack([vectors[v.name] for v in d.vectors])
+        arrays = {n: np.ascontiguousarray(a, np.float32) for n, a in inputs.items()}
+        for name, a in arrays.items():      # (a Buffer of an array does not keep it alive)
+            p.param(name).set(hl.Buffer(a))
+        outs = [hl.Buffer(hl.Float(32), [Hs, B, steps]) for _ in range(NS)]
+        f.realize(outs)
+        want = _layer_states(cell, w, vectors, x, states0)
+        for s, got, ref in zip(d.states, outs, want):
+            assert_close(f"{cell} {s} T={steps} B={B}", np.asarray(got), ref)
+
+
+def test_one_kernel_inference_where_w_hh_takes_half_a_multiprocessor(monkeypatch):
+    """A CUDA forward library of a cell without sums over units whose W_hh
+    takes at most half the shared memory of one multiprocessor (machine.
+    gpu_sm_shared_bytes: 228 KiB on an H100) has pipeline.LOOP, its
+    driver built to call it for batches of up to one block an SM
+    (machine.gpu_sms); a larger W_hh, a reducing cell, a backward library
+    and a CPU target have none. Its kernel: a block a batch row, a thread
+    a unit, barriers in the step loop, no local memory."""
+    import re
+    from types import SimpleNamespace
+    from halstm import machine, pipeline
+    monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
+    monkeypatch.setattr(machine, "gpu_sm_shared_bytes", lambda: 228 << 10)
+    pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
+                           split_batch_bytes=0)    # (what the driver build reads of the pipes)
+    for cell, hidden, direction, target, rows in (
+            ("lstm", 85, "fwd", CUDA_TARGET, 132), ("lstm", 86, "fwd", CUDA_TARGET, 0),
+            ("gru", 98, "fwd", CUDA_TARGET, 132), ("gru", 128, "fwd", CUDA_TARGET, 0),
+            ("rnn_tanh", 170, "fwd", CUDA_TARGET, 132), ("rnn_tanh", 171, "fwd", CUDA_TARGET, 0),
+            ("peephole_lstm", 64, "fwd", CUDA_TARGET, 132),
+            ("layernorm_lstm", 64, "fwd", CUDA_TARGET, 0), ("lstm", 64, "bwd", CUDA_TARGET, 0),
+            ("lstm", 64, "fwd", "host", 0)):
+        spec = aot.Spec(cell, I, hidden, direction, target)
+        plan = aot._plan(spec, (), False)
+        assert plan.layout.loop_rows == rows, (cell, hidden, direction, target)
+        assert ("loop_infer" in plan.kinds) == bool(rows) and pipeline.LOOP == ("loop_infer",)
+        defines = aot._driver_build(spec, plan, [pipe]).defines()
+        assert defines.get("HALSTM_LOOP_ROWS", 0) == rows
+    monkeypatch.setattr(machine, "gpu_sm_shared_bytes", lambda: 100 << 10)   # a smaller GPU
+    assert aot._plan(aot.Spec("gru", I, 96, "fwd", CUDA_TARGET), (), False).layout.loop_rows == 0
+    p, notes, target = _cuda_pipe("gru", "loop_infer", I, 96)
+    assert any("a block a batch row" in n for n in notes), notes
+    text = _lowered(p, target)
+    runs = re.findall(r'halide_cuda_run\(cuda\[0\], "\w+", ([^,]+), 1, 1, (\d+), 1, 1,', text)
+    assert [(blocks.split(".")[-2:], threads) for blocks, threads in runs] == \
+        [(["extent", "1"], "96")], runs        # (blocks: the output's rows)
+    assert text.count("bar.sync") >= 2 and ".local" not in text
+    assert "halide_error_host_is_null" not in text   # (device pointers only, as the driver's)

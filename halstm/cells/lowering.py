@@ -297,6 +297,17 @@ class DefinedCell(Cell):
         self._lowered(shared)
         return saved, new
 
+    def step_exprs(self, xp, hg, prev, vec, H, u, b) -> dict:
+        """The new states as Exprs at unit u (a Var or an RVar) and row b,
+        the inputs read as forward's (xp[u, gate, b], hg[u, gate, b],
+        prev[s][u, b], vec[u, channel]): one step with no Func of its own,
+        for a pipeline whose update computes each step in place (pipeline
+        LOOP). A cell without sums over units only."""
+        if self.reduces:
+            raise ValueError(f"cell {self.name!r} sums over units: no step as Exprs")
+        lower = _Lowering(self.d.name, H, b, self._leaf(xp, hg, prev, vec, b), [], {})
+        return {s: lower(self.d.new[s], u) for s in self.states}
+
     def backward(self, saved, prev, new, dnew, vec, H, j, b):
         d = self.d
         slot = {id(n): k for k, n in enumerate(d.unit_saved)}

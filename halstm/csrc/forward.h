@@ -42,6 +42,13 @@ int halstm_step_cell_infer_argv(void **);
 int halstm_step_narrow_argv(void **);
 int halstm_step_narrow_infer_argv(void **);
 #endif
+#ifdef HALSTM_LOOP_ROWS
+// Every step of a forward that no backward follows (pipeline.LOOP), for
+// batches of up to HALSTM_LOOP_ROWS rows: inputs xp (all N rows), wp_hh,
+// b_hh, init[NS] (B, H), [vec]; outputs states[NS] after each step, each
+// (T, B, H).
+int halstm_loop_infer_argv(void **);
+#endif
 #if HALSTM_FOLD_FWD
 // A folded step (pipeline.FOLD_FWD): halstm_step_cell's inputs, then
 // wp_hh, b_hh; its outputs, then the next step's product (b_hh + h W_hh^T
@@ -142,6 +149,26 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     const bool vendor = false;
     float *hg = nullptr;
     struct { void *w, *act; } step = {};
+#endif
+#ifdef HALSTM_LOOP_ROWS
+    // an inference forward of few rows, without batch sizes: every step in
+    // one kernel, a block a batch row (pipeline.LOOP)
+    if (!saved && !batch_sizes && !vendor && B <= HALSTM_LOOP_ROWS) {
+        View init[NS], after[NS];
+        void *args[4 + 2 * NS];
+        int n = 0;
+        args[n++] = vxp.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
+        for (int s = 0; s < NS; s++) {
+            init[s] = bh(states[s], 0, B, B);
+            args[n++] = init[s].hb();
+        }
+        if (NV) args[n++] = vvec.hb();
+        for (int s = 0; s < NS; s++) {   // steps 1..T of states[s] (T+1, B, H)
+            after[s] = View(states[s] + (int64_t)B * H, {{H, 1}, {B, H}, {T, B * H}});
+            args[n++] = after[s].hb();
+        }
+        return halstm_loop_infer_argv(args);
+    }
 #endif
     // Step t's views and argument list: built for the first step of each
     // row count, then moved along the arrays by pointer (building them,

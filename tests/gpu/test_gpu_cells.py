@@ -49,3 +49,51 @@ def test_gpu_schedules_of_larger_sizes_match_the_cpu(cell, H, gpu_target):
     assert set(got) == set(want)
     for k, w in want.items():
         assert_close(k, got[k], w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cell,H", [("lstm", 37), ("gru", 96), ("rnn_tanh", 150),
+                                    ("peephole_lstm", 61), ("cifg_lstm", 33)])
+def test_inference_forward_in_one_kernel(cell, H, gpu_target):
+    """Under no_grad, where W_hh takes half a multiprocessor's shared
+    memory or less, a layer's forward runs every step in one kernel
+    (pipeline.LOOP), so no time loop runs (no graph replayed or captured,
+    no step launched): y and the final states equal the CPU build's
+    (checked against the reference by tests/test_cells.py) and y the
+    float64 reference's, at T = 1 and 9, B = 1 and 5, with initial
+    states; with lengths the steps run as before."""
+    import numpy as np
+    import halstm
+    from halstm import aot, benchmark
+    from helpers import assert_close
+    from test_cells import _randomized
+    cpu = _randomized(halstm.Recurrent(cell, 13, H, num_layers=2, seed=0), 1)
+    gpu = halstm.Recurrent(cell, 13, H, num_layers=2, seed=0, target=gpu_target)
+    gpu.load_state_dict(cpu.state_dict())
+    for k in (13, H):
+        layout = aot.library(aot.Spec(cell, k, H, "fwd", gpu_target))[1]["layout"]
+        assert layout["loop_rows"] >= 5, layout
+    libs = [gpu._lib(layer, "fwd") for layer in range(2)]
+    stats = lambda: [lib.graph_stats() for lib in libs]   # noqa: E731
+    rng = np.random.default_rng(3)
+    NS = len(gpu._state_names)
+    for T, B in ((1, 1), (9, 5)):
+        x = rng.standard_normal((T, B, 13)).astype(np.float32)
+        hx = tuple(rng.standard_normal((2, B, H)).astype(np.float32) for _ in range(NS))
+        hx = hx if NS > 1 else hx[0]
+        before = stats()
+        with halstm.no_grad():
+            y, fin = gpu(x, hx)
+        assert stats() == before, "a time loop ran"
+        want_y, want_fin = cpu(x, hx)
+        assert_close(f"y T={T} B={B}", y, want_y)
+        for n, (g, w) in enumerate(zip(*(f if isinstance(f, tuple) else (f,)
+                                         for f in (fin, want_fin)))):
+            assert_close(f"state {n} T={T} B={B}", g, w)
+        with halstm.no_grad():
+            y0, _ = gpu(x)
+        assert benchmark.reference_errors(gpu, cell, x, y0)["y"] < 1e-4
+    lengths = np.array([9, 3, 7, 1, 5])
+    with halstm.no_grad():
+        y, _ = gpu(x, hx, lengths=lengths)
+    assert stats() != before, "with lengths the steps run"
+    assert_close("y with lengths", y, cpu(x, hx, lengths=lengths)[0])

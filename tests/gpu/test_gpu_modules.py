@@ -335,7 +335,7 @@ def test_backward_without_input_grad(cell, gpu_target):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_no_grad_runs_the_step_infer_kernels(cell, gpu_target):
+def test_no_grad_forward_matches_a_training_forward(cell, gpu_target):
     check_no_grad(cell, target=gpu_target)
 
 
