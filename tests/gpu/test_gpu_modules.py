@@ -257,10 +257,10 @@ def test_time_loops_from_cuda_graphs_equal_direct_launches(cell, gpu_target):
         return [y.numpy()] + [f.numpy() for f in finals] + [g.numpy() for g in grads.values()]
 
     problems = []
-    for T, B in [(6, 5), (6, 5), (6, 2), (6, 5)]:
-        x = rng.standard_normal((T, B, I)).astype(np.float32)
-        dy = rng.standard_normal((T, B, H)).astype(np.float32)
-        problems.append((T, B, x, dy))
+    for steps, rows in [(6, 5), (6, 5), (6, 2), (6, 5)]:
+        x = rng.standard_normal((steps, rows, I)).astype(np.float32)
+        dy = rng.standard_normal((steps, rows, H)).astype(np.float32)
+        problems.append((steps, rows, x, dy))
     xd = cuda.DeviceArray.from_numpy(problems[0][2])
     dyd = cuda.DeviceArray.from_numpy(problems[0][3])
 
