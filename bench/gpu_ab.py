@@ -73,7 +73,7 @@ def main():
     modes = ("infer",) if a.infer else ("fwd", "bwd")
     for n, m in mods.items():             # (m=m: each call its own module)
         if a.infer:
-            calls[n, "infer"] = lambda m=m: _no_grad(m, x)
+            calls[n, "infer"] = halstm.no_grad()(lambda m=m: m(x))
         else:
             calls[n, "fwd"] = lambda m=m: m(x)
             calls[n, "bwd"] = lambda m=m: m.backward(dy)
@@ -87,10 +87,6 @@ def main():
         times = "  ".join(f"{k} {med[n, k]:8.3f} ({med[n, k] / med[first, k]:.3f})" for k in modes)
         print(f"  {n:12s} {times}  graphs captured {captures}")
 
-
-def _no_grad(m, x):
-    with halstm.no_grad():
-        return m(x)
 
 
 if __name__ == "__main__":

@@ -421,6 +421,15 @@ def _dvec_sums(p: Pipe, dims) -> tuple:
     return [sums], _clamp(sums, dims)
 
 
+def _xp_param(p: Pipe) -> hl.ImageParam:
+    """xp, the projected inputs of a step's rows or of every step's (N
+    rows), as the driver hands them: numpy (N, G, Hp), or with xp_panels
+    (Hp/P, N, G, P) (see _xp_out)."""
+    if p.xp_panels:
+        return _param(p, "xp", [p.P, p.G, None, p.Hp // p.P])
+    return _param(p, "xp", [p.Hp, p.G, None])
+
+
 def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> None:
     """One time step. Its outputs are one Func over (j, b) whose Tuple holds
     the new states and (save) the saved channels, so that a schedule can
@@ -434,13 +443,12 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
     S = len(cell.saved_channels(H))
-    if p.xp_panels:    # numpy (Hp/P, B, G, P): xp[:, t] (see _xp_out)
-        xp = _param(p, "xp", [P, G, None, p.Hp // P])
+    xp = _xp_param(p)                  # step t's rows: xp[:, t] or xp[t]
+    if p.xp_panels:
         xp_in = hl.Func("xp_in")
         xb = _clamp(xp, (2,))
         xp_in[j, gate, b] = xb[j % P, gate, b, j / P]
-    else:              # numpy (B, G, Hp): xp[t]
-        xp = _param(p, "xp", [p.Hp, G, None])
+    else:
         xp_in = _clamp(xp, (2,))
     b_hh = [] if product == "biased" else [_param(p, "b_hh", [H, G])]     # numpy (G, H)
     if vendor:   # the driver's vendor GEMM gives h W_hh^T: numpy (B, G, Hp), H used
@@ -549,14 +557,11 @@ def _loop_infer(p: Pipe) -> None:
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b, t = (p.vars[n] for n in ("j", "gate", "b", "t"))
     NS = len(cell.states)
-    if p.xp_panels:    # numpy (Hp/P, N, G, P), N = T*B rows (row t*B + b: step t's b)
-        xp = _param(p, "xp", [P, G, None, p.Hp // P])
-    else:              # numpy (N, G, Hp)
-        xp = _param(p, "xp", [p.Hp, G, None])
+    xp = _xp_param(p)                  # N = T*B rows, row t*B + b: step t's row b
     wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])         # numpy (Hp/P, H, G, P)
     b_hh = _param(p, "b_hh", [H, G])                         # numpy (G, H)
     init = [_param(p, s + "_0", [H, None]) for s in cell.states]   # (B, H)
-    vec = [_param(p, "vec", [H, p.V])] if p.V else []       # numpy (V, H)
+    vec, vec_in = _vec(p)
     f32 = hl.Float(32)
     out = hl.Func("loop_out")
     out[j, b, t] = hl.undef(f32) if NS == 1 else tuple(hl.undef(f32) for _ in range(NS))
@@ -577,7 +582,7 @@ def _loop_infer(p: Pipe) -> None:
         return sum((w(g, k) * prev(0, k) for k in range(H)), b_hh[u, g])
     new = cell.step_exprs(_At(lambda u, g, _: xs[u, g, b, step]), _At(lambda u, g, _: product(u, g)),
                           {s: _At(lambda u, _, n=n: prev(n, u)) for n, s in enumerate(cell.states)},
-                          _At(lambda u, c: vec[0][u, c]), H, unit, b)
+                          vec_in, H, unit, b)
     values = [new[s] for s in cell.states]
     out[unit, b, step] = values[0] if NS == 1 else hl.Tuple(values)
     # each state (T, B, H): the states array's steps 1..T
