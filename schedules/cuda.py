@@ -62,9 +62,10 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
     several steps are in flight at once
     (bench/RESULTS.md, "Schedule decisions": cuda.unroll). acc_only: axes
     of acc that out lacks (the step's gates), also in-thread and unrolled.
-    slices > 1 (it must divide reduce_extent, the extent of reduce[0]): the reduction is
-    split across that many warps of the block (rfactor), whose partial
-    tiles meet in shared memory; for the per-step products, whose few
+    slices > 1 (_warp_slices of reduce_extent, the extent of reduce[0]): the
+    reduction is split across that many warps of the block (rfactor), in
+    runs of ceil(reduce_extent / slices), whose partial tiles meet in
+    shared memory; for the per-step products, whose few
     tiles would otherwise leave most of the GPU idle. per_lane > 1: each
     thread takes that many neighbouring units along `lane` (a warp then
     covers 32 * per_lane), so that one broadcast load of the other operand
@@ -113,7 +114,9 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
         return out
     # partial[lane, tile..., u] = the sum over slice u of the reduction
     u = hl.Var(acc.name() + "_u")
-    upd = acc.update().split(reduce[0], ro, ri, reduce_extent // slices)
+    run = -(-reduce_extent // slices)
+    assert -(-reduce_extent // run) == slices, "every warp's run holds part of the reduction"
+    upd = acc.update().split(reduce[0], ro, ri, run, GUARD)
     partial = upd.rfactor(ro, u)
     acc.update().reorder(*([lane] + tile_vars + [ro])).unroll(ro)
     kio, kii = hl.RVar(acc.name() + "_kio"), hl.RVar(acc.name() + "_kii")
@@ -161,12 +164,22 @@ def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_
 
 
 def _slices(extent: int, want: int) -> int:
-    """The largest of want, want/2, ..., 1 that divides extent (warps a
-    reduction is split over; units a thread takes of whole panels)."""
+    """The largest of want, want/2, ..., 1 that divides extent (units a
+    thread takes of whole panels)."""
     n = want
     while n > 1 and extent % n:
         n //= 2
     return n
+
+
+def _warp_slices(extent: int, want: int) -> int:
+    """Warps a register tile's reduction of `extent` is split over (_tile's
+    slices): `want` where it divides extent; else as many runs of
+    ceil(extent / want) as extent fills, the last one shorter (guarded).
+    A split by a divisor alone left odd H on one warp: 4-8x the serial
+    reduction of an even H's step (bench/RESULTS.md, "Schedule
+    decisions": cuda.warp slices)."""
+    return -(-extent // -(-extent // want))
 
 
 def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
@@ -342,7 +355,7 @@ def _step_tile(p, target):
     """One kernel per step: per thread, every gate of one unit for a few
     batch rows in registers, then the cell and the stores."""
     v = p.vars
-    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    rows, slices = _batch_rows(p.H), _warp_slices(p.H, SLICES)
     first = _tile_from(p.H)
     p.notes.append(f"step: one kernel; a thread holds every gate of one unit for {rows} batch "
                  f"rows where B >= {first} (large batch), one row otherwise (small batch); "
@@ -370,7 +383,7 @@ def narrow_layout(layout: Layout, gates: int, H: int) -> Layout:
     multiprocessors at once, one block each (machine.gpu_sms; the driver
     calls them for steps of up to narrow_rows rows). None for one gate, or
     from H = 512 (the lanes products)."""
-    if (gates < 2 or H >= 512 or _slices(H, SLICES) < 2
+    if (gates < 2 or H >= 512 or _warp_slices(H, SLICES) < 2
             or LANES * gates * H * 4 < NARROW_FROM_BYTES):
         return layout
     rows = machine.gpu_sms() // -(-H // _gate_lane_units(gates))
@@ -390,7 +403,7 @@ def step_narrow(p, target):
     one gate of one unit a thread, a warp _gate_lane_units(G) units x
     every gate, so that a step has LANES / _gate_lane_units(G) times the
     blocks of step's one-row tiles (4 for 3 or 4 gates)."""
-    v, slices = p.vars, _slices(p.H, SLICES)
+    v, slices = p.vars, _warp_slices(p.H, SLICES)
     p.notes.append(f"step_narrow: one kernel; a thread holds one gate of one unit for one batch "
                    f"row ({_gate_lane_units(p.G)} units a warp); the {p.H}-long reduction split "
                    f"over {slices} warps")
@@ -745,7 +758,7 @@ def _hg_kernel(p, hg, batch):
     as _step_lanes's product where _lanes_fit, else as _step_tile's
     register tiles. batch: its rows' extent."""
     v = p.vars
-    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    rows, slices = _batch_rows(p.H), _warp_slices(p.H, SLICES)
     if _lanes_fit(p.H):
         rows, slices = (8 if p.H >= 1024 else 4), _lanes_slices(p.H, 8)
         _lanes_product(hg, p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
@@ -785,7 +798,7 @@ def step_fold(p, target):
     # have a multiprocessor each (the driver's rule), so a block may take
     # its whole register file (ROW_THREADS x max_registers = 65536)
     # (bench/RESULTS.md, "Schedule decisions": cuda.step_fold slices)
-    slices = _slices(p.H, 2 * SLICES)
+    slices = _warp_slices(p.H, 2 * SLICES)
     p.notes.append(f"step_fold: one kernel; a block a batch row and {LANES} units computes the "
                    f"row's {len(p.reductions)} sums over units and h for every unit, then every "
                    f"gate of its units' next product, the reduction split over {slices} warp(s)")
@@ -831,7 +844,7 @@ def step_bwd_fold(p, target):
     want = 2 * SLICES
     while want > 1 and want * LANES > _row_threads(p.H):
         want //= 2
-    slices = _slices(p.H, want)
+    slices = _warp_slices(p.H, want)
     p.notes.append(f"step_bwd_fold: one kernel; a block a batch row and {LANES} units computes "
                    f"the row's {len(p.reductions)} sums over units and dhg for every unit, then "
                    f"its units' dh = W_hh^T dhg, the reduction split over {slices} warp(s)")
@@ -940,7 +953,7 @@ def _dh_product(p, out, acc, staged, kind):
                        out.output_buffers()[0].dim(1).extent(), staged, slices,
                        units=units, gates=r.y, unroll=4)
         return
-    rows, slices = _batch_rows(p.H), _slices(p.H, SLICES)
+    rows, slices = _batch_rows(p.H), _warp_slices(p.H, SLICES)
     first_rows = _tile_from(p.H)
     p.notes.append(f"{kind}: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")

@@ -131,13 +131,15 @@ def test_matches_cudnn(cell, gpu_target):
 
 # The cuda schedule tiles batch rows (4 a thread; 8 from H=512) and N = T*B
 # rows (16) with full tiles where the extent allows and single rows
-# elsewhere: these (T, B) take both paths, with edge tiles. H=96 and 128
-# split the per-step reductions over 8 warps (H=37 cannot be split); H=128
-# also gives layer 1 (K=128) four units a thread in dx.
+# elsewhere: these (T, B) take both paths, with edge tiles. The per-step
+# reductions are split over 8 warps: in runs of 12 and 16 at H=96 and 128,
+# of 5 and 13 at H=37 and 100, the last run shorter (cuda._warp_slices);
+# H=128 also gives layer 1 (K=128) four units a thread in dx.
 # Below H=512 the steps are register tiles; at H=96 and 128 dx (both
-# layers) and layer 2's projection (K = H) are lanes products, at H=37 not.
+# layers) and layer 2's projection (K = H) are lanes products, at H=37 and
+# 100 not.
 @pytest.mark.parametrize("T,B", [(5, 9), (3, 4), (2, 17), (1, 16), (4, 1)])
-@pytest.mark.parametrize("H", [37, 96, 128])
+@pytest.mark.parametrize("H", [37, 96, 100, 128])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_cuda_schedule_batch_tiles(cell, H, T, B, gpu_target):
     rng = np.random.default_rng(T * 100 + B)
@@ -154,11 +156,12 @@ def test_cuda_schedule_batch_tiles(cell, H, T, B, gpu_target):
 
 # Forward steps of few rows run the narrow step kernels
 # (cuda.narrow_layout, one gate of one unit a thread: up to 4 rows for the
-# LSTM at H=256, 2 for the GRU at H=384 on 132 SMs), the others the tiles
-# above: these lengths take a batch of 8 from 8 rows a step down to 2,
-# across both within one call; each sequence alone, and the first two
-# against the reference (gradients too), run narrow steps only.
-@pytest.mark.parametrize("cell,Hn", [("lstm", 256), ("gru", 384)])
+# LSTM at H=256, 2 for the GRU at H=384 on 132 SMs; at H=261 the
+# reduction's last warp has a shorter run), the others the tiles above:
+# these lengths take a batch of 8 from 8 rows a step down to 2, across
+# both within one call; each sequence alone, and the first two against the
+# reference (gradients too), run narrow steps only.
+@pytest.mark.parametrize("cell,Hn", [("lstm", 256), ("lstm", 261), ("gru", 384)])
 def test_narrow_and_wide_steps_in_one_call(cell, Hn, gpu_target):
     from halstm import aot
     rng = np.random.default_rng(11)
