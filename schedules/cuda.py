@@ -172,13 +172,19 @@ def _slices(extent: int, want: int) -> int:
     return n
 
 
-def _warp_slices(extent: int, want: int) -> int:
+def _warp_slices(extent: int, want: int, even_first: bool = False) -> int:
     """Warps a register tile's reduction of `extent` is split over (_tile's
     slices): `want` where it divides extent; else as many runs of
     ceil(extent / want) as extent fills, the last one shorter (guarded).
-    A split by a divisor alone left odd H on one warp: 4-8x the serial
-    reduction of an even H's step (bench/RESULTS.md, "Schedule
-    decisions": cuda.warp slices)."""
+    even_first: the largest power of two up to want that divides extent,
+    where that is 2 or more (_slices). A split by a divisor alone left odd
+    H on one warp: 2-3x the time of the split in runs at H = 85, 650 (the
+    steps), and the folded steps' product lost to more, shorter runs where
+    a divisor gave several warps (bench/RESULTS.md, "Schedule decisions":
+    cuda.warp slices)."""
+    even = _slices(extent, want)
+    if even == want or (even_first and even > 1):
+        return even
     return -(-extent // -(-extent // want))
 
 
@@ -798,7 +804,7 @@ def step_fold(p, target):
     # have a multiprocessor each (the driver's rule), so a block may take
     # its whole register file (ROW_THREADS x max_registers = 65536)
     # (bench/RESULTS.md, "Schedule decisions": cuda.step_fold slices)
-    slices = _warp_slices(p.H, 2 * SLICES)
+    slices = _warp_slices(p.H, 2 * SLICES, even_first=True)
     p.notes.append(f"step_fold: one kernel; a block a batch row and {LANES} units computes the "
                    f"row's {len(p.reductions)} sums over units and h for every unit, then every "
                    f"gate of its units' next product, the reduction split over {slices} warp(s)")
@@ -844,7 +850,7 @@ def step_bwd_fold(p, target):
     want = 2 * SLICES
     while want > 1 and want * LANES > _row_threads(p.H):
         want //= 2
-    slices = _warp_slices(p.H, want)
+    slices = _warp_slices(p.H, want, even_first=True)
     p.notes.append(f"step_bwd_fold: one kernel; a block a batch row and {LANES} units computes "
                    f"the row's {len(p.reductions)} sums over units and dhg for every unit, then "
                    f"its units' dh = W_hh^T dhg, the reduction split over {slices} warp(s)")
