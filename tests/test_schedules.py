@@ -248,6 +248,24 @@ def test_cuda_weight_gradients_as_lanes_products_from_2048_tiles():
         assert got == lanes, (K, hidden, notes)
 
 
+# A register-tile step's reduction is split over 8 warps at every H, in
+# runs of ceil(H / 8) (the last shorter) where 8 does not divide H; the
+# folded steps keep an even split where one gives 2 warps or more
+# (cuda._warp_slices). The odd H lower to PTX with no local memory.
+@pytest.mark.parametrize("cell,kind,H,warps", [
+    ("lstm", "step", 85, 8), ("gru", "step_infer", 37, 8), ("lstm", "step_bwd_fused", 100, 8),
+    ("lstm", "step_bwd", 650, 8), ("lstm", "step_narrow", 261, 8),
+    ("layernorm_lstm", "step_fold", 85, 15), ("layernorm_lstm", "step_fold", 100, 4),
+    ("layernorm_lstm", "step_bwd_fold", 37, 2)])
+def test_cuda_step_reductions_split_over_warps_at_odd_sizes(cell, kind, H, warps):
+    import re
+    p, notes, target = _cuda_pipe(cell, kind, 64, H)
+    assert any(re.search(rf"split over {warps} warp", n) for n in notes), notes
+    if kind in ("step", "step_bwd_fused"):
+        ptx = _lowered(p, target)
+        assert ".entry" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+
+
 # Lowered for a CUDA target (no GPU needed): a lanes product's kernel uses
 # warp shuffles, or on one warp (the projection, dx, the weight gradients)
 # shared memory and no shuffles, and never local memory. Local memory would
