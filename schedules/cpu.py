@@ -703,7 +703,10 @@ def _dw_blocks(p, out, acc, vec, width, rn) -> None:
     jb = hl.Var("jb")       # the loop acc is computed in: a block, or a tile's pass
     # few rows: _tile's loops, the input panels in passes; the pass's tile loop is jb
     tiled = out.specialize(few_rows)
-    _loops(tiled, out, vec, C, 1, [(j, R, SHIFT)], None, SHIFT)
+    # the edge tile of inputs starts on a panel boundary, its inputs past
+    # `width` computed from the panels' zero padding and not stored:
+    # shifted inwards it would straddle two panels of a / d, a gather a row
+    _loops(tiled, out, vec, C, 1, [(j, R, SHIFT)], None, SHIFT if width % C == 0 else GUARD)
     vo, voo, voi, jo = (hl.Var(n) for n in (vec.name() + "o", vec.name() + "oo",
                                             vec.name() + "oi", "jo"))
     tiled.split(vo, voo, voi, DW_PASS_PANELS, GUARD).reorder(voi, jo, gate).rename(voi, jb)
@@ -723,7 +726,7 @@ def _dw_blocks(p, out, acc, vec, width, rn) -> None:
     vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
     tile_acc, tile_update = acc.specialize(few_rows), acc.update().specialize(few_rows)
     for stage in (tile_acc, tile_update):
-        stage.split(vec, vp, vv, C).vectorize(vv).unroll(vp).unroll(j)
+        stage.split(vec, vp, vv, C, ROUND).vectorize(vv).unroll(vp).unroll(j)
     tile_update.reorder(vv, vp, j, rn.x)
     acc.vectorize(vec, p.P)
     wo, wv, to, ti = (hl.Var(n) for n in ("dw_o", "dw_v", "dw_to", "dw_ti"))

@@ -90,9 +90,10 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
     with AVX2), the cpu schedule sums dW in blocks of unit tiles, the rows
     in chunks (cpu._dw_blocks); the sizes above are below it. Here 65 and
     70 units: partial tiles along both axes, two layers; 23 x 3 rows (a
-    tile a task over all rows) and 129 x 65 (past DW_PASS_BYTES: blocks
-    of several tiles, the last shifted inwards, whole chunks of rows and a
-    partial one)."""
+    tile a task over all rows, the edge tile of inputs on a panel boundary,
+    partly past K) and 129 x 65 (past DW_PASS_BYTES: blocks of several
+    tiles, the last shifted inwards, whole chunks of rows and a partial
+    one)."""
     rng = np.random.default_rng(7)
     m = halstm.LSTM(65, 70, num_layers=2, schedule="cpu", seed=4)
     for steps, batch in ((23, 3), (129, 65)):
