@@ -630,10 +630,14 @@ def grads(p, target, ids=False):
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
     if not ids:
         # dx: tiles of 6 rows x 2 panels, 12 accumulators (AVX2's 16
-        # registers hold them too)
+        # registers hold them too); an odd number of input panels (dx is Kp
+        # wide) has its last tile shifted inwards by a panel, so that its
+        # loads stay on panel boundaries
         # (bench/RESULTS.md, "Schedule decisions": cpu.grads dx tile)
+        dx_panels = min(2, p.Kp // p.P)
         _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y],
-              par="io", panels=_panels(p.Kp, p.P, 2))
+              par="io", panels=dx_panels,
+              vec_tail=ROUND if (p.Kp // p.P) % dx_panels == 0 else SHIFT)
     for name in ("hs_panels",) if ids else ("x_panels", "hs_panels"):
         f = p.stage(name)
         vi, row, vo = f.args()
