@@ -178,10 +178,10 @@ def _warp_slices(extent: int, want: int, even_first: bool = False) -> int:
     ceil(extent / want) as extent fills, the last one shorter (guarded).
     even_first: the largest power of two up to want that divides extent,
     where that is 2 or more (_slices). A split by a divisor alone left odd
-    H on one warp: 2-3x the time of the split in runs at H = 85, 650 (the
-    steps), and the folded steps' product lost to more, shorter runs where
-    a divisor gave several warps (bench/RESULTS.md, "Schedule decisions":
-    cuda.warp slices)."""
+    H on one warp: the steps took 1.7x-1.9x the split's time forward and
+    2.0x-3.2x backward at H = 85, 650 (H200), and the folded steps' product
+    lost to more, shorter runs where a divisor gave several warps
+    (bench/RESULTS.md, "Schedule decisions": cuda.warp slices)."""
     even = _slices(extent, want)
     if even == want or (even_first and even > 1):
         return even
