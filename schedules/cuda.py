@@ -185,7 +185,8 @@ def _warp_slices(extent: int, want: int, even_first: bool = False) -> int:
     even = _slices(extent, want)
     if even == want or (even_first and even > 1):
         return even
-    return -(-extent // -(-extent // want))
+    run = -(-extent // want)
+    return -(-extent // run)
 
 
 def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
@@ -388,9 +389,10 @@ def narrow_layout(layout: Layout, gates: int, H: int) -> Layout:
     for the batches whose blocks of narrow steps still fit the GPU's
     multiprocessors at once, one block each (machine.gpu_sms; the driver
     calls them for steps of up to narrow_rows rows). None for one gate, or
-    from H = 512 (the lanes products)."""
-    if (gates < 2 or H >= 512 or _warp_slices(H, SLICES) < 2
-            or LANES * gates * H * 4 < NARROW_FROM_BYTES):
+    from H = 512 (the lanes products). (The gate lanes need a reduction
+    over two warps or more: _warp_slices gives 8 from H = 8, and the bytes
+    rule asks for G * H >= 1024.)"""
+    if gates < 2 or H >= 512 or LANES * gates * H * 4 < NARROW_FROM_BYTES:
         return layout
     rows = machine.gpu_sms() // -(-H // _gate_lane_units(gates))
     return replace(layout, narrow_rows=rows) if rows else layout
