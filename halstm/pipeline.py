@@ -882,14 +882,18 @@ def _step_bwd_fused(p: Pipe) -> None:
     dhg_in = _clamp(dhg_next, (2,))
     dh_acc, dh = _matmul("dh", [k, b], _clamp(dh_add, (0, 1))[k, b],    # (k clamped: whole tiles)
                          lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    # The pointwise inputs are read at the stored units only (k < H: the
+    # schedules guard the edge tile), so unclamped along units: the edge
+    # tile's loads are then predicated vectors where clamped ones were
+    # gathers (bench/RESULTS.md, "Schedule decisions": cpu.step_bwd edge).
     dnew = {"h": hl.Func("dh_new")}
-    dnew["h"][k, b] = dh[k, b] + _clamp(dy, (0, 1))[k, b]
+    dnew["h"][k, b] = dh[k, b] + _clamp(dy, (1,))[k, b]
     for s in cell.states[1:]:
-        dnew[s] = _clamp(dnext[s], (0, 1))
+        dnew[s] = _clamp(dnext[s], (1,))
     vec, vec_in = _vec(p)
-    dxp, dhg, dprev, dvec = cell.backward(_clamp(saved, (0, 2)),
-                                          {s: _clamp(q, (0, 1)) for s, q in prev.items()},
-                                          {s: _clamp(q, (0, 1)) for s, q in new.items()},
+    dxp, dhg, dprev, dvec = cell.backward(_clamp(saved, (2,)),
+                                          {s: _clamp(q, (1,)) for s, q in prev.items()},
+                                          {s: _clamp(q, (1,)) for s, q in new.items()},
                                           dnew, vec_in, H, k, b)
     assert not cell.reductions, "a step that reduces over units has no fused backward"
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
@@ -898,7 +902,7 @@ def _step_bwd_fused(p: Pipe) -> None:
         values += [dhg[k, g, b] for g in range(G)]
     planes = len(values) - 1
     values += [dprev[s][k, b] for s in cell.states[1:]]
-    sums, sums_in = _dvec_sums(p, (0, 2))
+    sums, sums_in = _dvec_sums(p, (2,))
     values += [sums_in[k, c, b] + dvec[k, c, b] for c in range(p.V)]
     values.append(dprev["h"][k, b] if dprev["h"] is not None else hl.f32(0))
     out = hl.Func("dstep")

@@ -106,6 +106,27 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
             assert_close(f"{k} (T={steps}, B={batch})", grads[k], rgrads[k])
 
 
+# The fused backward step at a hidden size off the panels (H=100: its last
+# tile of units runs past H): it stores units below H only, and reads its
+# pointwise inputs unclamped along units, so that the edge tile loads them
+# as predicated vectors, not as clamped gathers (at H=85 the step took about
+# half the time: bench/RESULTS.md, "Schedule decisions": cpu.step_bwd edge).
+# dh_add, the product's initial value, is read at whole tiles (clamped).
+@pytest.mark.parametrize("target", ["x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41",
+                                    "x86-64-linux-avx-avx2-fma-f16c-sse41"])
+def test_cpu_fused_backward_edge_tile_loads_no_clamped_vectors(target):
+    import re
+    import halide as hl
+    from halstm import cells, pipeline
+    t = hl.Target(target)
+    mod = schedules.for_target(t, "cpu")
+    p = pipeline.build(cells.get("lstm"), "step_bwd_fused", 64, 100, mod.layout(t))
+    mod.step_bwd_fused(p, t)
+    stmt = _lowered(p, t)
+    clamped = set(re.findall(r"(\w+)\[(?:max\()?min\(ramp", stmt))
+    assert "dstep" in stmt and clamped <= {"dh_add"}, clamped
+
+
 @pytest.mark.parametrize("target,registers,step_rows,proj_rows,dw_vectors", [
     ("x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41", 32, 4, 6, 4),
     ("x86-64-linux-avx-avx2-fma-f16c-sse41", 16, 2, 2, 2),
