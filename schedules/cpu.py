@@ -624,6 +624,14 @@ def knob(p, name: str):
     return p.knobs.get(name, KNOBS[name].default)
 
 
+# dx's rows in chunks of this many row tiles (192 rows), as the
+# projection's (proj_chunk): its parallel loop then runs over (chunk, tile
+# of panels) pairs, not over the tiles of panels alone, of which K = 96
+# has 3 and K = 512 has 16 for 2 and 16 threads (bench/RESULTS.md,
+# "Schedule decisions": cpu.grads dx chunks).
+DX_CHUNK_TILES = 32
+
+
 def grads(p, target, ids=False):
     v, H = p.vars, p.H
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
@@ -633,10 +641,12 @@ def grads(p, target, ids=False):
         # registers hold them too); an odd number of input panels (dx is Kp
         # wide) has its last tile shifted inwards by a panel, so that its
         # loads stay on panel boundaries
-        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dx tile)
+        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dx tile); the
+        # rows in chunks of DX_CHUNK_TILES tiles, one parallel loop over
+        # (chunk, tile of panels) pairs (cpu.grads dx chunks)
         dx_panels = min(2, p.Kp // p.P)
         _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y],
-              par="io", panels=dx_panels,
+              par="io", panels=dx_panels, chunk=(n, DX_CHUNK_TILES),
               vec_tail=ROUND if (p.Kp // p.P) % dx_panels == 0 else SHIFT)
     for name in ("hs_panels",) if ids else ("x_panels", "hs_panels"):
         f = p.stage(name)
