@@ -109,8 +109,9 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
 # The fused backward step at a hidden size off the panels (H=100: its last
 # tile of units runs past H): it stores units below H only, and reads its
 # pointwise inputs unclamped along units, so that the edge tile loads them
-# as predicated vectors, not as clamped gathers (at H=85 the step took about
-# half the time: bench/RESULTS.md, "Schedule decisions": cpu.step_bwd edge).
+# as predicated vectors, not as clamped gathers (one layer's backward at
+# H=85 took 0.82x the time: bench/RESULTS.md, "Schedule decisions":
+# cpu.step_bwd edge).
 # dh_add, the product's initial value, is read at whole tiles (clamped).
 @pytest.mark.parametrize("target", ["x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41",
                                     "x86-64-linux-avx-avx2-fma-f16c-sse41"])
