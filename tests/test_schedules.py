@@ -118,12 +118,8 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
 def test_cpu_fused_backward_edge_tile_loads_no_clamped_vectors(target):
     import re
     import halide as hl
-    from halstm import cells, pipeline
     t = hl.Target(target)
-    mod = schedules.for_target(t, "cpu")
-    p = pipeline.build(cells.get("lstm"), "step_bwd_fused", 64, 100, mod.layout(t))
-    mod.step_bwd_fused(p, t)
-    stmt = _lowered(p, t)
+    stmt = _lowered(_scheduled_pipe(t, "cpu", "lstm", "step_bwd_fused", 64, 100), t)
     clamped = set(re.findall(r"(\w+)\[(?:max\()?min\(ramp", stmt))
     assert "dstep" in stmt and clamped <= {"dh_add"}, clamped
 
@@ -211,15 +207,22 @@ def test_cuda_graphs_only_where_steps_allocate_no_device_memory(schedule, cell, 
             assert m["cuda_graphs"] is True, direction
 
 
+def _scheduled_pipe(target, schedule, cell, kind, K, H):
+    """Pipeline `kind` for the Halide target `target` with `schedule`
+    applied (nothing compiled)."""
+    from halstm import cells, pipeline
+    mod = schedules.for_target(target, schedule)
+    p = pipeline.build(cells.get(cell), kind, K, H, mod.layout(target))
+    getattr(mod, kind)(p, target)
+    return p
+
+
 def _cuda_pipe(cell, kind, K, H):
     """Pipeline `kind` with the cuda schedule applied (nothing compiled) and
     the notes the schedule wrote for it."""
     import halide as hl
-    from halstm import cells, pipeline
     target = hl.Target(CUDA_TARGET)
-    mod = schedules.for_target(target, "cuda")
-    p = pipeline.build(cells.get(cell), kind, K, H, mod.layout(target))
-    getattr(mod, kind)(p, target)
+    p = _scheduled_pipe(target, "cuda", cell, kind, K, H)
     return p, list(p.notes), target
 
 
