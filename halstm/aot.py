@@ -38,7 +38,8 @@ ENTRY_POINTS = {
     "fwd": {"halstm_forward": [
         "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
         "b_hh (G*H,)", "vec (V, H): the vector parameters (unused, NULL, with V = 0)",
-        "ws wp_ih (HP/P, K, G, P)", "ws wp_hh (HP/P, H, G, P)",
+        "ws wp_ih (HP/P, K, G, P); precision bf16 on a CPU: bf16 (HP/P, G, KH, P, 2)",
+        "ws wp_hh (HP/P, H, G, P); precision bf16 on a CPU: bf16 (HP/P, G, HH, P, 2)",
         "ws xp (N, G, HP): N = T*B, or on a CPU given batch_sizes bs, bs[0] + sum(bs[:-1]) "
         "(runtime.step_rows_count)",
         "ws x_rows (N, K) (one-hot: (N,) int32), on a CPU given batch_sizes; (2, B, G, HP) "
@@ -331,10 +332,15 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
                            f"machine ({hl.get_host_target()}); `halstm compile --out DIR` "
                            f"writes static libraries and headers for it")
     cuda = target.has_feature(hl.TargetFeature.CUDA)
+    d = cells.definition(spec.cell)
+    amx = spec.precision == "bf16" and not cuda
+    if amx:
+        _check_amx(spec, target, d, hl)
     try:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
-        d = cells.definition(spec.cell)
+        if amx and spec.direction == "fwd":   # (the backward computes in fp32)
+            layout = dataclasses.replace(layout, amx_bf16=True)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
             # first: no ranges of units for a whole step on the driver's
@@ -365,6 +371,20 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         raise CompileError(f"Halide failed to compile {spec.describe()} "
                            f"(schedule {spec.schedule}):\n{e}") from e
     return _Plan(target, module, layout, kinds, link, cuda)
+
+
+def _check_amx(spec: Spec, target, d, hl) -> None:
+    """precision "bf16" on a CPU target: its products run on AMX tiles."""
+    if not target.has_feature(hl.TargetFeature.AVX512_SapphireRapids):
+        raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU needs Intel AMX "
+                           f"(Halide target feature avx512_sapphirerapids), which target "
+                           f"{target} lacks; use precision 'fp32'")
+    if d.reduces:
+        raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU: cells that reduce "
+                           f"over units ({spec.cell}) compute in 'fp32' only")
+    if spec.schedule != "cpu":
+        raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU needs schedule "
+                           f"'cpu', got {spec.schedule!r}")
 
 
 def _compile_pipelines(spec: Spec, plan: _Plan, out: Path, emit) -> tuple[list, list]:

@@ -29,8 +29,8 @@ import numpy as np
 from . import cells, reference
 from .nn import Recurrent, no_grad
 
-# torch_tf32, torch_bf16: cuDNN with TF32 on, or with the module and its
-# input in bfloat16 (GPU context); torch_eager: the step in PyTorch eager,
+# torch_tf32, torch_bf16: cuDNN with TF32 on (GPU targets), or torch.nn
+# with the module and its input in bfloat16 (oneDNN on a CPU); torch_eager: the step in PyTorch eager,
 # stepped from Python
 PEERS = ("numpy", "torch", "torch_tf32", "torch_bf16", "torch_eager", "torch_lstm", "lstm")
 # torch_lstm: torch.nn.LSTM at the same shape whatever the cell (cuDNN's or
@@ -320,7 +320,7 @@ def prepare_torch(cell, name, s, mode, device="cpu", precision="fp32") -> _Timed
             sync()
         finally:
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    impl = "torch" if device == "cpu" else f"torch-{device}" + (
+    impl = ("torch" if device == "cpu" else f"torch-{device}") + (
         "" if precision == "fp32" else f"-{precision}")
     return _Timed(impl, run)
 
@@ -419,8 +419,8 @@ def run(names, cell, scheds, target="host", peers=("numpy", "torch"), modes=("fw
                 else:
                     timed.append(t)
             elif impl in ("torch", "torch_tf32", "torch_bf16"):
-                if impl != "torch" and device == "cpu":
-                    continue                 # TF32 and bf16 are GPU modes here
+                if impl == "torch_tf32" and device == "cpu":
+                    continue                 # TF32 is a GPU mode
                 t = prepare_torch(cell, name, s, mode, device,
                                   precision=impl.partition("_")[2] or "fp32")
                 if t is None:

@@ -118,8 +118,9 @@ def cells_command(as_json):
               help="Also write this Halide output per pipeline (repeatable).")
 @click.option("--precision", type=click.Choice(list(cublas.PRECISIONS)), default="fp32",
               show_default=True, help="tf32, bf16: the projection and gradient GEMMs in "
-              "TF32 / bf16 tensor-core math by cuBLAS (CUDA targets); storage, states and "
-              "the cell stay fp32.")
+              "TF32 / bf16 tensor-core math by cuBLAS (CUDA targets); bf16 on a CPU with "
+              "AMX: the forward's products on AMX tiles; storage, states and the cell "
+              "stay fp32.")
 @click.option("--gemm", type=click.Choice(["halide", "cublas"]), default=None,
               help="Who runs the projection and gradient GEMMs on a CUDA target (default: "
                    "cuBLAS where it is installed, else Halide).")
@@ -214,8 +215,8 @@ def inspect(folder, as_json):
 @_target_option
 @click.option("--peers", default="numpy,torch", show_default=True,
               help="Comma-separated peers to time beside halstm: numpy, torch (the "
-                   "cell's torch.nn module, where torch has one), torch_tf32 and torch_bf16 "
-                   "(cuDNN with TF32, or in bfloat16; GPU targets only), torch_eager (the "
+                   "cell's torch.nn module, where torch has one), torch_tf32 (cuDNN with TF32; "
+                   "GPU targets), torch_bf16 (the module in bfloat16), torch_eager (the "
                    "cell's step in PyTorch eager, stepped from Python), torch_lstm "
                    "(torch.nn.LSTM at the same shape, whatever the cell), lstm (halstm's LSTM "
                    "at the same shape); '' for none.")

@@ -75,9 +75,9 @@ def resolve(cuda: bool, precision: str, gemm: str | None) -> str:
     if gemm is not None and gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS} or None, got {gemm!r}")
     if not cuda:
-        if precision != "fp32":
-            raise ValueError(f"precision: {precision!r} runs on CUDA targets only (a "
-                             f"tensor-core mode); CPU targets compute in 'fp32'")
+        if precision == "tf32":
+            raise ValueError("precision: 'tf32' runs on CUDA targets only (a tensor-core "
+                             "mode); CPU targets compute in 'fp32' or, with AMX, 'bf16'")
         if gemm == "cublas":
             raise ValueError("gemm: 'cublas' needs a CUDA target; CPU targets use 'halide'")
         return "halide"

@@ -88,6 +88,8 @@ class Layer:
             d["HALSTM_NARROW_ROWS"] = lay.narrow_rows
         if lay.loop_rows:
             d["HALSTM_LOOP_ROWS"] = lay.loop_rows
+        if lay.amx_bf16:
+            d["HALSTM_AMX"] = 1
         if self.direction == "bwd" and not self.pack_bwd:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:

@@ -21,7 +21,9 @@ precision="tf32" or "bf16" (CUDA targets): the GEMMs cuBLAS runs (the
 projection, the gradients, a large batch's step products) in TF32 / bf16
 tensor-core math with fp32 accumulation; storage, the states and the cell
 stay fp32. gemm="halide" or "cublas" picks who runs
-them (None: the target's default; see halstm.cublas).
+them (None: the target's default; see halstm.cublas). precision="bf16" on
+a CPU with AMX: the forward's products (projection, steps) on AMX tiles
+with bf16 operands and fp32 sums; the backward stays fp32 (halstm.bf16).
 
 lengths= (a length per sequence), bidirectional=True and dropout=p
 (between layers, in training mode: train() / eval(); masks from numpy's

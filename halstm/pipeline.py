@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import halide as hl
 
+from . import bf16
 from .cells.base import Cell
 from .layout import Layout
 
@@ -137,6 +138,7 @@ class Pipe(Stages):
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
+    amx: bool = False            # CPU: forward products on AMX tiles, bf16 weights (bf16.py)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -277,7 +279,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              layout.read_outputs, layout.split is not None, layout.xp_panels,
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
-             vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16)
+             vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16,
+             amx=layout.amx_bf16)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -297,6 +300,14 @@ def _pack(p: Pipe) -> None:
     G, K, H, P = p.G, p.K, p.H, p.P
     w_ih = _param(p, "w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
     w_hh = _param(p, "w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
+    if p.amx:   # bf16 pair panels (bf16.panels): numpy (Hp/P, G, KH, P, 2), (Hp/P, G, HH, P, 2)
+        wp_ih = bf16.panels(w_ih, K, H, G, P, "wp_ih")
+        wp_hh = bf16.panels(w_hh, H, H, G, P, "wp_hh")
+        p.inputs, p.outputs = [w_ih, w_hh], [wp_ih, wp_hh]
+        for f, n in ((wp_ih, K), (wp_hh, H)):
+            _fix_output(p, f, [2, P, bf16.padded_reduction(n) // 2 * G * (p.Hp // P)])
+        p.stages = {"wp_ih": wp_ih, "wp_hh": wp_hh}
+        return
     # Panels of P units with all gates and the whole reduction axis, so that
     # a P-unit tile of the product reads one contiguous block.
     wp_ih = _transposed_panels(w_ih, H, P, "wp_ih")   # numpy (Hp/P, K, G, P)
@@ -338,6 +349,8 @@ def _proj(p: Pipe) -> None:
         p.stages = {"xp": _xp_out(p, xp)}
         return
     x = _param(p, "x", [K, None])                        # numpy (N, K)
+    if p.amx:
+        return _proj_amx(p, x, b_ih)
     wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
     r = hl.RDom([(0, K)], "r_i")
     xin, w = _clamp(x, (1,)), _packed(wp_ih, j, P)
@@ -346,6 +359,32 @@ def _proj(p: Pipe) -> None:
                          lambda: w(gate, r.x) * xin[r.x, n])
     p.inputs = [x, wp_ih, b_ih]
     p.stages = {"xp_acc": xp_acc, "xp": _xp_out(p, xp), "x_in": xin}
+    p.rdoms = {"i": r}
+
+
+def _amx_weight(p: Pipe, name: str, n: int) -> hl.ImageParam:
+    """A weight packed by _pack for AMX (bf16.panels), n its reduction."""
+    q = hl.ImageParam(hl.BFloat(16), 3, name)
+    # only the innermost stride fixed: with every stride constant Halide 21
+    # no longer recognises the product as an AMX tile product
+    q.dim(0).set_stride(1)
+    p.shapes[name] = [2, p.P, bf16.padded_reduction(n) // 2 * p.G * (p.Hp // p.P)]
+    return q
+
+
+def _proj_amx(p: Pipe, x: hl.ImageParam, b_ih: hl.ImageParam) -> None:
+    """_proj with its product on AMX tiles: x's rows rounded to bf16
+    (rows past N clamped: a tile has 16 rows, and its rows past N are
+    never stored), times W_ih's bf16 panels."""
+    j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
+    G, K, H, P = p.G, p.K, p.H, p.P
+    wp_ih = _amx_weight(p, "wp_ih", K)
+    x_bf = bf16.rows(_clamp(x, (1,)), K, "x_bf")
+    acc, tile, r = bf16.product("xp", x_bf, wp_ih, K, G, P)
+    xp = hl.Func("xp")
+    xp[j, gate, n] = bf16.at(tile, j, n, gate, P) + b_ih[hl.min(j, H - 1), gate]
+    p.inputs = [x, wp_ih, b_ih]
+    p.stages = {"x_bf": x_bf, "xp_amx": acc, "xp_tile": tile, "xp": _xp_out(p, xp)}
     p.rdoms = {"i": r}
 
 
@@ -388,11 +427,17 @@ def _gather(p: Pipe) -> None:
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
     G, K, H, P = p.G, p.K, p.H, p.P
     ids = _ids_param(p)                                # numpy (N,)
-    wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
     b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
+    c = hl.clamp(ids[n], 0, K - 1)
+    if p.amx:   # the class's column of W_ih's bf16 panels (bf16.panels)
+        wp_ih = _amx_weight(p, "wp_ih", K)
+        column = hl.f32(wp_ih[c % 2, j % P, c / 2 + bf16.padded_reduction(K) // 2
+                              * (gate + G * (j / P))])
+    else:
+        wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
+        column = _packed(wp_ih, j, P)(gate, c)
     xp = hl.Func("xp")
-    xp[j, gate, n] = (_packed(wp_ih, j, P)(gate, hl.clamp(ids[n], 0, K - 1))
-                      + b_ih[hl.min(j, H - 1), gate])   # (units past H: never read)
+    xp[j, gate, n] = column + b_ih[hl.min(j, H - 1), gate]   # (units past H: never read)
     p.inputs = [ids, wp_ih, b_ih]
     p.stages = {"xp": _xp_out(p, xp)}
 
@@ -457,14 +502,24 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
         hg = hl.Func("hg")
         hg[j, gate, b] = (hg_in[j, gate, b] + b_hh[0][hl.min(j, H - 1), gate] if b_hh
                           else hg_in[j, gate, b])
+    elif p.amx:
+        recurrent = _amx_weight(p, "wp_hh", H)
     else:
         recurrent = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
     # unit and batch reads clamped: a tile may overrun H (up to Hp) and B
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
-    if not vendor:
+    product_stages = {}
+    if p.amx:   # h's rows in bf16 times W_hh's bf16 panels, in AMX tiles of 16 rows
+        h_bf = bf16.rows(prev_in["h"], H, "h_bf")
+        hg_amx, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G, P)
+        hg = hl.Func("hg")
+        hg[j, gate, b] = bf16.at(hg_tile, j, b, gate, P) + b_hh[0][hl.min(j, H - 1), gate]
+        product_stages = {"h_bf": h_bf, "hg_amx": hg_amx, "hg_tile": hg_tile}
+    elif not vendor:
         hg_acc, hg = _hg_product(p, recurrent, b_hh[0], prev_in["h"], r)     # (B, G, Hp)
+        product_stages = {"hg_acc": hg_acc}
     vec, vec_in = _vec(p)
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
@@ -484,7 +539,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     out = hl.Func("step_out")
     out[j, b] = hl.Tuple([new[s][j, b] for s in cell.states] +
                          [saved[j, c, b] for c in range(S if save else 0)] +
-                         ([_bf16_bits(new["h"][j, b])] if bits else []) + nexts)
+                         ([bf16.bits(new["h"][j, b])] if bits else []) + nexts)
     p.inputs = [xp, recurrent] + b_hh + [prev[s] for s in cell.states] + vec + folded
     p.outputs = [out]
     # new states (B, H) rows of (T+1, B, H); saved channel c: (B, H) rows
@@ -499,8 +554,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     p.shapes[out.name()] = [H, None]
     if p.split_steps:
         _unit_range(p, [(out.output_buffers()[0], H)])
-    p.stages = {"hg": hg, "saved": saved, "out": out,
-                **({} if vendor else {"hg_acc": hg_acc}),
+    p.stages = {"hg": hg, "saved": saved, "out": out, **product_stages,
                 **({"h_next": h_next, "hg_next_acc": next_acc} if fold else {}),
                 **{"new_" + s: new[s] for s in cell.states},
                 **{"prev_in_" + s: prev_in[s] for s in cell.states}}   # (a schedule may stage h)
@@ -780,7 +834,7 @@ def _step_bwd(p: Pipe, vendor: bool = False, fold: bool = False) -> None:
         outs["dvec_out"][dvec.args()] = sums_in[dvec.args()] + dvec[dvec.args()]
     if vendor and p.vendor_bf16:   # dhg's bf16 bits: the driver's product reads them
         outs["dhg_bf16_out"] = hl.Func("dhg_bf16_out")
-        outs["dhg_bf16_out"][j, gate, b] = _bf16_bits(dhg[j, gate, b])
+        outs["dhg_bf16_out"][j, gate, b] = bf16.bits(dhg[j, gate, b])
     # With read_outputs (a GPU layout), the product reads dhg back from the
     # output just written: the pointwise backward runs once, in the kernel
     # that stores it, instead of a kernel of its own plus a copy. CPU
@@ -1060,15 +1114,7 @@ def _to_bf16(p: Pipe) -> None:
     i = p.vars["i"]
     a = _param(p, "a", [None])
     out = hl.Func("a_bf16")
-    out[i] = _bf16_bits(a[i])
+    out[i] = bf16.bits(a[i])
     p.inputs, p.outputs = [a], [out]
     _fix_output(p, out, [None])
     p.stages = {"a_bf16": out}
-
-
-def _bf16_bits(x) -> hl.Expr:
-    """The bfloat16 nearest float32 x (ties to even), as its uint16 bits; a
-    NaN a quiet NaN."""
-    bits = hl.reinterpret(hl.UInt(32), x)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return hl.u16(hl.select(hl.is_nan(x), (bits >> 16) | 0x40, rounded))

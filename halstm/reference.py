@@ -287,20 +287,34 @@ TORCH = {"lstm": ("LSTM", {}), "gru": ("GRU", {}), "rnn_tanh": ("RNN", {"nonline
          "rnn_relu": ("RNN", {"nonlinearity": "relu"})}
 
 
-def step_forward(step, params, x, states0):
+def round_bf16(a):
+    """a (float32 values) rounded to the nearest bfloat16 (ties to even), as
+    float64; NaN stays NaN."""
+    a = np.asarray(a, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    out = (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isnan(a), np.nan, out)
+
+
+def step_forward(step, params, x, states0, operand=None):
     """Multi-layer forward of a numpy step; x (T, B, I), states0 one (L, B, H)
-    array per state. Returns y (T, B, H) and the final states, each (L, B, H)."""
+    array per state. Returns y (T, B, H) and the final states, each (L, B, H).
+    operand: applied to each product's operands (x, h, W_ih, W_hh) first,
+    e.g. round_bf16 for precision "bf16"."""
+    op = operand or (lambda a: a)
     finals = []
     inp = x
     for k in range(_num_layers(params)):
         w_ih, w_hh, b_ih, b_hh = _layer_params(params, k)
+        w_ih, w_hh = op(w_ih), op(w_hh)
         vectors = {m.group(1): a for key, a in params.items()
                    if (m := re.fullmatch(rf"(\w+)_l{k}", key)) and m.group(1) not in
                    ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
         more = (vectors,) if vectors else ()
         s, ys = tuple(a[k] for a in states0), []
         for t in range(inp.shape[0]):
-            s = step(inp[t] @ w_ih.T + b_ih, s[0] @ w_hh.T + b_hh, s, *more)
+            s = step(op(inp[t]) @ w_ih.T + b_ih, op(s[0]) @ w_hh.T + b_hh, s, *more)
             ys.append(s[0])
         finals.append(s)
         inp = np.stack(ys)

@@ -108,6 +108,7 @@ class Library:
             self._shared.check(self._lib.halstm_cublas_init(found.encode()),
                                f"loading cuBLAS from {found}")
         self._folds = "halstm_step_fold" in manifest["pipelines"]   # (pipeline.FOLD_FWD)
+        self._amx = bool(manifest["layout"].get("amx_bf16"))   # (halstm.bf16)
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 14
@@ -247,6 +248,15 @@ class Library:
                                  f"{tuple(a.shape)}")
         return [None if a is None else mem.contiguous(a) for a in init]
 
+    def _panels_shape(self, n: int) -> tuple:
+        """A forward's packed weight of reduction n, in float32 elements:
+        (Hp/P, n, G, P), or with AMX (precision bf16 on a CPU) bf16 pair
+        panels (Hp/P, G, NH, P, 2) as (Hp/P, G, NH, P) (halstm.bf16)."""
+        P, G = self.P, self.G
+        if self._amx:
+            return (self.Hp // P, G, -(-n // 32) * 16, P)
+        return (self.Hp // P, n, G, P)
+
     def _x_shape(self, x):
         """(T, B, K) of a layer input: (T, B, K) floats, or for a one-hot
         library (T, B) int32 indices."""
@@ -306,8 +316,8 @@ class Library:
             saved = mem.empty((T, B, S, H)) if save else None
             Hp, P = self.Hp, self.P
             N = step_rows_count(bs, T, B, packed)
-            ws = [self._workspace(mem, stream, "wp_ih", (Hp // P, K, G, P)),
-                  self._workspace(mem, stream, "wp_hh", (Hp // P, H, G, P)),
+            ws = [self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),
+                  self._workspace(mem, stream, "wp_hh", self._panels_shape(H)),
                   self._workspace(mem, stream, "xp", (N, G, Hp)),
                   # x in the steps' rows, or the folded steps' two products
                   (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))

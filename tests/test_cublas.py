@@ -35,7 +35,6 @@ def test_default_gemm_follows_the_target_and_what_is_installed(no_cublas, monkey
 @pytest.mark.parametrize("target, precision, gemm, needle", [
     ("host", "tf32", None, "precision: 'tf32' runs on CUDA targets only"),
     ("host", "fp32", "cublas", "gemm: 'cublas' needs a CUDA target"),
-    ("host", "bf16", None, "precision: 'bf16' runs on CUDA targets only"),
     (CUDA_TARGET, "tf32", "halide", "gemm: precision 'tf32' needs gemm 'cublas'"),
     (CUDA_TARGET, "bf16", "halide", "gemm: precision 'bf16' needs gemm 'cublas'"),
     (CUDA_TARGET, "fp16", None, "precision: expected one of ('fp32', 'tf32', 'bf16'), "

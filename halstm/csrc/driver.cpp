@@ -35,6 +35,10 @@
 #include <string>
 #include <thread>
 #endif
+#if HALSTM_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #ifdef HALSTM_CUDA
 #include <dlfcn.h>
 #include <thread>

@@ -57,6 +57,20 @@ int halstm_step_fold_argv(void **);
 int halstm_step_fold_infer_argv(void **);
 #endif
 
+#if HALSTM_AMX
+// Linux lets a process use AMX's tile data only once it asked for it
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); every thread
+// of the process may then. Asked once; 0, or -1 with the error set.
+int amx_permitted() {
+    static const long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */);
+    if (rc) halide_error(nullptr, "halstm_forward: the kernel refused AMX tile data "
+                                  "(arch_prctl ARCH_REQ_XCOMP_PERM); precision 'bf16' "
+                                  "needs Linux 5.16 or later on a CPU with AMX\n");
+    return rc ? -1 : 0;
+}
+#endif
+
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
 // vector parameters (unused without, NV = 0)
@@ -89,7 +103,12 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #endif
     }
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
+#if HALSTM_AMX
+    if (int rc = amx_permitted()) return rc;
+    View vwp_ih = panels_amx(wp_ih, K), vwp_hh = panels_amx(wp_hh, H);
+#else
     View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
+#endif
     int rc = t_reuse_pack ? 0 : halstm_pack(vw_ih.hb(), vw_hh.hb(), vwp_ih.hb(), vwp_hh.hb());
     if (rc) return rc;
     // batch and time merged: N rows (step t's from row0(t))

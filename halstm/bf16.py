@@ -1,0 +1,85 @@
+"""bfloat16 operands: rounding float32 to bf16, and the products of
+precision "bf16" on CPUs with Intel AMX (Layout.amx_bf16), written in the
+form Halide 21 lowers to AMX tile instructions (tdpbf16ps: a 16 x 16
+float32 tile += 16 x 32 bf16 rows times 32 x 16 bf16 columns).
+
+A weight is stored as bf16 panels of P = 16 units whose reduction axis is
+taken in pairs (AMX's layout for the right-hand operand): element (k, j)
+of gate g sits at vnni(k % 2, j % P, k / 2 + NH * (g + G * (j / P))), NH =
+the reduction's padded extent over 2. The left-hand operand (x or h rows)
+is a bf16 copy of its rows, the reduction axis innermost. Sums are float32.
+"""
+from __future__ import annotations
+
+import halide as hl
+
+TILE_ROWS = 16   # rows of an AMX tile: batch rows (or rows n) of one product tile
+K_CHUNK = 32     # bf16 values of a tile row (64 bytes): the reduction in chunks of 32
+AMX = hl.MemoryType(8)   # Halide's MemoryType::AMXTile (the Python bindings do not name it)
+
+
+def bits(x) -> hl.Expr:
+    """The bfloat16 nearest float32 x (ties to even), as its uint16 bits; a
+    NaN a quiet NaN."""
+    b = hl.reinterpret(hl.UInt(32), x)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return hl.u16(hl.select(hl.is_nan(x), (b >> 16) | 0x40, rounded))
+
+
+def value(x) -> hl.Expr:
+    """float32 x rounded to a bfloat16 value (NaN stays NaN)."""
+    return hl.reinterpret(hl.BFloat(16), bits(x))
+
+
+def padded_reduction(n: int) -> int:
+    """A reduction of n values padded to whole chunks of a tile row."""
+    return -(-n // K_CHUNK) * K_CHUNK
+
+
+def panels(w, n: int, H: int, G: int, P: int, name: str) -> hl.Func:
+    """w(k, j, gate) (k < n, j < H) as the bf16 pair panels of the module's
+    docstring: f(k2, ji, q), zero past n and H. numpy (Hp/P, G, NH, P, 2)."""
+    f = hl.Func(name)
+    k2, ji, q = hl.Var("k2"), hl.Var("ji"), hl.Var("q")
+    nh = padded_reduction(n) // 2
+    k = (q % nh) * 2 + k2
+    gate = (q / nh) % G
+    j = (q / (nh * G)) * P + ji
+    inside = (k < n) & (j < H)
+    f[k2, ji, q] = value(hl.select(inside, w[hl.min(k, n - 1), hl.min(j, H - 1), gate],
+                                   hl.f32(0)))
+    return f
+
+
+def rows(src, n: int, name: str) -> hl.Func:
+    """src(k, row) (k < n) as bf16, zero for k in [n, padded_reduction(n))."""
+    f = hl.Func(name)
+    k, row = hl.Var("k"), hl.Var("row")
+    f[k, row] = value(hl.select(k < n, src[hl.min(k, n - 1), row], hl.f32(0)))
+    return f
+
+
+def product(name: str, a: hl.Func, w, n: int, G: int, P: int) -> tuple:
+    """The product tiles acc(ji, row, gate, jo) = sum over k of a(k, row)
+    w(k, jo*P + ji, gate), a the bf16 rows (rows), w the bf16 panels (an
+    ImageParam or Func f(k2, ji, q)), n the reduction's true extent.
+    Returns (acc, out, r): acc the AMX accumulator (`name`_amx), out its
+    copy in memory (`name`_tile), which consumers read (a schedule stores
+    acc in AMX tiles and computes it per 16 x 16 tile of out), r the
+    reduction."""
+    ji, row, gate, jo = hl.Var("ji"), hl.Var("row"), hl.Var("gate"), hl.Var("jo")
+    npad = padded_reduction(n)
+    r = hl.RDom([(0, npad)], name + "_r")
+    nh = npad // 2
+    acc = hl.Func(name + "_amx")
+    acc[ji, row, gate, jo] = hl.f32(0)
+    acc[ji, row, gate, jo] += (hl.f32(a[r.x, row])
+                               * hl.f32(w[r.x % 2, ji, r.x / 2 + nh * (gate + G * jo)]))
+    out = hl.Func(name + "_tile")
+    out[ji, row, gate, jo] = acc[ji, row, gate, jo]
+    return acc, out, r
+
+
+def at(tile, j, row, gate, P: int):
+    """A product's value at unit j, row `row`, from its tiles."""
+    return tile[j % P, row, gate, j / P]
