@@ -314,7 +314,7 @@ class Library:
             states = (mem.zeros if bs is not None and not packed else mem.empty)((NS, T + 1, B, H))
             init = self._initial(mem, init, B)
             saved = mem.empty((T, B, S, H)) if save else None
-            Hp, P = self.Hp, self.P
+            Hp = self.Hp
             N = step_rows_count(bs, T, B, packed)
             ws = [self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),
                   self._workspace(mem, stream, "wp_hh", self._panels_shape(H)),
