@@ -354,6 +354,51 @@ def _proj_amx(p, target):
     amx.product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], out, no)
 
 
+# Steps of up to this many batch rows run step_narrow: the same bf16
+# products in vector registers, one row at a time, where an AMX tile's 16
+# rows would be mostly idle (bench/RESULTS.md, "Schedule decisions":
+# cpu.amx narrow rows).
+AMX_NARROW_ROWS = 3
+
+
+def amx_layout(layout: Layout) -> Layout:
+    """layout for a forward with precision bf16 on AMX (halstm.bf16)."""
+    return replace(layout, amx_bf16=True, narrow_rows=AMX_NARROW_ROWS)
+
+
+def step_narrow(p, target):
+    """A step of few rows with AMX's operands, without AMX (amx_layout):
+    per row and tile of two panels (one where H is off the panels), every
+    gate's accumulators in registers (8 vectors), the reduction's pairs
+    unrolled; the cell on the tile."""
+    out, act = p.stage("out"), p.stage("saved")
+    acc, tile = p.stage("hg_amx"), p.stage("hg_tile")
+    j, b, P = p.vars["j"], p.vars["b"], p.P
+    r = p.rdoms["k"].x
+    panels = _panels(p.Hp, P, 2) if p.H % P == 0 else 1
+    jo, ji, jp, jv = (hl.Var(name) for name in ("jo", "ji", "jp", "jv"))
+    # the panels' strides as packed (the AMX products leave them free):
+    # a vector of a gate's units is then one strided load, not a gather
+    p.param("wp_hh").dim(1).set_stride(2).dim(2).set_stride(2 * P)
+    amx.rows(p.stage("h_bf"), parallel=False)
+    out.split(j, jo, ji, P * panels, GUARD).split(ji, jp, jv, P).reorder(jv, jp, b, jo)
+    out.vectorize(jv).unroll(jp)
+    t_ji, t_row, t_gate, t_jo = tile.args()
+    tile.compute_at(out, b).bound_extent(t_ji, P).vectorize(t_ji).unroll(t_gate).unroll(t_jo)
+    acc.compute_at(out, b)
+    a_ji, a_row, a_gate, a_jo = acc.args()
+    ro, ri = hl.RVar("ro"), hl.RVar("ri")
+    acc.vectorize(a_ji).unroll(a_gate).unroll(a_jo)
+    acc.update().split(r, ro, ri, 2).reorder(a_ji, a_gate, a_jo, ri, ro, a_row) \
+        .vectorize(a_ji).unroll(a_gate).unroll(a_jo).unroll(ri)
+    act.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
+    p.split_quantum = panels
+    p.split_batch_bytes = 0
+
+
+step_narrow_infer = step_narrow
+
+
 def _step_amx(p, target):
     """A step on AMX tiles (schedules/amx.py): per panel, the gates'
     products for every row (tiles of 16 rows, a gate's in turn), then the

@@ -75,7 +75,9 @@ def lstm1():
 
 @needs_amx
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-@pytest.mark.parametrize("B", [1, 17])     # one AMX tile of rows, and two (the second ragged)
+# B = 1: the steps without AMX (step_narrow, up to cpu.AMX_NARROW_ROWS rows);
+# 4: one AMX tile of rows; 17: two, the second ragged
+@pytest.mark.parametrize("B", [1, 4, 17])
 def test_bf16_step_equals_the_reference_with_bf16_operands(cell, B):
     m = halstm.Recurrent(cell, I, H, seed=0, precision="bf16")
     y, want, plain = _run(m, cell, T=1, B=B)
