@@ -1,5 +1,6 @@
 """The CPU schedule's AMX parts (precision "bf16", Layout.amx_bf16): the
-stages of halstm.bf16's products, as Halide 21 lowers them to AMX tiles.
+packing, projection and steps of halstm.bf16's products, as Halide 21
+lowers them to AMX tiles, and the steps of few rows without AMX.
 
 Halide recognises a product as AMX work only in this form: the accumulator
 stored in an AMX tile (MemoryType 8), computed per 16 x 16 tile of its
@@ -21,8 +22,8 @@ def panels(p, target):
     """The bf16 pair panels f(k2, ji, q), q = kk + NH * (gate + G * jo):
     q split so that the indices are affine in (kk, gate, jo); per 8 kk of
     a panel's gate, 32 lanes (k2, ji) (a transpose of the panel's 16 rows x
-    16 reduction values); panels in parallel. (JIT, Intel VM, K = H = 1024:
-    1.8 ms, where lanes computed from q's divisions were gathers: 5.6 ms.)"""
+    16 reduction values); panels in parallel (bench/RESULTS.md, "Schedule
+    decisions": cpu.amx pack)."""
     for name, n in (("wp_ih", p.K), ("wp_hh", p.H)):
         f = p.stage(name)
         k2, ji, q = f.args()
@@ -48,7 +49,7 @@ def product(acc, tile, r, at, at_var, rows_here: bool = False) -> None:
     of `at`'s loop `at_var`: 16 units by 16 rows, every gate; r: acc's
     reduction (RDom). rows_here: `at_var` is a loop over panels, and the
     copy holds every row of its panel (in tiles of 16, a gate's tiles in
-    turn, so that a gate's panel of the weight is read from L1 by each)."""
+    turn) (bench/RESULTS.md, "Schedule decisions": cpu.amx tiles)."""
     ji, row, gate, jo = tile.args()
     # a row stride of 32: a dense 16 x 16 tile's store would simplify to one
     # 256-wide ramp, which the AMX lowering does not take for a tile store
@@ -68,3 +69,82 @@ def product(acc, tile, r, at, at_var, rows_here: bool = False) -> None:
     ko, ki = hl.RVar("ko"), hl.RVar("ki")
     acc.update().tile(a_ji, a_row, ii, ri, 16, ROWS, GUARD).split(r.x, ko, ki, bf16.K_CHUNK) \
         .reorder(ki, ii, ri, ko, a_ji, a_row).atomic().vectorize(ki).vectorize(ii).vectorize(ri)
+
+
+# The projection's rows in chunks of this many tiles of 16 (192 rows, the
+# fp32 projection's default chunk; bench/RESULTS.md, "Schedule decisions":
+# cpu.amx tiles).
+CHUNK_TILES = 12
+# Steps of up to this many batch rows run step_narrow: the same bf16
+# products in vector registers, one row at a time, where an AMX tile's 16
+# rows would be mostly idle (bench/RESULTS.md, "Schedule decisions":
+# cpu.amx narrow rows).
+NARROW_ROWS = 3
+
+
+def proj(p):
+    """The projection on AMX tiles: tiles of 16 rows x one panel, every
+    gate, rows in chunks; one parallel loop over (chunk, panel) pairs,
+    chunk-major, as the fp32 projection's."""
+    out = p.stage("xp")
+    ji, gate, n, jo = out.args()
+    nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
+    rows(p.stage("x_bf"))
+    out.split(n, nf, ni, ROWS, GUARD).split(nf, nc, no, CHUNK_TILES, GUARD)
+    out.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate)
+    out.fuse(jo, nc, jo).parallel(jo)
+    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], out, no)
+
+
+def step(p):
+    """A step on AMX tiles: per panel, the gates' products for every row
+    (tiles of 16 rows, a gate's in turn), then the cell on tiles of one
+    panel x 16 rows; h's bf16 rows first, once a call. The driver's
+    threads take ranges of panels only (a range of fewer rows would leave
+    an AMX tile's rows idle) (bench/RESULTS.md, "Schedule decisions":
+    cpu.amx tiles)."""
+    out, act = p.stage("out"), p.stage("saved")
+    j, b = p.vars["j"], p.vars["b"]
+    jo, ji, bo, bi = (hl.Var(name) for name in ("jo", "ji", "bo", "bi"))
+    rows(p.stage("h_bf"), parallel=not p.split_steps)
+    out.split(j, jo, ji, p.P, GUARD).split(b, bo, bi, ROWS, GUARD)
+    out.reorder(ji, bi, bo, jo).vectorize(ji)
+    if not p.split_steps:
+        out.parallel(jo)
+    product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], out, jo, rows_here=True)
+    # whole panels at the guarded edge too (the cell's reads are clamped)
+    act.compute_at(out, bo).bound_extent(j, p.P).vectorize(j).unroll(act.args()[1])
+    p.split_quantum = 1
+    p.split_batch_bytes = 0
+
+
+def step_narrow(p, panels: int):
+    """A step of few rows with AMX's operands, without AMX: per row and
+    tile of `panels` panels, every gate's accumulators in registers, the
+    reduction's pairs unrolled; the cell on the tile."""
+    out, act = p.stage("out"), p.stage("saved")
+    acc, tile = p.stage("hg_amx"), p.stage("hg_tile")
+    j, b, P = p.vars["j"], p.vars["b"], p.P
+    r = p.rdoms["k"].x
+    jo, ji, jp, jv = (hl.Var(name) for name in ("jo", "ji", "jp", "jv"))
+    # the panels' strides as packed (the AMX products leave them free):
+    # a vector of a gate's units is then one strided load, not a gather
+    p.param("wp_hh").dim(1).set_stride(2).dim(2).set_stride(2 * P)
+    # h's row in bf16 per tile, a buffer of constant size on the stack:
+    # with all of h once a call (a heap buffer) the 16-core Xeon's layer at
+    # H = 256 B = 1 on 8 threads took 10.2 ms (fp32: 5.2); per tile 5.25
+    h_bf = p.stage("h_bf")
+    h_bf.compute_at(out, b).vectorize(h_bf.args()[0], bf16.K_CHUNK, GUARD)
+    out.split(j, jo, ji, P * panels, GUARD).split(ji, jp, jv, P).reorder(jv, jp, b, jo)
+    out.vectorize(jv).unroll(jp)
+    t_ji, t_row, t_gate, t_jo = tile.args()
+    tile.compute_at(out, b).bound_extent(t_ji, P).vectorize(t_ji).unroll(t_gate).unroll(t_jo)
+    acc.compute_at(out, b)
+    a_ji, a_row, a_gate, a_jo = acc.args()
+    ro, ri = hl.RVar("ro"), hl.RVar("ri")
+    acc.vectorize(a_ji).unroll(a_gate).unroll(a_jo)
+    acc.update().split(r, ro, ri, 2).reorder(a_ji, a_gate, a_jo, ri, ro, a_row) \
+        .vectorize(a_ji).unroll(a_gate).unroll(a_jo).unroll(ri)
+    act.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
+    p.split_quantum = panels
+    p.split_batch_bytes = 0

@@ -15,7 +15,6 @@ import halide as hl
 
 from .. import machine
 from . import amx
-from .. import bf16
 from ..layout import Layout, StepSplit
 from .knobs import KNOBS as _KNOBS
 
@@ -312,7 +311,7 @@ def proj(p, target):
     one parallel loop over (chunk, panel) pairs, chunk-major, unless the
     rows' products are fewer than PROJ_SERIAL_MACS multiply-adds."""
     if p.amx:
-        return _proj_amx(p, target)
+        return amx.proj(p)
     out, acc = p.stage("xp"), p.stage("xp_acc")
     ji, gate, n, jo = out.args()
     j, r = p.vars["j"], p.rdoms["i"].x
@@ -336,95 +335,19 @@ def proj(p, target):
     acc.update().reorder(j, gate, n, r)
 
 
-# The AMX projection's rows in chunks of this many tiles of 16 (192 rows,
-# the fp32 projection's default chunk); not measured against others.
-AMX_CHUNK_TILES = 12
-
-
-def _proj_amx(p, target):
-    """The projection on AMX tiles (schedules/amx.py): tiles of 16 rows x
-    one panel, every gate, rows in chunks; one parallel loop over (chunk,
-    panel) pairs, chunk-major, as the fp32 projection's."""
-    out = p.stage("xp")
-    ji, gate, n, jo = out.args()
-    nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
-    amx.rows(p.stage("x_bf"))
-    out.split(n, nf, ni, amx.ROWS, GUARD).split(nf, nc, no, AMX_CHUNK_TILES, GUARD)
-    out.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate)
-    out.fuse(jo, nc, jo).parallel(jo)
-    amx.product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], out, no)
-
-
-# Steps of up to this many batch rows run step_narrow: the same bf16
-# products in vector registers, one row at a time, where an AMX tile's 16
-# rows would be mostly idle (bench/RESULTS.md, "Schedule decisions":
-# cpu.amx narrow rows).
-AMX_NARROW_ROWS = 3
-
-
 def amx_layout(layout: Layout) -> Layout:
-    """layout for a forward with precision bf16 on AMX (halstm.bf16)."""
-    return replace(layout, amx_bf16=True, narrow_rows=AMX_NARROW_ROWS)
+    """layout for a forward with precision bf16 on AMX (halstm.bf16): its
+    steps of up to amx.NARROW_ROWS rows run step_narrow."""
+    return replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
 
 
 def step_narrow(p, target):
-    """A step of few rows with AMX's operands, without AMX (amx_layout):
-    per row and tile of two panels (one where H is off the panels), every
-    gate's accumulators in registers (8 vectors), the reduction's pairs
-    unrolled; the cell on the tile."""
-    out, act = p.stage("out"), p.stage("saved")
-    acc, tile = p.stage("hg_amx"), p.stage("hg_tile")
-    j, b, P = p.vars["j"], p.vars["b"], p.P
-    r = p.rdoms["k"].x
-    panels = _panels(p.Hp, P, 2) if p.H % P == 0 else 1
-    jo, ji, jp, jv = (hl.Var(name) for name in ("jo", "ji", "jp", "jv"))
-    # the panels' strides as packed (the AMX products leave them free):
-    # a vector of a gate's units is then one strided load, not a gather
-    p.param("wp_hh").dim(1).set_stride(2).dim(2).set_stride(2 * P)
-    # h's row in bf16 per tile, a buffer of constant size on the stack:
-    # with all of h once a call (a heap buffer) the 16-core Xeon's layer at
-    # H = 256 B = 1 on 8 threads took 10.2 ms (fp32: 5.2); per tile 5.25
-    h_bf = p.stage("h_bf")
-    h_bf.compute_at(out, b).vectorize(h_bf.args()[0], bf16.K_CHUNK, GUARD)
-    out.split(j, jo, ji, P * panels, GUARD).split(ji, jp, jv, P).reorder(jv, jp, b, jo)
-    out.vectorize(jv).unroll(jp)
-    t_ji, t_row, t_gate, t_jo = tile.args()
-    tile.compute_at(out, b).bound_extent(t_ji, P).vectorize(t_ji).unroll(t_gate).unroll(t_jo)
-    acc.compute_at(out, b)
-    a_ji, a_row, a_gate, a_jo = acc.args()
-    ro, ri = hl.RVar("ro"), hl.RVar("ri")
-    acc.vectorize(a_ji).unroll(a_gate).unroll(a_jo)
-    acc.update().split(r, ro, ri, 2).reorder(a_ji, a_gate, a_jo, ri, ro, a_row) \
-        .vectorize(a_ji).unroll(a_gate).unroll(a_jo).unroll(ri)
-    act.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
-    p.split_quantum = panels
-    p.split_batch_bytes = 0
+    """A step of few rows with precision bf16 (amx_layout): amx.step_narrow,
+    in tiles of two panels where H allows whole aligned tiles."""
+    amx.step_narrow(p, _panels(p.Hp, p.P, 2) if p.H % p.P == 0 else 1)
 
 
 step_narrow_infer = step_narrow
-
-
-def _step_amx(p, target):
-    """A step on AMX tiles (schedules/amx.py): per panel, the gates'
-    products for every row (tiles of 16 rows, a gate's in turn), then the
-    cell on tiles of one panel x 16 rows; h's bf16 rows first, once a call.
-    The driver's threads take ranges of panels only (a range of fewer rows
-    would leave an AMX tile's rows idle). (Intel VM, K = H = 1024 B = 64,
-    a step 1.02 -> 0.92 ms against the products per tile of the cell's
-    loop.)"""
-    out, act = p.stage("out"), p.stage("saved")
-    j, b = p.vars["j"], p.vars["b"]
-    jo, ji, bo, bi = (hl.Var(name) for name in ("jo", "ji", "bo", "bi"))
-    amx.rows(p.stage("h_bf"), parallel=not p.split_steps)
-    out.split(j, jo, ji, p.P, GUARD).split(b, bo, bi, amx.ROWS, GUARD)
-    out.reorder(ji, bi, bo, jo).vectorize(ji)
-    if not p.split_steps:
-        out.parallel(jo)
-    amx.product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], out, jo, rows_here=True)
-    # whole panels at the guarded edge too (the cell's reads are clamped)
-    act.compute_at(out, bo).bound_extent(j, p.P).vectorize(j).unroll(act.args()[1])
-    p.split_quantum = 1
-    p.split_batch_bytes = 0
 
 
 def _row_sums(p, at, at_var, vw):
@@ -532,7 +455,7 @@ def step(p, target):
     if p.reductions:
         return _step_rows(p, target)
     if p.amx:
-        return _step_amx(p, target)
+        return amx.step(p)
     v, H, P = p.vars, p.H, p.P
     j, b, gate = v["j"], v["b"], v["gate"]
     out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
