@@ -29,9 +29,9 @@ import numpy as np
 from . import cells, reference
 from .nn import Recurrent, no_grad
 
-# torch_tf32, torch_bf16: cuDNN with TF32 on (GPU targets), or torch.nn
-# with the module and its input in bfloat16 (oneDNN on a CPU); torch_eager: the step in PyTorch eager,
-# stepped from Python
+# torch_tf32: cuDNN with TF32 on (GPU targets); torch_bf16: torch.nn with
+# the module and its input in bfloat16 (cuDNN, or oneDNN on a CPU);
+# torch_eager: the step in PyTorch eager, stepped from Python
 PEERS = ("numpy", "torch", "torch_tf32", "torch_bf16", "torch_eager", "torch_lstm", "lstm")
 # torch_lstm: torch.nn.LSTM at the same shape whatever the cell (cuDNN's or
 # oneDNN's vanilla LSTM: the bar for a variant no vendor ships); lstm:
