@@ -59,7 +59,14 @@ def rows(src, n: int, name: str) -> hl.Func:
     return f
 
 
-def product(name: str, a: hl.Func, w, n: int, G: int, P: int) -> tuple:
+def weight(w, k, ji, gate, jo, n: int, G: int) -> hl.Expr:
+    """Element k of unit jo*P + ji of `gate` of a weight in bf16 pair
+    panels (panels' layout; n its reduction's true extent)."""
+    nh = padded_reduction(n) // 2
+    return w[k % 2, ji, k / 2 + nh * (gate + G * jo)]
+
+
+def product(name: str, a: hl.Func, w, n: int, G: int) -> tuple:
     """The product tiles acc(ji, row, gate, jo) = sum over k of a(k, row)
     w(k, jo*P + ji, gate), a the bf16 rows (rows), w the bf16 panels (an
     ImageParam or Func f(k2, ji, q)), n the reduction's true extent.
@@ -68,13 +75,10 @@ def product(name: str, a: hl.Func, w, n: int, G: int, P: int) -> tuple:
     acc in AMX tiles and computes it per 16 x 16 tile of out), r the
     reduction."""
     ji, row, gate, jo = hl.Var("ji"), hl.Var("row"), hl.Var("gate"), hl.Var("jo")
-    npad = padded_reduction(n)
-    r = hl.RDom([(0, npad)], name + "_r")
-    nh = npad // 2
+    r = hl.RDom([(0, padded_reduction(n))], name + "_r")
     acc = hl.Func(name + "_amx")
     acc[ji, row, gate, jo] = hl.f32(0)
-    acc[ji, row, gate, jo] += (hl.f32(a[r.x, row])
-                               * hl.f32(w[r.x % 2, ji, r.x / 2 + nh * (gate + G * jo)]))
+    acc[ji, row, gate, jo] += hl.f32(a[r.x, row]) * hl.f32(weight(w, r.x, ji, gate, jo, n, G))
     out = hl.Func(name + "_tile")
     out[ji, row, gate, jo] = acc[ji, row, gate, jo]
     return acc, out, r

@@ -380,7 +380,7 @@ def _proj_amx(p: Pipe, x: hl.ImageParam, b_ih: hl.ImageParam) -> None:
     G, K, H, P = p.G, p.K, p.H, p.P
     wp_ih = _amx_weight(p, "wp_ih", K)
     x_bf = bf16.rows(_clamp(x, (1,)), K, "x_bf")
-    acc, tile, r = bf16.product("xp", x_bf, wp_ih, K, G, P)
+    acc, tile, r = bf16.product("xp", x_bf, wp_ih, K, G)
     xp = hl.Func("xp")
     xp[j, gate, n] = bf16.at(tile, j, n, gate, P) + b_ih[hl.min(j, H - 1), gate]
     p.inputs = [x, wp_ih, b_ih]
@@ -431,8 +431,7 @@ def _gather(p: Pipe) -> None:
     c = hl.clamp(ids[n], 0, K - 1)
     if p.amx:   # the class's column of W_ih's bf16 panels (bf16.panels)
         wp_ih = _amx_weight(p, "wp_ih", K)
-        column = hl.f32(wp_ih[c % 2, j % P, c / 2 + bf16.padded_reduction(K) // 2
-                              * (gate + G * (j / P))])
+        column = hl.f32(bf16.weight(wp_ih, c, j % P, gate, j / P, K, G))
     else:
         wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
         column = _packed(wp_ih, j, P)(gate, c)
@@ -513,7 +512,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     product_stages = {}
     if p.amx:   # h's rows in bf16 times W_hh's bf16 panels, in AMX tiles of 16 rows
         h_bf = bf16.rows(prev_in["h"], H, "h_bf")
-        hg_amx, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G, P)
+        hg_amx, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G)
         hg = hl.Func("hg")
         hg[j, gate, b] = bf16.at(hg_tile, j, b, gate, P) + b_hh[0][hl.min(j, H - 1), gate]
         product_stages = {"h_bf": h_bf, "hg_amx": hg_amx, "hg_tile": hg_tile}
