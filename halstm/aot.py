@@ -339,8 +339,8 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
     try:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
-        if amx and spec.direction == "fwd":   # (the backward computes in fp32)
-            layout = module.amx_layout(layout)
+        if amx:
+            layout = module.amx_layout(layout, spec.direction)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
             # first: no ranges of units for a whole step on the driver's

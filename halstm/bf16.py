@@ -31,17 +31,27 @@ def value(x) -> hl.Expr:
     return hl.reinterpret(hl.BFloat(16), bits(x))
 
 
-def padded_reduction(n: int) -> int:
-    """A reduction of n values padded to whole chunks of a tile row."""
-    return -(-n // K_CHUNK) * K_CHUNK
+def padded_reduction(n):
+    """A reduction of n values (an int, or an Expr) padded to whole chunks
+    of a tile row."""
+    if isinstance(n, int):
+        return -(-n // K_CHUNK) * K_CHUNK
+    return (n + (K_CHUNK - 1)) / K_CHUNK * K_CHUNK
 
 
-def panels(w, n: int, H: int, G: int, P: int, name: str) -> hl.Func:
-    """w(k, j, gate) (k < n, j < H) as the bf16 pair panels of the module's
-    docstring: f(k2, ji, q), zero past n and H. numpy (Hp/P, G, NH, P, 2)."""
+def _pairs(n):
+    """The pairs of a padded reduction of n values (n an int or an Expr)."""
+    half = padded_reduction(n)
+    return half // 2 if isinstance(half, int) else half / 2
+
+
+def panels(w, n, H: int, G: int, P: int, name: str) -> hl.Func:
+    """w(k, j, gate) (k < n, an int or an Expr; j < H) as the bf16 pair
+    panels of the module's docstring: f(k2, ji, q), zero past n and H.
+    numpy (Hp/P, G, NH, P, 2)."""
     f = hl.Func(name)
     k2, ji, q = hl.Var("k2"), hl.Var("ji"), hl.Var("q")
-    nh = padded_reduction(n) // 2
+    nh = _pairs(n)
     k = (q % nh) * 2 + k2
     gate = (q / nh) % G
     j = (q / (nh * G)) * P + ji
@@ -51,24 +61,45 @@ def panels(w, n: int, H: int, G: int, P: int, name: str) -> hl.Func:
     return f
 
 
-def rows(src, n: int, name: str) -> hl.Func:
-    """src(k, row) (k < n) as bf16, zero for k in [n, padded_reduction(n))."""
+def chunks(src, n, name: str) -> hl.Func:
+    """src(k, row) (k < n, an Expr) as bf16 rows in chunks of a tile row,
+    f(kc, row, kq) = src(kq * K_CHUNK + kc, row), zero past n: a tile's
+    rows lie K_CHUNK values apart whatever n (rows' row stride is the
+    padded n, which Halide 21's AMX lowering takes only when constant)."""
+    f = hl.Func(name)
+    kc, row, kq = hl.Var("kc"), hl.Var("row"), hl.Var("kq")
+    k = kq * K_CHUNK + kc
+    f[kc, row, kq] = value(hl.select(k < n, src[hl.min(k, n - 1), row], hl.f32(0)))
+    return f
+
+
+def rows(src, n, name: str) -> hl.Func:
+    """src(k, row) (k < n, an int or an Expr) as bf16, zero for k in [n,
+    padded_reduction(n))."""
     f = hl.Func(name)
     k, row = hl.Var("k"), hl.Var("row")
     f[k, row] = value(hl.select(k < n, src[hl.min(k, n - 1), row], hl.f32(0)))
     return f
 
 
-def weight(w, k, ji, gate, jo, n: int, G: int) -> hl.Expr:
+def operand(a, k, row) -> hl.Expr:
+    """Element k of row `row` of a left-hand operand: rows a(k, row), or
+    rows in chunks a(k % K_CHUNK, row, k / K_CHUNK) (chunks' layout)."""
+    if a.dimensions() == 3:
+        return a[k % K_CHUNK, row, k / K_CHUNK]
+    return a[k, row]
+
+
+def weight(w, k, ji, gate, jo, n, G: int) -> hl.Expr:
     """Element k of unit jo*P + ji of `gate` of a weight in bf16 pair
     panels (panels' layout; n its reduction's true extent)."""
-    nh = padded_reduction(n) // 2
+    nh = _pairs(n)
     return w[k % 2, ji, k / 2 + nh * (gate + G * jo)]
 
 
 def product(name: str, a: hl.Func, w, n: int, G: int) -> tuple:
     """The product tiles acc(ji, row, gate, jo) = sum over k of a(k, row)
-    w(k, jo*P + ji, gate), a the bf16 rows (rows), w the bf16 panels (an
+    w(k, jo*P + ji, gate), a the bf16 rows (rows, chunks), w the bf16 panels (an
     ImageParam or Func f(k2, ji, q)), n the reduction's true extent.
     Returns (acc, out, r): acc the AMX accumulator (`name`_amx), out its
     copy in memory (`name`_tile), which consumers read (a schedule stores
@@ -78,7 +109,8 @@ def product(name: str, a: hl.Func, w, n: int, G: int) -> tuple:
     r = hl.RDom([(0, padded_reduction(n))], name + "_r")
     acc = hl.Func(name + "_amx")
     acc[ji, row, gate, jo] = hl.f32(0)
-    acc[ji, row, gate, jo] += hl.f32(a[r.x, row]) * hl.f32(weight(w, r.x, ji, gate, jo, n, G))
+    acc[ji, row, gate, jo] += hl.f32(operand(a, r.x, row)) * hl.f32(weight(w, r.x, ji, gate, jo,
+                                                                             n, G))
     out = hl.Func(name + "_tile")
     out[ji, row, gate, jo] = acc[ji, row, gate, jo]
     return acc, out, r

@@ -49,8 +49,9 @@ class Layout:
     #                                the narrow step pipelines (pipeline.NARROW; 0: none)
     loop_rows: int = 0             # CUDA forward: inference of up to this many batch rows
     #                                runs every step in one pipeline (pipeline.LOOP; 0: none)
-    amx_bf16: bool = False         # CPU forward (precision "bf16"): the projection's and the
-    #                                steps' products on AMX tiles, bf16 operands (halstm.bf16)
+    amx_bf16: bool = False         # CPU (precision "bf16"): the projection's, the forward
+    #                                steps' and the grads pipeline's products on AMX tiles,
+    #                                bf16 operands (halstm.bf16)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

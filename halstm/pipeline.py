@@ -138,7 +138,7 @@ class Pipe(Stages):
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
-    amx: bool = False            # CPU: forward products on AMX tiles, bf16 weights (bf16.py)
+    amx: bool = False            # CPU: products on AMX tiles, bf16 operands (bf16.py)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -1013,6 +1013,8 @@ def _all_grads(p: Pipe, ids: bool) -> None:
         p.rdoms = {"n": rn}
         _bias_grads(p, stages, rn, dxp, dhg, ())
         return
+    if p.amx:
+        return _amx_grads(p, stages, x, hs, dxp, dhg, rn, ids)
     if not ids:
         w_ih, w = _bwd_weight(p, "w_ih", K, i)
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
@@ -1026,13 +1028,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
         panels["x"] = _row_panels(x, K, C, "x_panels")
     panels["dhg"] = panels["dxp"] if shared else _unit_panels(dhg_in, H, R, "dhg_panels")
     if ids:
-        # dW_ih[g, k] = the sum of dxp[n, g] over the rows n with ids[n] == k
-        acc = hl.Func("dw_ih_acc")                    # numpy (K, G, H)
-        acc[j, gate, i] = hl.f32(0)
-        acc[j, gate, hl.clamp(x[rn.x], 0, K - 1)] += dxp[j, gate, rn.x]
-        out = hl.Func("dw_ih")
-        out[i, j, gate] = acc[j, gate, i]
-        stages |= {"dw_ih_acc": acc, "dw_ih": out}
+        _scattered_dw_ih(p, stages, x, dxp, rn)
     for name, d, a, v in (("dw_ih", "dxp", "x", i), ("dw_hh", "dhg", "hs", k)):
         if name == "dw_ih" and ids:
             continue
@@ -1052,6 +1048,85 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [w_ih])
     p.rdoms = {"n": rn, "jg": rg}
     _bias_grads(p, stages, rn, dxp, dhg, ("dw_ih", "dw_hh") if ids else ("dx", "dw_ih", "dw_hh"))
+
+
+def _scattered_dw_ih(p: Pipe, stages: dict, ids, dxp, rn) -> None:
+    """dW_ih of one-hot rows given as indices: dW_ih[g, k] = the sum of
+    dxp[n, g] over the rows n with ids[n] == k."""
+    i, j, gate = (p.vars[v] for v in ("i", "j", "gate"))
+    acc = hl.Func("dw_ih_acc")                    # numpy (K, G, H)
+    acc[j, gate, i] = hl.f32(0)
+    acc[j, gate, hl.clamp(ids[rn.x], 0, p.K - 1)] += dxp[j, gate, rn.x]
+    out = hl.Func("dw_ih")
+    out[i, j, gate] = acc[j, gate, i]
+    stages |= {"dw_ih_acc": acc, "dw_ih": out}
+
+
+def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
+    """_all_grads with dx and the weight gradients on AMX tiles (precision
+    bf16 on a CPU; bf16.product): their operands rounded to bf16, float32
+    sums. dx = dxp's bf16 rows (reduction over gate and unit) times W_ih's
+    bf16 panels over that reduction (made here from wq_ih); dW_ih = dxp^T's
+    bf16 rows in chunks (a gate's units padded to whole tiles of 16 rows,
+    over n) times x's bf16 panels over n; dW_hh the same with dhg^T and h."""
+    G, K, H, P = p.G, p.K, p.H, p.P
+    i, j, gate, n = (p.vars[v] for v in ("i", "j", "gate", "t"))
+    dxp_in, dhg_in = stages["dxp_in"], stages["dhg_in"]
+    N = dxp.dim(2).extent()
+    Hr = padded(H, bf16.TILE_ROWS)
+    d_rows = {}      # d^T in bf16 chunks: rows n of f(n, gate*Hr + j), zero past H
+
+    def transposed(d, name):
+        f = hl.Func(name + "_src")
+        k, row = hl.Var("k"), hl.Var("row")
+        u = row % Hr
+        f[k, row] = hl.select(u < H, d[hl.min(u, H - 1), row / Hr, k], hl.f32(0))
+        return bf16.chunks(f, N, name)
+    d_rows["dxp"] = transposed(dxp_in, "dxp_t")
+    d_rows["dhg"] = d_rows["dxp"] if p.cell.dxp_is_dhg else transposed(dhg_in, "dhg_t")
+    stages |= {"dxp_t": d_rows["dxp"], "dhg_t": d_rows["dhg"]}
+    a_rows = {"hs": hs}
+    if not ids:
+        a_rows["x"] = x
+    products = ()
+    if ids:
+        _scattered_dw_ih(p, stages, x, dxp, rn)
+        products += ("dw_ih",)
+    else:
+        wq, w = _bwd_weight(p, "w_ih", K, i)
+        wt = hl.Func("w_ih_t")          # wt(k, i, 0) = W_ih at input unit i, k = gate*H + j
+        k, g0 = hl.Var("k"), hl.Var("g0")
+        wt[k, i, g0] = w(k % H, k / H)
+        wt_pan = bf16.panels(wt, G * H, K, 1, P, "w_ih_panels")
+        dxp_bf = hl.Func("dxp_bf")      # dxp's rows in bf16, reduction (gate, unit) innermost
+        row = hl.Var("row")
+        dxp_bf[k, row] = bf16.value(hl.select(k < G * H, dxp_in[k % H, hl.min(k / H, G - 1), row],
+                                              hl.f32(0)))
+        acc, tile, r = bf16.product("dx", dxp_bf, wt_pan, G * H, 1)
+        dx = hl.Func("dx")
+        dx[i, n] = bf16.at(tile, i, n, 0, P)
+        stages |= {"w_ih_panels": wt_pan, "dxp_bf": dxp_bf, "dx_amx": acc, "dx_tile": tile,
+                   "dx": dx}
+        p.rdoms["dx"] = r
+        products += ("dx",)
+    for name, d, a, v, width in (("dw_ih", "dxp", "x", i, K), ("dw_hh", "dhg", "hs", p.vars["k"],
+                                                                    H)):
+        if name == "dw_ih" and ids:
+            continue
+        src = hl.Func(a + "_src")       # a's rows n as the reduction: src(n, v, 0) = a(v, n)
+        kn, vv, g0 = hl.Var("kn"), hl.Var("vv"), hl.Var("g0")
+        src[kn, vv, g0] = a_rows[a][vv, kn]
+        pr = bf16.panels(src, N, width, 1, P, a + "_pairs")
+        acc, tile, r = bf16.product(name, d_rows[d], pr, N, 1)
+        out = hl.Func(name)             # out(v, j, gate) from tile(v % P, gate*Hr + j, 0, v / P)
+        out[v, j, gate] = bf16.at(tile, v, gate * Hr + j, 0, P)
+        stages |= {a + "_pairs": pr, name + "_amx": acc, name + "_tile": tile, name: out}
+        p.rdoms[name] = r
+        products += (name,)
+    shared = p.cell.dxp_is_dhg
+    p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [wq])
+    p.rdoms["n"] = rn
+    _bias_grads(p, stages, rn, dxp, dhg, products)
 
 
 def _bias_grads(p: Pipe, stages: dict, rn, dxp, dhg, products: tuple) -> None:

@@ -25,13 +25,17 @@ def panels(p, target):
     16 reduction values); panels in parallel (bench/RESULTS.md, "Schedule
     decisions": cpu.amx pack)."""
     for name, n in (("wp_ih", p.K), ("wp_hh", p.H)):
-        f = p.stage(name)
-        k2, ji, q = f.args()
-        qo, kk, jo, gate, ko, ki, lanes = (hl.Var(v) for v in
-                                            ("qo", "kk", "jo", "gate", "ko", "ki", "lanes"))
-        f.split(q, qo, kk, bf16.padded_reduction(n) // 2).split(qo, jo, gate, p.G)
-        f.split(kk, ko, ki, 8).reorder(k2, ji, ki, ko, gate, jo).fuse(k2, ji, lanes)
-        f.vectorize(lanes).unroll(ki).parallel(jo)
+        _panels(p.stage(name), n, p.G)
+
+
+def _panels(f, n: int, G: int) -> None:
+    """panels' schedule of one weight f, n its reduction, G its gates."""
+    k2, ji, q = f.args()
+    qo, kk, jo, gate, ko, ki, lanes = (hl.Var(v) for v in
+                                        ("qo", "kk", "jo", "gate", "ko", "ki", "lanes"))
+    f.split(q, qo, kk, bf16.padded_reduction(n) // 2).split(qo, jo, gate, G)
+    f.split(kk, ko, ki, 8).reorder(k2, ji, ki, ko, gate, jo).fuse(k2, ji, lanes)
+    f.vectorize(lanes).unroll(ki).parallel(jo)
 
 
 def rows(f, parallel: bool = True):
@@ -148,3 +152,43 @@ def step_narrow(p, panels: int):
     act.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
     p.split_quantum = panels
     p.split_batch_bytes = 0
+
+
+def grads(p):
+    """The backward's products on AMX tiles (pipeline._amx_grads): the
+    operands in bf16 first, each computed whole (d^T and the x and h pairs
+    in tiles of 16 rows, their transposes in registers); dx as the
+    projection (tiles of 16 rows x one panel of inputs, rows in chunks, one
+    parallel loop over (chunk, panel)); dW a tile of 16 inputs x 16 units
+    of one gate, the tasks over (unit tile, gate), the inputs' tiles in
+    turn."""
+    ids = "dx" not in p.stages
+    for name in {p.stage(v).name(): v for v in ("dxp_t", "dhg_t")}.values():
+        f = p.stage(name)
+        kc, row, kq = f.args()
+        ro, ri = hl.Var("ro"), hl.Var("ri")
+        f.compute_root().split(row, ro, ri, 16).reorder(kc, ri, ro, kq).vectorize(kc, 16)
+        f.unroll(ri).parallel(kq)
+    for name in ("hs_pairs",) + (() if ids else ("x_pairs",)):
+        f = p.stage(name)
+        k2, ji, q = f.args()
+        lanes, qo, qi = hl.Var("lanes"), hl.Var("qo"), hl.Var("qi")
+        f.compute_root().fuse(k2, ji, lanes).vectorize(lanes).split(q, qo, qi, 64, GUARD)
+        f.parallel(qo)
+    if not ids:
+        _panels(p.stage("w_ih_panels").compute_root(), p.G * p.H, 1)
+        rows(p.stage("dxp_bf"))
+        out = p.stage("dx")
+        i, n = out.args()
+        io, ii, nf, no, ni, nc = (hl.Var(v) for v in ("io", "ii", "nf", "no", "ni", "nc"))
+        out.split(n, nf, ni, ROWS, GUARD).split(nf, nc, no, CHUNK_TILES, GUARD)
+        out.split(i, io, ii, p.P).reorder(ii, ni, no, io, nc).vectorize(ii)
+        out.fuse(io, nc, io).parallel(io)
+        product(p.stage("dx_amx"), p.stage("dx_tile"), p.rdoms["dx"], out, no)
+    for name in ("dw_hh",) if ids else ("dw_ih", "dw_hh"):
+        out = p.stage(name)
+        v, j, gate = out.args()
+        vo, vi, jo, ji = (hl.Var(x) for x in ("vo", "vi", "jo", "ji"))
+        out.split(v, vo, vi, p.P, GUARD).split(j, jo, ji, ROWS, GUARD)
+        out.reorder(vi, ji, vo, jo, gate).vectorize(vi).fuse(jo, gate, jo).parallel(jo)
+        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name], out, vo)

@@ -335,10 +335,13 @@ def proj(p, target):
     acc.update().reorder(j, gate, n, r)
 
 
-def amx_layout(layout: Layout) -> Layout:
-    """layout for a forward with precision bf16 on AMX (halstm.bf16): its
-    steps of up to amx.NARROW_ROWS rows run step_narrow."""
-    return replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
+def amx_layout(layout: Layout, direction: str) -> Layout:
+    """layout for precision bf16 on AMX (halstm.bf16): a forward's steps
+    of up to amx.NARROW_ROWS rows run step_narrow; a backward's grads
+    pipeline computes on AMX tiles (its steps stay float32)."""
+    if direction == "fwd":
+        return replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
+    return replace(layout, amx_bf16=True)
 
 
 def step_narrow(p, target):
@@ -655,6 +658,9 @@ DX_CHUNK_TILES = 32
 
 
 def grads(p, target, ids=False):
+    if p.amx:
+        amx.grads(p)
+        return _bias_sums(p, target)
     v, H = p.vars, p.H
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
     rg, rn = p.rdoms["jg"], p.rdoms["n"]
@@ -700,6 +706,13 @@ def grads(p, target, ids=False):
         # the copy out of whole tiles, one gate a task, in parallel
         # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
         p.stage(name).vectorize(vec, _vw(target, width)).parallel(gate)
+    _bias_sums(p, target)
+
+
+def _bias_sums(p, target):
+    """The grads pipeline's sums over rows (the biases', the vector
+    parameters')."""
+    j, gate, H, rn = p.vars["j"], p.vars["gate"], p.H, p.rdoms["n"]
     for bias in ("db_ih", "db_hh") + (("dvec",) if p.V else ()):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
             p.stage(bias).vectorize(j, _vw(target, H), GUARD)

@@ -1,5 +1,6 @@
 """precision "bf16" on a CPU with AMX: the forward's products (projection
-and steps) on AMX tiles, bf16 operands, float32 sums, cell and states.
+and steps) and the backward's dx and weight gradients on AMX tiles, bf16
+operands, float32 sums, cell and states (the backward's steps float32).
 
 Checked against halstm.reference's step with the same operands rounded to
 bf16 (reference.round_bf16; float64 sums). After the first step the
@@ -8,6 +9,8 @@ bf16 halfway point may round the other way in one of them: one step and
 one layer are held to 2e-5, longer runs to 5e-4 and to a fifth of their
 distance from the unrounded float32 result. The tests of what runs where
 AMX is missing run everywhere; the rest only on a CPU with AMX."""
+import re
+
 import numpy as np
 import pytest
 
@@ -112,18 +115,74 @@ def test_bf16_nan_stays_nan_in_its_row(lstm1):
     assert not np.isnan(np.delete(y, 2, axis=1)).any()
 
 
+def _lstm_step_gradients(x, h0, c0, p, dy, operand):
+    """One LSTM step's gradients (float64) with operand() applied to the
+    products' operands: the forward's (x, h0, W_ih, W_hh) and the weight
+    gradients' and dx's (the gate gradients, x, h0, W_ih); dh0's product
+    (W_hh^T da, float32 steps) is left as it is."""
+    f32 = lambda a: np.asarray(a, np.float32)   # noqa: E731
+    w_ih, w_hh = p["weight_ih_l0"], p["weight_hh_l0"]
+    a = (operand(f32(x)) @ operand(f32(w_ih)).T + operand(f32(h0)) @ operand(f32(w_hh)).T
+         + p["bias_ih_l0"] + p["bias_hh_l0"])
+    n = a.shape[1] // 4
+    i, f = reference._sigmoid(a[:, :n]), reference._sigmoid(a[:, n:2 * n])
+    g, o = np.tanh(a[:, 2 * n:3 * n]), reference._sigmoid(a[:, 3 * n:])
+    c = f * c0 + i * g
+    tc = np.tanh(c)
+    dc = dy * o * (1 - tc * tc)
+    da = np.concatenate([dc * g * i * (1 - i), dc * c0 * f * (1 - f), dc * i * (1 - g * g),
+                         dy * tc * o * (1 - o)], axis=1)                   # (B, 4H)
+    dar = operand(f32(da))
+    return {"weight_ih_l0": dar.T @ operand(f32(x)), "weight_hh_l0": dar.T @ operand(f32(h0)),
+            "bias_ih_l0": da.sum(0), "bias_hh_l0": da.sum(0),
+            "input": dar @ operand(f32(w_ih)), "h0": da @ w_hh, "c0": dc * f}
+
+
 @needs_amx
-def test_bf16_forward_trains_with_fp32_backward(lstm1):
-    """Backward computes in float32 from the bf16 forward's saved values:
-    the gradients are the float32 layer's to bf16's accuracy."""
+def test_bf16_backward_equals_the_reference_with_bf16_operands():
+    """The backward's dx and weight gradients on AMX tiles: one step, B =
+    17 (two tiles of rows, the second ragged), against the float64
+    gradients with every product's operands rounded to bf16 as the kernels
+    round them. The kernel rounds its own float32 gate gradients, and one
+    that lies at a bf16 halfway point may round the other way than the
+    reference's: the products are held to 5e-4 and to a fifth of their
+    distance from the unrounded gradients (so a backward that did not
+    round fails), the rest to 2e-5."""
+    rng = np.random.default_rng(5)
+    m = halstm.LSTM(I, H, seed=0, precision="bf16")
+    B = 17
+    x = rng.standard_normal((1, B, I)).astype(np.float32)
+    h0, c0 = (0.5 * rng.standard_normal((1, B, H)).astype(np.float32) for _ in range(2))
+    dy = rng.standard_normal((1, B, H)).astype(np.float32)
+    m(x, (h0, c0))
+    got = m.backward(dy)
+    p = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
+    args = (x[0], h0[0], c0[0], p, dy[0].astype(np.float64))
+    want = _lstm_step_gradients(*args, operand=reference.round_bf16)
+    plain = _lstm_step_gradients(*args, operand=lambda a: np.asarray(a, np.float64))
+    for k, w in want.items():
+        g = np.asarray(got[k]).reshape(w.shape)
+        err = _rel(g, w)
+        if k in ("weight_ih_l0", "weight_hh_l0", "input"):   # (the bf16 products)
+            assert err < 5e-4 and err < _rel(g, plain[k]) / 5, (k, err, _rel(g, plain[k]))
+        else:
+            assert err < 2e-5, (k, err)
+
+
+@needs_amx
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_bf16_trains_close_to_fp32(cell):
+    """Forward and backward products in bf16, two layers: the gradients are
+    the float32 layers' to bf16's accuracy (the GRU's gate gradients of
+    the input and of h differ: two operands of the weight gradients)."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 3, I)).astype(np.float32)
     dy = rng.standard_normal((4, 3, H)).astype(np.float32)
-    fp32 = halstm.LSTM(I, H, seed=0)
     grads = {}
-    for name, m in (("bf16", lstm1), ("fp32", fp32)):
+    for precision in ("bf16", "fp32"):
+        m = halstm.Recurrent(cell, I, H, num_layers=2, seed=0, precision=precision)
         m(x)
-        grads[name] = m.backward(dy)
+        grads[precision] = m.backward(dy)
     assert set(grads["bf16"]) == set(grads["fp32"])
     for k, g in grads["bf16"].items():
         assert np.isfinite(g).all(), k
@@ -144,3 +203,29 @@ def test_bf16_on_a_cpu_without_amx_is_a_clear_error():
 def test_tf32_stays_a_cuda_mode():
     with pytest.raises(ValueError, match="precision: 'tf32' runs on CUDA targets only"):
         halstm.LSTM(I, H, precision="tf32")
+
+
+AMX_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_sapphirerapids-"
+              "avx512_skylake-f16c-fma-sse41")
+
+
+@pytest.mark.parametrize("cell,kind", [("lstm", "grads"), ("gru", "grads"),
+                                       ("lstm", "grads_ids")])
+def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, tmp_path):
+    """The grads pipeline of a bf16 backward (compiled for an AMX target on
+    any machine): dx and both weight gradients are AMX tile products (one
+    hot: no dx, dW_ih a scatter-add)."""
+    import halide as hl
+    from halstm import cells, pipeline
+    from halstm.schedules import cpu
+    target = hl.Target(AMX_TARGET)
+    p = pipeline.build(cells.get(cell), kind, I, H, cpu.amx_layout(cpu.layout(target), "bwd"))
+    getattr(cpu, kind)(p, target)
+    path = tmp_path / "grads.stmt"
+    p.pipeline().compile_to({hl.OutputFileType.stmt: str(path)}, [hl.Argument(q) for q in p.inputs],
+                            "k", target.with_feature(hl.TargetFeature.NoRuntime))
+    stmt = path.read_text()
+    # (a second pipeline built in this process has its Funcs named name$1)
+    amx = set(re.findall(r"allocate (\w+)_amx(?:\$\d+)?\.amx\[float32x256 \* 1\] in AMXTile", stmt))
+    assert amx == ({"dw_hh"} if kind == "grads_ids" else {"dx", "dw_ih", "dw_hh"})
+    assert "tile_matmul" in stmt

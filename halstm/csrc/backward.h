@@ -435,6 +435,9 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     args[n++] = vdw_ih.hb(), args[n++] = vdb_ih.hb(), args[n++] = vdw_hh.hb();
     args[n++] = vdb_hh.hb();
     if (NV) args[n++] = vdvec.hb();
+#if HALSTM_AMX   // (the grads pipeline's products on AMX tiles)
+    if ((rc = amx_permitted())) return rc;
+#endif
     {
 #if HALSTM_SPLIT
         PoolWork work((double)N * (K + H) * G * H);   // (dW_ih, dW_hh; dx as many again)

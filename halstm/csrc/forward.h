@@ -57,20 +57,6 @@ int halstm_step_fold_argv(void **);
 int halstm_step_fold_infer_argv(void **);
 #endif
 
-#if HALSTM_AMX
-// Linux lets a process use AMX's tile data only once it asked for it
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); every thread
-// of the process may then. Asked once; 0, or -1 with the error set.
-int amx_permitted() {
-    static const long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */);
-    if (rc) halide_error(nullptr, "halstm_forward: the kernel refused AMX tile data "
-                                  "(arch_prctl ARCH_REQ_XCOMP_PERM); precision 'bf16' "
-                                  "needs Linux 5.16 or later on a CPU with AMX\n");
-    return rc ? -1 : 0;
-}
-#endif
-
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
 // vector parameters (unused without, NV = 0)
