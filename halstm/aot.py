@@ -88,8 +88,10 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds += pipeline.UNITS_BWD if "step_bwd" in kinds else pipeline.UNITS_FWD
     if layout.fold_steps:
         kinds += pipeline.FOLD_FWD if spec.direction == "fwd" else pipeline.FOLD_BWD
-    if layout.narrow_rows:           # (set for forward libraries only: aot._plan)
+    if layout.narrow_rows and spec.direction == "fwd":
         kinds += pipeline.NARROW
+    if layout.amx_bf16 and "step_bwd_fused" in kinds:   # (its narrow steps: step_bwd_fused)
+        kinds += pipeline.AMX_BWD
     if layout.loop_rows:             # (the same)
         kinds += pipeline.LOOP
     if layout.raw_bwd_weights:       # the backward reads the weights as given
@@ -340,7 +342,7 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
         if amx:
-            layout = module.amx_layout(layout, spec.direction)
+            layout = module.amx_layout(layout)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
             # first: no ranges of units for a whole step on the driver's

@@ -45,13 +45,14 @@ class Layout:
     fold_steps: bool = False       # CUDA, a step that reduces over units: the forward
     #                                also has steps that compute the next step's product
     #                                (pipeline.FOLD_FWD), run where the driver finds them fit
-    narrow_rows: int = 0           # CUDA forward: steps of up to this many batch rows run
-    #                                the narrow step pipelines (pipeline.NARROW; 0: none)
+    narrow_rows: int = 0           # steps of up to this many batch rows run the narrow
+    #                                step pipelines (pipeline.NARROW: CUDA and AMX forwards;
+    #                                with amx_bf16, backward: step_bwd_fused; 0: none)
     loop_rows: int = 0             # CUDA forward: inference of up to this many batch rows
     #                                runs every step in one pipeline (pipeline.LOOP; 0: none)
-    amx_bf16: bool = False         # CPU (precision "bf16"): the projection's, the forward
-    #                                steps' and the grads pipeline's products on AMX tiles,
-    #                                bf16 operands (halstm.bf16)
+    amx_bf16: bool = False         # CPU (precision "bf16"): the products of the projection,
+    #                                the steps and the grads pipeline on AMX tiles, bf16
+    #                                operands (halstm.bf16; pipeline.AMX_BWD)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -38,7 +38,7 @@ KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
          "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
          "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer", "step_bwd_fold",
-         "step_narrow", "step_narrow_infer", "loop_infer")
+         "step_narrow", "step_narrow_infer", "loop_infer", "step_bwd_amx")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -84,6 +84,10 @@ FOLD_BWD = ("step_bwd_fold",)
 # step_narrow_infer: step and step_infer themselves, scheduled for steps of
 # few batch rows; the driver calls them for steps of up to narrow_rows rows.
 NARROW = ("step_narrow", "step_narrow_infer")
+# With AMX (Layout.amx_bf16), a backward of fused steps also has
+# step_bwd_amx: step_bwd_fused with its product on AMX tiles, which the
+# driver calls for steps of more than narrow_rows rows.
+AMX_BWD = ("step_bwd_amx",)
 # Where the layout has loop_rows, the forward also has loop_infer: a
 # forward that no backward follows with every step in one pipeline, for a
 # cell without sums over units; the driver calls it once, in place of the
@@ -362,13 +366,14 @@ def _proj(p: Pipe) -> None:
     p.rdoms = {"i": r}
 
 
-def _amx_weight(p: Pipe, name: str, n: int) -> hl.ImageParam:
-    """A weight packed by _pack for AMX (bf16.panels), n its reduction."""
+def _amx_weight(p: Pipe, name: str, n: int, gates: int = 0) -> hl.ImageParam:
+    """A weight packed for AMX (bf16.panels) by _pack (or _pack_bwd), n its
+    reduction, `gates` its gates (0: the cell's)."""
     q = hl.ImageParam(hl.BFloat(16), 3, name)
     # only the innermost stride fixed: with every stride constant Halide 21
     # no longer recognises the product as an AMX tile product
     q.dim(0).set_stride(1)
-    p.shapes[name] = [2, p.P, bf16.padded_reduction(n) // 2 * p.G * (p.Hp // p.P)]
+    p.shapes[name] = [2, p.P, bf16.padded_reduction(n) // 2 * (gates or p.G) * (p.Hp // p.P)]
     return q
 
 
@@ -710,6 +715,14 @@ def _pack_bwd(p: Pipe) -> None:
     _fix_output(p, wq_ih, [P, H, G, p.Kp // P])
     _fix_output(p, wq_hh, [P, H, G, p.Hp // P])
     p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
+    if p.amx:   # and for step_bwd_amx, W_hh^T's bf16 pair panels: numpy (Hp/P, 1, NH, P, 2)
+        k, kg, g0 = hl.Var("k"), hl.Var("kg"), hl.Var("g0")
+        w_t = hl.Func("w_hh_t")             # w_t(g*H + j, k, 0) = W_hh[g*H + j, k]
+        w_t[kg, k, g0] = w_hh[k, kg % H, hl.min(kg / H, G - 1)]
+        wt_hh = bf16.panels(w_t, G * H, H, 1, P, "wt_hh")
+        p.outputs.append(wt_hh)
+        _fix_output(p, wt_hh, [2, P, bf16.padded_reduction(G * H) // 2 * (p.Hp // P)])
+        p.stages["wt_hh"] = wt_hh
 
 
 class _Reads(dict):
@@ -909,7 +922,15 @@ def _step_bwd_units(p: Pipe) -> None:
     _step_bwd(p)
 
 
-def _step_bwd_fused(p: Pipe) -> None:
+def _step_bwd_amx(p: Pipe) -> None:
+    """step_bwd_fused with its product on AMX tiles (precision bf16 on a
+    CPU): dhg_next's rows rounded to bf16 (the reduction over gate and
+    unit innermost) times W_hh's bf16 pair panels over that reduction
+    (pack_bwd's wt_hh)."""
+    _step_bwd_fused(p, amx=True)
+
+
+def _step_bwd_fused(p: Pipe, amx: bool = False) -> None:
     """step_bwd turned around, so that a step is one kernel on a GPU (its
     product needs every unit's dhg, so step_bwd's pointwise part and its
     product are two): call t finishes step t+1's product,
@@ -928,13 +949,25 @@ def _step_bwd_fused(p: Pipe) -> None:
     cell, G, H, Hp = p.cell, p.G, p.H, p.Hp
     k, b = p.vars["k"], p.vars["b"]
     saved, prev, new, dy, dnext = _step_bwd_inputs(p, cell.states[1:])
-    w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
     dh_add = _param(p, "dh_add", [H, None], [1, Hp])    # a row of (B, Hp)
     dhg_next = _param(p, "dhg_next", [H, G, None])      # numpy (B, G, H): dhg[t+1]
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     dhg_in = _clamp(dhg_next, (2,))
-    dh_acc, dh = _matmul("dh", [k, b], _clamp(dh_add, (0, 1))[k, b],    # (k clamped: whole tiles)
-                         lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+    init = _clamp(dh_add, (0, 1))[k, b]                  # (k clamped: whole tiles)
+    if amx:
+        w_hh = _amx_weight(p, "wt_hh", G * H, 1)
+        flat = hl.Func("dhg_flat")                       # dhg_flat(g*H + j, b) = dhg_next(j, g, b)
+        kg = hl.Var("kg")
+        flat[kg, b] = dhg_in[kg % H, hl.min(kg / H, G - 1), b]
+        dhg_bf = bf16.rows(flat, G * H, "dhg_bf")
+        acc, tile, r = bf16.product("dh", dhg_bf, w_hh, G * H, 1)
+        dh = hl.Func("dh")
+        dh[k, b] = init + bf16.at(tile, k, b, 0, p.P)
+        product_stages = {"dhg_bf": dhg_bf, "dh_amx": acc, "dh_tile": tile}
+    else:
+        w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
+        dh_acc, dh = _matmul("dh", [k, b], init, lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
+        product_stages = {"dh_acc": dh_acc}
     # The pointwise inputs are read at the stored units only (k < H: the
     # schedules guard the edge tile), so unclamped along units: the edge
     # tile's loads are then predicated vectors where clamped ones were
@@ -963,7 +996,7 @@ def _step_bwd_fused(p: Pipe) -> None:
     p.inputs = ([saved] + [prev[s] for s in cell.states] + [new[s] for s in cell.states]
                 + [dy] + [dnext[s] for s in cell.states[1:]] + [dh_add, dhg_next, w_hh] + vec
                 + sums)
-    p.stages = {"out": out, "dh_acc": dh_acc, "dhg_in": dhg_in}
+    p.stages = {"out": out, "dhg_in": dhg_in, **product_stages}
     p.outputs = [out]
     # dh and the state rows: (B, Hp) rows; dxp and dhg: a gate's plane of
     # (B, G, H); dvec: a channel's plane of (B, V, H)

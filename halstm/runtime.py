@@ -377,8 +377,12 @@ class Library:
                 dstate.append(a)
             ws = [None, None]       # no pack_bwd: the products read the weights as given
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
+                # with AMX, wq_hh's panels are followed by W_hh^T's bf16 pair panels
+                # (Hp/P, 1, NH, P, 2), NH = G*H rounded up to 32, halved (halstm.bf16)
+                wq_hh = (Hp * G * H + Hp * (-(-G * H // 32) * 16),) if self._amx else (
+                    Hp // P, G, H, P)
                 ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
-                      self._workspace(mem, stream, "wq_hh", (Hp // P, G, H, P))]
+                      self._workspace(mem, stream, "wq_hh", wq_hh)]
             reuse = ws[0] is not None and self._pack_reused(mem, stream, ws, pack_key)
             packed = self._packed(bs)
             N = step_rows_count(bs, T, B, packed)

@@ -25,11 +25,12 @@ def panels(p, target):
     16 reduction values); panels in parallel (bench/RESULTS.md, "Schedule
     decisions": cpu.amx pack)."""
     for name, n in (("wp_ih", p.K), ("wp_hh", p.H)):
-        _panels(p.stage(name), n, p.G)
+        weight_panels(p.stage(name), n, p.G)
 
 
-def _panels(f, n: int, G: int) -> None:
-    """panels' schedule of one weight f, n its reduction, G its gates."""
+def weight_panels(f, n: int, G: int) -> None:
+    """panels' schedule of one weight's pair panels f, n its reduction, G
+    its gates."""
     k2, ji, q = f.args()
     qo, kk, jo, gate, ko, ki, lanes = (hl.Var(v) for v in
                                         ("qo", "kk", "jo", "gate", "ko", "ki", "lanes"))
@@ -122,6 +123,24 @@ def step(p):
     p.split_batch_bytes = 0
 
 
+def step_bwd(p):
+    """A backward step with its product on AMX tiles (pipeline.py
+    _step_bwd_amx), as step: per panel of units, the product for every
+    row (tiles of 16 rows), then the pointwise backward on tiles of one
+    panel x 16 rows; dhg_next's bf16 rows first, once a call. The driver's
+    threads take ranges of panels (and of rows where its layout says)."""
+    out = p.stage("out")
+    k, b = p.vars["k"], p.vars["b"]
+    ko, ki, bo, bi = (hl.Var(name) for name in ("ko", "ki", "bo", "bi"))
+    rows(p.stage("dhg_bf"), parallel=not p.split_steps)
+    out.split(k, ko, ki, p.P, GUARD).split(b, bo, bi, ROWS, GUARD)
+    out.reorder(ki, bi, bo, ko).vectorize(ki)
+    if not p.split_steps:
+        out.parallel(ko)
+    product(p.stage("dh_amx"), p.stage("dh_tile"), p.rdoms["jg"], out, ko, rows_here=True)
+    p.split_quantum = 1
+
+
 def step_narrow(p, panels: int):
     """A step of few rows with AMX's operands, without AMX: per row and
     tile of `panels` panels, every gate's accumulators in registers, the
@@ -176,7 +195,7 @@ def grads(p):
         f.compute_root().fuse(k2, ji, lanes).vectorize(lanes).split(q, qo, qi, 64, GUARD)
         f.parallel(qo)
     if not ids:
-        _panels(p.stage("w_ih_panels").compute_root(), p.G * p.H, 1)
+        weight_panels(p.stage("w_ih_panels").compute_root(), p.G * p.H, 1)
         rows(p.stage("dxp_bf"))
         out = p.stage("dx")
         i, n = out.args()

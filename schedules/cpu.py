@@ -279,6 +279,8 @@ def pack(p, target):
 def pack_bwd(p, target):
     for name in ("wq_ih", "wq_hh"):
         _pack(p.stage(name), target)
+    if p.amx:     # (W_hh^T's bf16 pair panels, for step_bwd_amx)
+        amx.weight_panels(p.stage("wt_hh"), p.G * p.H, 1)
 
 
 def proj_rows(target: hl.Target) -> int:
@@ -335,13 +337,12 @@ def proj(p, target):
     acc.update().reorder(j, gate, n, r)
 
 
-def amx_layout(layout: Layout, direction: str) -> Layout:
-    """layout for precision bf16 on AMX (halstm.bf16): a forward's steps
-    of up to amx.NARROW_ROWS rows run step_narrow; a backward's grads
-    pipeline computes on AMX tiles (its steps stay float32)."""
-    if direction == "fwd":
-        return replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
-    return replace(layout, amx_bf16=True)
+def amx_layout(layout: Layout) -> Layout:
+    """layout for precision bf16 on AMX (halstm.bf16): steps of up to
+    amx.NARROW_ROWS rows run without AMX (step_narrow forward, the float32
+    step_bwd_fused backward), the others on AMX tiles (step, step_bwd_amx),
+    as do the projection and the backward's dx and weight gradients."""
+    return replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
 
 
 def step_narrow(p, target):
@@ -351,6 +352,11 @@ def step_narrow(p, target):
 
 
 step_narrow_infer = step_narrow
+
+
+def step_bwd_amx(p, target):
+    """A backward step with its product on AMX tiles (amx_layout): amx.step_bwd."""
+    amx.step_bwd(p)
 
 
 def _row_sums(p, at, at_var, vw):

@@ -17,6 +17,7 @@ import pytest
 import halstm
 from halstm import reference
 from halstm.errors import CompileError
+from halstm.schedules import amx
 from helpers import assert_close
 
 I, H = 37, 45      # odd sizes: a reduction past whole 32-chunks, units past whole panels
@@ -115,11 +116,12 @@ def test_bf16_nan_stays_nan_in_its_row(lstm1):
     assert not np.isnan(np.delete(y, 2, axis=1)).any()
 
 
-def _lstm_step_gradients(x, h0, c0, p, dy, operand):
+def _lstm_step_gradients(x, h0, c0, p, dy, operand, dh_operand=None):
     """One LSTM step's gradients (float64) with operand() applied to the
-    products' operands: the forward's (x, h0, W_ih, W_hh) and the weight
-    gradients' and dx's (the gate gradients, x, h0, W_ih); dh0's product
-    (W_hh^T da, float32 steps) is left as it is."""
+    products' operands: the forward's (x, h0, W_ih, W_hh), and the
+    backward's (the gate gradients da, x, h0, W_ih), and dh_operand (default
+    operand) to dh0's (da, W_hh)."""
+    dh_operand = dh_operand or operand
     f32 = lambda a: np.asarray(a, np.float32)   # noqa: E731
     w_ih, w_hh = p["weight_ih_l0"], p["weight_hh_l0"]
     a = (operand(f32(x)) @ operand(f32(w_ih)).T + operand(f32(h0)) @ operand(f32(w_hh)).T
@@ -135,13 +137,16 @@ def _lstm_step_gradients(x, h0, c0, p, dy, operand):
     dar = operand(f32(da))
     return {"weight_ih_l0": dar.T @ operand(f32(x)), "weight_hh_l0": dar.T @ operand(f32(h0)),
             "bias_ih_l0": da.sum(0), "bias_hh_l0": da.sum(0),
-            "input": dar @ operand(f32(w_ih)), "h0": da @ w_hh, "c0": dc * f}
+            "input": dar @ operand(f32(w_ih)), "h0": dh_operand(f32(da)) @ dh_operand(f32(w_hh)), "c0": dc * f}
 
 
 @needs_amx
-def test_bf16_backward_equals_the_reference_with_bf16_operands():
-    """The backward's dx and weight gradients on AMX tiles: one step, B =
-    17 (two tiles of rows, the second ragged), against the float64
+@pytest.mark.parametrize("B", [2, 17])
+def test_bf16_backward_equals_the_reference_with_bf16_operands(B):
+    """The backward's products on AMX tiles (dx, the weight gradients and,
+    with more than amx.NARROW_ROWS rows, the step's dh = W_hh^T da; B = 2
+    runs the float32 step): one step, B = 17 (two tiles of rows, the
+    second ragged) and 2, against the float64
     gradients with every product's operands rounded to bf16 as the kernels
     round them. The kernel rounds its own float32 gate gradients, and one
     that lies at a bf16 halfway point may round the other way than the
@@ -150,7 +155,6 @@ def test_bf16_backward_equals_the_reference_with_bf16_operands():
     round fails), the rest to 2e-5."""
     rng = np.random.default_rng(5)
     m = halstm.LSTM(I, H, seed=0, precision="bf16")
-    B = 17
     x = rng.standard_normal((1, B, I)).astype(np.float32)
     h0, c0 = (0.5 * rng.standard_normal((1, B, H)).astype(np.float32) for _ in range(2))
     dy = rng.standard_normal((1, B, H)).astype(np.float32)
@@ -158,12 +162,16 @@ def test_bf16_backward_equals_the_reference_with_bf16_operands():
     got = m.backward(dy)
     p = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
     args = (x[0], h0[0], c0[0], p, dy[0].astype(np.float64))
-    want = _lstm_step_gradients(*args, operand=reference.round_bf16)
-    plain = _lstm_step_gradients(*args, operand=lambda a: np.asarray(a, np.float64))
+    f64 = lambda a: np.asarray(a, np.float64)   # noqa: E731
+    amx_step = B > amx.NARROW_ROWS             # (else dh0 from the float32 step)
+    want = _lstm_step_gradients(*args, operand=reference.round_bf16,
+                                dh_operand=None if amx_step else f64)
+    plain = _lstm_step_gradients(*args, operand=f64)
+    rounded = ("weight_ih_l0", "weight_hh_l0", "input") + (("h0",) if amx_step else ())
     for k, w in want.items():
         g = np.asarray(got[k]).reshape(w.shape)
         err = _rel(g, w)
-        if k in ("weight_ih_l0", "weight_hh_l0", "input"):   # (the bf16 products)
+        if k in rounded:
             assert err < 5e-4 and err < _rel(g, plain[k]) / 5, (k, err, _rel(g, plain[k]))
         else:
             assert err < 2e-5, (k, err)
@@ -176,8 +184,8 @@ def test_bf16_trains_close_to_fp32(cell):
     the float32 layers' to bf16's accuracy (the GRU's gate gradients of
     the input and of h differ: two operands of the weight gradients)."""
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((4, 3, I)).astype(np.float32)
-    dy = rng.standard_normal((4, 3, H)).astype(np.float32)
+    x = rng.standard_normal((4, 19, I)).astype(np.float32)
+    dy = rng.standard_normal((4, 19, H)).astype(np.float32)
     grads = {}
     for precision in ("bf16", "fp32"):
         m = halstm.Recurrent(cell, I, H, num_layers=2, seed=0, precision=precision)
@@ -209,23 +217,24 @@ AMX_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_sapphirerap
               "avx512_skylake-f16c-fma-sse41")
 
 
-@pytest.mark.parametrize("cell,kind", [("lstm", "grads"), ("gru", "grads"),
-                                       ("lstm", "grads_ids")])
-def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, tmp_path):
-    """The grads pipeline of a bf16 backward (compiled for an AMX target on
-    any machine): dx and both weight gradients are AMX tile products (one
-    hot: no dx, dW_ih a scatter-add)."""
+@pytest.mark.parametrize("cell,kind,products", [
+    ("lstm", "grads", {"dx", "dw_ih", "dw_hh"}), ("gru", "grads", {"dx", "dw_ih", "dw_hh"}),
+    ("lstm", "grads_ids", {"dw_hh"}), ("gru", "step_bwd_amx", {"dh"})])
+def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, products, tmp_path):
+    """The pipelines of a bf16 backward (compiled for an AMX target on any
+    machine): dx and both weight gradients are AMX tile products (one hot:
+    no dx, dW_ih a scatter-add), and so is the step's dh = W_hh^T dhg."""
     import halide as hl
     from halstm import cells, pipeline
     from halstm.schedules import cpu
     target = hl.Target(AMX_TARGET)
-    p = pipeline.build(cells.get(cell), kind, I, H, cpu.amx_layout(cpu.layout(target), "bwd"))
+    p = pipeline.build(cells.get(cell), kind, I, H, cpu.amx_layout(cpu.layout(target)))
     getattr(cpu, kind)(p, target)
-    path = tmp_path / "grads.stmt"
+    path = tmp_path / "k.stmt"
     p.pipeline().compile_to({hl.OutputFileType.stmt: str(path)}, [hl.Argument(q) for q in p.inputs],
                             "k", target.with_feature(hl.TargetFeature.NoRuntime))
     stmt = path.read_text()
     # (a second pipeline built in this process has its Funcs named name$1)
     amx = set(re.findall(r"allocate (\w+)_amx(?:\$\d+)?\.amx\[float32x256 \* 1\] in AMXTile", stmt))
-    assert amx == ({"dw_hh"} if kind == "grads_ids" else {"dx", "dw_ih", "dw_hh"})
+    assert amx == products
     assert "tile_matmul" in stmt

@@ -16,6 +16,12 @@ int halstm_step_bwd_argv(void **);
 // outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], dvec sums[NV], the next call's dh_add
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
+#if HALSTM_AMX
+// step_bwd_fused with its product on AMX tiles, for steps of more than
+// HALSTM_NARROW_ROWS rows: the same arguments, w_hh as W_hh^T's bf16 pair
+// panels (pack_bwd's third output)
+int halstm_step_bwd_amx_argv(void **);
+#endif
 #endif
 #if HALSTM_UNITS_BWD
 // step_bwd on ranges of units, where the batch has too few rows for the
@@ -39,7 +45,11 @@ int halstm_step_bwd_fold_argv(void **);
 // to dprev[0] by cuBLAS
 int halstm_step_bwd_vendor_argv(void **);
 #endif
+#if HALSTM_AMX   // (a third output: W_hh^T's bf16 pair panels, after wq_hh's)
+int halstm_pack_bwd(HB, HB, HB, HB, HB);
+#else
 int halstm_pack_bwd(HB, HB, HB, HB);
+#endif
 // inputs x (or ids), hs, dxp, [dhg], [w_ih], [dvec rows]; outputs [dx], dw_ih, db_ih,
 // dw_hh, db_hh, [dvec] (through Halide's argv entry point)
 int halstm_grads_argv(void **);
@@ -50,7 +60,9 @@ int halstm_grads_ids_argv(void **);
 // states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
 // dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
 // on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
-// workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P);
+// workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P), with HALSTM_AMX
+//   followed by W_hh^T's bf16 pair panels (HP/P, 1, NH, P, 2), NH = G*H
+//   rounded up to 32, halved;
 //   dxp, dhg (N, G, H) (dhg unused when DXP_IS_DHG): N rows, step t's from
 //   rows.h's StepRows::row0(t) (T*B without batch sizes);
 //   fused_ws (HALSTM_FUSED_BWD, else unused): B*G*H zeros, then
@@ -94,7 +106,14 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #else
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     const float *wq_key = wq_hh;
+#if HALSTM_AMX
+    if (int rc = amx_permitted()) return rc;
+    View vwt_hh = panels_amx(wq_hh + (int64_t)HP * G * H, G * H, 1);
+    int rc = t_reuse_pack ? 0 : halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb(),
+                                                vwt_hh.hb());
+#else
     int rc = t_reuse_pack ? 0 : halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb());
+#endif
     if (rc) return rc;
 #endif
     // Backward step t's unfused call: its views and argument list, for
@@ -206,7 +225,13 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int s = 1; s < NS; s++) args[n++] = next[s].hb();
             args[n++] = dy_t.hb();
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
+#if HALSTM_AMX   // (steps of few rows: the float32 step, whose tiles fit them)
+            const bool amx = rows > HALSTM_NARROW_ROWS;
+            args[n++] = dh_add.hb(), args[n++] = dhg_next.hb();
+            args[n++] = amx ? vwt_hh.hb() : vwq_hh.hb();
+#else
             args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
+#endif
             // the vector gradients' sums: read [cur], written to [nxt] (call -1:
             // scratch, unused)
             float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H
@@ -231,7 +256,11 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int c = 0; c < NV; c++)
                 args[n++] = (vplanes[c] = PART(plane(dvec_t, c, NV, rows), H, 1)).hb();
             args[n++] = add_out.hb();
+#if HALSTM_AMX
+            rc = amx ? halstm_step_bwd_amx_argv(args) : halstm_step_bwd_fused_argv(args);
+#else
             rc = halstm_step_bwd_fused_argv(args);
+#endif
             if (!step_done(barrier, rc)) break;
         }
         return rc;
@@ -435,9 +464,6 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     args[n++] = vdw_ih.hb(), args[n++] = vdb_ih.hb(), args[n++] = vdw_hh.hb();
     args[n++] = vdb_hh.hb();
     if (NV) args[n++] = vdvec.hb();
-#if HALSTM_AMX   // (the grads pipeline's products on AMX tiles)
-    if ((rc = amx_permitted())) return rc;
-#endif
     {
 #if HALSTM_SPLIT
         PoolWork work((double)N * (K + H) * G * H);   // (dW_ih, dW_hh; dx as many again)

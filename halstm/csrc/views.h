@@ -102,10 +102,10 @@ View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate,
 }
 #if HALSTM_AMX
 // A weight of reduction n_red as bf16 pair panels (halstm/bf16.py panels):
-// (HP/P, G, NH, P, 2) bf16, NH = n_red rounded up to 32, halved: k2, ji, q
-View panels_amx(const float *w, int n_red) {
+// (HP/P, gates, NH, P, 2) bf16, NH = n_red rounded up to 32, halved: k2, ji, q
+View panels_amx(const float *w, int n_red, int gates = G) {
     const int nh = (n_red + 31) / 32 * 16;
-    View v(w, {{2, 1}, {P, 2}, {nh * G * (HP / P), 2 * P}});
+    View v(w, {{2, 1}, {P, 2}, {nh * gates * (HP / P), 2 * P}});
     v.buf.type.code = halide_type_bfloat;
     v.buf.type.bits = 16;
     return v;
