@@ -342,7 +342,8 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
         if amx:
-            layout = module.amx_layout(layout)
+            layout = module.amx_layout(layout, spec.direction, spec.input_size,
+                                       spec.hidden_size)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
             # first: no ranges of units for a whole step on the driver's

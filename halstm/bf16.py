@@ -31,27 +31,27 @@ def value(x) -> hl.Expr:
     return hl.reinterpret(hl.BFloat(16), bits(x))
 
 
-def padded_reduction(n):
-    """A reduction of n values (an int, or an Expr) padded to whole chunks
-    of a tile row."""
-    if isinstance(n, int):
-        return -(-n // K_CHUNK) * K_CHUNK
-    return (n + (K_CHUNK - 1)) / K_CHUNK * K_CHUNK
+def padded_reduction(n, to=K_CHUNK):
+    """A reduction of n values padded to whole chunks of `to` values (a
+    multiple of a tile row); n and `to` ints or Exprs."""
+    if isinstance(n, int) and isinstance(to, int):
+        return -(-n // to) * to
+    return (n + (to - 1)) / to * to
 
 
-def _pairs(n):
-    """The pairs of a padded reduction of n values (n an int or an Expr)."""
-    half = padded_reduction(n)
+def _pairs(n, to=K_CHUNK):
+    """The pairs of a reduction of n values padded to `to` (ints or Exprs)."""
+    half = padded_reduction(n, to)
     return half // 2 if isinstance(half, int) else half / 2
 
 
-def panels(w, n, H: int, G: int, P: int, name: str) -> hl.Func:
+def panels(w, n, H: int, G: int, P: int, name: str, pad=K_CHUNK) -> hl.Func:
     """w(k, j, gate) (k < n, an int or an Expr; j < H) as the bf16 pair
-    panels of the module's docstring: f(k2, ji, q), zero past n and H.
-    numpy (Hp/P, G, NH, P, 2)."""
+    panels of the module's docstring: f(k2, ji, q), zero past n and H, the
+    reduction padded to whole chunks of `pad`. numpy (Hp/P, G, NH, P, 2)."""
     f = hl.Func(name)
     k2, ji, q = hl.Var("k2"), hl.Var("ji"), hl.Var("q")
-    nh = _pairs(n)
+    nh = _pairs(n, pad)
     k = (q % nh) * 2 + k2
     gate = (q / nh) % G
     j = (q / (nh * G)) * P + ji
@@ -90,29 +90,39 @@ def operand(a, k, row) -> hl.Expr:
     return a[k, row]
 
 
-def weight(w, k, ji, gate, jo, n, G: int) -> hl.Expr:
+def weight(w, k, ji, gate, jo, n, G: int, pad=K_CHUNK) -> hl.Expr:
     """Element k of unit jo*P + ji of `gate` of a weight in bf16 pair
-    panels (panels' layout; n its reduction's true extent)."""
-    nh = _pairs(n)
+    panels (panels' layout; n its reduction's true extent, padded to `pad`)."""
+    nh = _pairs(n, pad)
     return w[k % 2, ji, k / 2 + nh * (gate + G * jo)]
 
 
-def product(name: str, a: hl.Func, w, n: int, G: int) -> tuple:
+def product(name: str, a: hl.Func, w, n, G: int, chunk=None) -> tuple:
     """The product tiles acc(ji, row, gate, jo) = sum over k of a(k, row)
-    w(k, jo*P + ji, gate), a the bf16 rows (rows, chunks), w the bf16 panels (an
-    ImageParam or Func f(k2, ji, q)), n the reduction's true extent.
+    w(k, jo*P + ji, gate), a the bf16 rows (rows, chunks), w the bf16 panels
+    (an ImageParam or Func f(k2, ji, q)), n the reduction's true extent (an
+    int or an Expr). With chunk (an Expr: a multiple of K_CHUNK), the sums
+    over each chunk of that many k apart: acc(ji, row, gate, jo, c) over k
+    in [c*chunk, (c+1)*chunk) (w's reduction padded to whole chunks).
     Returns (acc, out, r): acc the AMX accumulator (`name`_amx), out its
     copy in memory (`name`_tile), which consumers read (a schedule stores
     acc in AMX tiles and computes it per 16 x 16 tile of out), r the
     reduction."""
     ji, row, gate, jo = hl.Var("ji"), hl.Var("row"), hl.Var("gate"), hl.Var("jo")
-    r = hl.RDom([(0, padded_reduction(n))], name + "_r")
+    args, pad = [ji, row, gate, jo], K_CHUNK
+    if chunk is not None:   # (k = (c * chunk rows + r.y) * K_CHUNK + r.x: as AMX takes it)
+        c = hl.Var("c")
+        args, pad = args + [c], chunk
+        r = hl.RDom([(0, K_CHUNK), (0, chunk / K_CHUNK)], name + "_r")
+        k = (c * (chunk / K_CHUNK) + r.y) * K_CHUNK + r.x
+    else:
+        r = hl.RDom([(0, padded_reduction(n))], name + "_r")
+        k = r.x
     acc = hl.Func(name + "_amx")
-    acc[ji, row, gate, jo] = hl.f32(0)
-    acc[ji, row, gate, jo] += hl.f32(operand(a, r.x, row)) * hl.f32(weight(w, r.x, ji, gate, jo,
-                                                                             n, G))
+    acc[args] = hl.f32(0)
+    acc[args] += hl.f32(operand(a, k, row)) * hl.f32(weight(w, k, ji, gate, jo, n, G, pad))
     out = hl.Func(name + "_tile")
-    out[ji, row, gate, jo] = acc[ji, row, gate, jo]
+    out[args] = acc[args]
     return acc, out, r
 
 

@@ -53,6 +53,8 @@ class Layout:
     amx_bf16: bool = False         # CPU (precision "bf16"): the products of the projection,
     #                                the steps and the grads pipeline on AMX tiles, bf16
     #                                operands (halstm.bf16; pipeline.AMX_BWD)
+    amx_dw_rows: int = 0           # ... and the weight gradients' sums over rows in chunks of
+    #                                this many rows (a multiple of 32; 0: one chunk)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

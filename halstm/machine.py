@@ -32,6 +32,16 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+# An L2 of this size where sysfs does not say (a common size a core).
+L2_BYTES_UNKNOWN = 1 << 20
+
+
+def l2_bytes() -> int:
+    """The L2 (data or unified) cache of CPU 0, bytes (Linux sysfs), else
+    L2_BYTES_UNKNOWN."""
+    return _caches().get("l2_bytes", L2_BYTES_UNKNOWN)
+
+
 def _size(text: str) -> int | None:
     text = text.strip().upper()
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

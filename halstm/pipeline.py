@@ -143,6 +143,7 @@ class Pipe(Stages):
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
     amx: bool = False            # CPU: products on AMX tiles, bf16 operands (bf16.py)
+    amx_dw_rows: int = 0         # ... the weight gradients' rows in chunks of (_amx_grads)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -284,7 +285,7 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
              vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16,
-             amx=layout.amx_bf16)
+             amx=layout.amx_bf16, amx_dw_rows=layout.amx_dw_rows)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -1101,11 +1102,19 @@ def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
     sums. dx = dxp's bf16 rows (reduction over gate and unit) times W_ih's
     bf16 panels over that reduction (made here from wq_ih); dW_ih = dxp^T's
     bf16 rows in chunks (a gate's units padded to whole tiles of 16 rows,
-    over n) times x's bf16 panels over n; dW_hh the same with dhg^T and h."""
+    over n) times x's bf16 panels over n; dW_hh the same with dhg^T and h.
+    The weight gradients sum over the rows n in chunks of at most the
+    layout's amx_dw_rows rows (0: one chunk), each chunk's tiles added to
+    dW."""
     G, K, H, P = p.G, p.K, p.H, p.P
     i, j, gate, n = (p.vars[v] for v in ("i", "j", "gate", "t"))
     dxp_in, dhg_in = stages["dxp_in"], stages["dhg_in"]
     N = dxp.dim(2).extent()
+    # the weight gradients' rows in chunks of at most amx_dw_rows, as equal
+    # as whole tile rows allow: chunk (an Expr) of `chunks`
+    most = p.amx_dw_rows or bf16.padded_reduction(N)
+    chunks = (N + most - 1) / most
+    chunk = bf16.padded_reduction((N + chunks - 1) / chunks)
     Hr = padded(H, bf16.TILE_ROWS)
     d_rows = {}      # d^T in bf16 chunks: rows n of f(n, gate*Hr + j), zero past H
 
@@ -1149,12 +1158,15 @@ def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
         src = hl.Func(a + "_src")       # a's rows n as the reduction: src(n, v, 0) = a(v, n)
         kn, vv, g0 = hl.Var("kn"), hl.Var("vv"), hl.Var("g0")
         src[kn, vv, g0] = a_rows[a][vv, kn]
-        pr = bf16.panels(src, N, width, 1, P, a + "_pairs")
-        acc, tile, r = bf16.product(name, d_rows[d], pr, N, 1)
-        out = hl.Func(name)             # out(v, j, gate) from tile(v % P, gate*Hr + j, 0, v / P)
-        out[v, j, gate] = bf16.at(tile, v, gate * Hr + j, 0, P)
+        pr = bf16.panels(src, N, width, 1, P, a + "_pairs", pad=chunk)
+        acc, tile, r = bf16.product(name, d_rows[d], pr, N, 1, chunk=chunk)
+        # out(v, j, gate): the sum over the chunks c of tile(v % P, gate*Hr + j, 0, v / P, c)
+        rc = hl.RDom([(0, chunks)], name + "_rc")
+        out = hl.Func(name)
+        out[v, j, gate] = hl.f32(0)
+        out[v, j, gate] += tile[v % P, gate * Hr + j, 0, v / P, rc.x]
         stages |= {a + "_pairs": pr, name + "_amx": acc, name + "_tile": tile, name: out}
-        p.rdoms[name] = r
+        p.rdoms[name], p.rdoms[name + "_chunks"] = r, rc
         products += (name,)
     shared = p.cell.dxp_is_dhg
     p.inputs = [x, hs, dxp] + ([] if shared else [dhg]) + ([] if ids else [wq])

@@ -49,16 +49,17 @@ def rows(f, parallel: bool = True):
         f.split(row, ro, ri, ROWS, GUARD).parallel(ro)
 
 
-def product(acc, tile, r, at, at_var, rows_here: bool = False) -> None:
+def product(acc, tile, r, at, at_var, rows_here: bool = False, level=None) -> None:
     """acc (AMX) and its copy `tile` (ji, row, gate, jo) computed per tile
     of `at`'s loop `at_var`: 16 units by 16 rows, every gate; r: acc's
     reduction (RDom). rows_here: `at_var` is a loop over panels, and the
     copy holds every row of its panel (in tiles of 16, a gate's tiles in
     turn) (bench/RESULTS.md, "Schedule decisions": cpu.amx tiles)."""
-    ji, row, gate, jo = tile.args()
+    ji, row, gate, jo = tile.args()[:4]
     # a row stride of 32: a dense 16 x 16 tile's store would simplify to one
     # 256-wide ramp, which the AMX lowering does not take for a tile store
-    tile.compute_at(at, at_var).bound_extent(ji, 16).align_storage(ji, 32)
+    tile.compute_at(level if level is not None else hl.LoopLevel(at, at_var))
+    tile.bound_extent(ji, 16).align_storage(ji, 32)
     if rows_here:
         ro, ri = hl.Var("ro"), hl.Var("ri")
         tile.split(row, ro, ri, ROWS, hl.TailStrategy.RoundUp).reorder(ji, ri, ro, gate, jo)
@@ -207,7 +208,13 @@ def grads(p):
     for name in ("dw_hh",) if ids else ("dw_ih", "dw_hh"):
         out = p.stage(name)
         v, j, gate = out.args()
+        rc = p.rdoms[name + "_chunks"].x
         vo, vi, jo, ji = (hl.Var(x) for x in ("vo", "vi", "jo", "ji"))
-        out.split(v, vo, vi, p.P, GUARD).split(j, jo, ji, ROWS, GUARD)
-        out.reorder(vi, ji, vo, jo, gate).vectorize(vi).fuse(jo, gate, jo).parallel(jo)
-        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name], out, vo)
+        out.vectorize(v, p.P, GUARD).parallel(gate)
+        # the chunks of rows outermost: a chunk of x's (h's) pair panels is
+        # read by every tile from L2
+        u = out.update()
+        u.split(v, vo, vi, p.P, GUARD).split(j, jo, ji, ROWS, GUARD)
+        u.reorder(vi, ji, vo, jo, gate, rc).vectorize(vi).fuse(jo, gate, jo).parallel(jo)
+        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name], None, None,
+                level=hl.LoopLevel(out, vo))

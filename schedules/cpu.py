@@ -337,12 +337,19 @@ def proj(p, target):
     acc.update().reorder(j, gate, n, r)
 
 
-def amx_layout(layout: Layout) -> Layout:
+def amx_layout(layout: Layout, direction: str, input_size: int, hidden_size: int) -> Layout:
     """layout for precision bf16 on AMX (halstm.bf16): steps of up to
     amx.NARROW_ROWS rows run without AMX (step_narrow forward, the float32
     step_bwd_fused backward), the others on AMX tiles (step, step_bwd_amx),
-    as do the projection and the backward's dx and weight gradients."""
-    return replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
+    as do the projection and the backward's dx and weight gradients; those
+    sum over the rows in chunks whose x or h pairs (the wider) fill half
+    the L2 (machine.l2_bytes; bench/RESULTS.md, "Schedule decisions":
+    cpu.amx backward)."""
+    layout = replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
+    if direction == "fwd":
+        return layout
+    rows = machine.l2_bytes() // 2 // (2 * max(input_size, hidden_size))
+    return replace(layout, amx_dw_rows=max(1, rows // 32) * 32)
 
 
 def step_narrow(p, target):

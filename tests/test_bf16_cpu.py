@@ -213,6 +213,39 @@ def test_tf32_stays_a_cuda_mode():
         halstm.LSTM(I, H, precision="tf32")
 
 
+
+@needs_amx
+def test_bf16_weight_gradients_in_chunks_of_rows_sum_every_chunk(monkeypatch):
+    """The weight gradients' sums over the rows in chunks (cpu.amx_layout:
+    at most as many rows as the L2's size gives): with an L2 of 64 KiB, at
+    most 352 rows, so T*B = 800 rows are three chunks of 288, the last
+    ragged; the gradients equal those of one chunk (another library) up to
+    the sums' order."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((20, 40, I)).astype(np.float32)
+    dy = rng.standard_normal((20, 40, H)).astype(np.float32)
+    grads = []
+    for l2 in (None, 64 << 10):
+        if l2:
+            monkeypatch.setattr(halstm.machine, "l2_bytes", lambda: l2)
+        m = halstm.LSTM(I, H, seed=0, precision="bf16")
+        m(x)
+        grads.append(m.backward(dy))
+    assert cpu_amx_rows(64 << 10) == 352
+    for k in ("weight_ih_l0", "weight_hh_l0"):
+        assert _rel(grads[1][k], np.asarray(grads[0][k], np.float64)) < 1e-5, k
+
+
+def cpu_amx_rows(l2: int) -> int:
+    """The chunk rows cpu.amx_layout gives a backward of I, H with that L2."""
+    from unittest import mock
+    import halide as hl
+    from halstm.schedules import cpu
+    with mock.patch.object(halstm.machine, "l2_bytes", lambda: l2):
+        layout = cpu.amx_layout(cpu.layout(hl.get_host_target()), "bwd", I, H)
+    return layout.amx_dw_rows
+
+
 AMX_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_sapphirerapids-"
               "avx512_skylake-f16c-fma-sse41")
 
@@ -228,7 +261,8 @@ def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, products, tmp_pat
     from halstm import cells, pipeline
     from halstm.schedules import cpu
     target = hl.Target(AMX_TARGET)
-    p = pipeline.build(cells.get(cell), kind, I, H, cpu.amx_layout(cpu.layout(target)))
+    layout = cpu.amx_layout(cpu.layout(target), "bwd", I, H)
+    p = pipeline.build(cells.get(cell), kind, I, H, layout)
     getattr(cpu, kind)(p, target)
     path = tmp_path / "k.stmt"
     p.pipeline().compile_to({hl.OutputFileType.stmt: str(path)}, [hl.Argument(q) for q in p.inputs],
