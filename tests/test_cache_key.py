@@ -99,7 +99,8 @@ def test_source_hash_reads_code_not_text(tmp_path):
 def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch):
     """The autoschedulers search for this machine's cores (CPU) or SMs
     (CUDA), so their libraries are cached per count; so are the cpu
-    schedule's backward libraries (the weight gradients' tasks) and the
+    schedule's backward libraries (the weight gradients' tasks; and per
+    L2 size, bf16's weight-gradient chunks) and the
     cuda schedule's forward ones (the steps' gate lanes), not the others
     (knobs.MACHINE_FACTS)."""
     from halstm import aot, machine
@@ -113,6 +114,9 @@ def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch
     assert auto.parallelism("cpu") == 97
     assert aot.cache_key(auto_spec) != before[0] and aot.cache_key(hand_spec) == before[1]
     assert aot.cache_key(hand_bwd) != before[2]
+    before = aot.cache_key(hand_spec), aot.cache_key(hand_bwd)
+    monkeypatch.setattr(machine, "l2_bytes", lambda: 3 << 20)   # (bf16's dW chunks)
+    assert (aot.cache_key(hand_spec), aot.cache_key(hand_bwd) != before[1]) == (before[0], True)
     cuda = [aot.Spec("lstm", 13, 37, d, CUDA_TARGET, "cuda") for d in ("fwd", "bwd")]
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
     before = [aot.cache_key(s) for s in cuda]
