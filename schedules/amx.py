@@ -109,17 +109,11 @@ def step(p):
     threads take ranges of panels only (a range of fewer rows would leave
     an AMX tile's rows idle) (bench/RESULTS.md, "Schedule decisions":
     cpu.amx tiles)."""
-    out, act = p.stage("out"), p.stage("saved")
-    j, b = p.vars["j"], p.vars["b"]
-    jo, ji, bo, bi = (hl.Var(name) for name in ("jo", "ji", "bo", "bi"))
-    rows(p.stage("h_bf"), parallel=not p.split_steps)
-    out.split(j, jo, ji, p.P, GUARD).split(b, bo, bi, ROWS, GUARD)
-    out.reorder(ji, bi, bo, jo).vectorize(ji)
-    if not p.split_steps:
-        out.parallel(jo)
-    product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], out, jo, rows_here=True)
+    act = p.stage("saved")
+    out, bo = _per_panel(p, p.vars["j"], "h_bf", "hg", "k")
     # whole panels at the guarded edge too (the cell's reads are clamped)
-    act.compute_at(out, bo).bound_extent(j, p.P).vectorize(j).unroll(act.args()[1])
+    act.compute_at(out, bo).bound_extent(p.vars["j"], p.P).vectorize(p.vars["j"])
+    act.unroll(act.args()[1])
     p.split_quantum = 1
     p.split_batch_bytes = 0
 
@@ -130,16 +124,27 @@ def step_bwd(p):
     row (tiles of 16 rows), then the pointwise backward on tiles of one
     panel x 16 rows; dhg_next's bf16 rows first, once a call. The driver's
     threads take ranges of panels (and of rows where its layout says)."""
-    out = p.stage("out")
-    k, b = p.vars["k"], p.vars["b"]
-    ko, ki, bo, bi = (hl.Var(name) for name in ("ko", "ki", "bo", "bi"))
-    rows(p.stage("dhg_bf"), parallel=not p.split_steps)
-    out.split(k, ko, ki, p.P, GUARD).split(b, bo, bi, ROWS, GUARD)
-    out.reorder(ki, bi, bo, ko).vectorize(ki)
-    if not p.split_steps:
-        out.parallel(ko)
-    product(p.stage("dh_amx"), p.stage("dh_tile"), p.rdoms["jg"], out, ko, rows_here=True)
+    _per_panel(p, p.vars["k"], "dhg_bf", "dh", "jg")
     p.split_quantum = 1
+
+
+def _per_panel(p, unit, bf_rows: str, name: str, rdom: str) -> tuple:
+    """A step's out(unit, b) per panel of P units (in parallel unless the
+    driver splits the step), in tiles of 16 rows; the product `name` (its
+    stages name_amx, name_tile, reduction p.rdoms[rdom]) per panel for
+    every row, its bf16 rows bf_rows first, once a call. Returns (out,
+    the loop over row tiles)."""
+    out, b = p.stage("out"), p.vars["b"]
+    uo, ui, bo, bi = (hl.Var(unit.name() + "o"), hl.Var(unit.name() + "i"), hl.Var("bo"),
+                      hl.Var("bi"))
+    rows(p.stage(bf_rows), parallel=not p.split_steps)
+    out.split(unit, uo, ui, p.P, GUARD).split(b, bo, bi, ROWS, GUARD)
+    out.reorder(ui, bi, bo, uo).vectorize(ui)
+    if not p.split_steps:
+        out.parallel(uo)
+    product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[rdom], out, uo,
+            rows_here=True)
+    return out, bo
 
 
 def step_narrow(p, panels: int):
@@ -179,9 +184,10 @@ def grads(p):
     operands in bf16 first, each computed whole (d^T and the x and h pairs
     in tiles of 16 rows, their transposes in registers); dx as the
     projection (tiles of 16 rows x one panel of inputs, rows in chunks, one
-    parallel loop over (chunk, panel)); dW a tile of 16 inputs x 16 units
-    of one gate, the tasks over (unit tile, gate), the inputs' tiles in
-    turn."""
+    parallel loop over (chunk, panel)); dW the rows' chunks outermost (the
+    layout's amx_dw_rows), in each a tile of 16 inputs x 16 units of one
+    gate added to dW, the tasks over (unit tile, gate), the inputs' tiles
+    in turn (bench/RESULTS.md, "Schedule decisions": cpu.amx backward)."""
     ids = "dx" not in p.stages
     for name in {p.stage(v).name(): v for v in ("dxp_t", "dhg_t")}.values():
         f = p.stage(name)
