@@ -957,10 +957,7 @@ def _step_bwd_fused(p: Pipe, amx: bool = False) -> None:
     init = _clamp(dh_add, (0, 1))[k, b]                  # (k clamped: whole tiles)
     if amx:
         w_hh = _amx_weight(p, "wt_hh", G * H, 1)
-        flat = hl.Func("dhg_flat")                       # dhg_flat(g*H + j, b) = dhg_next(j, g, b)
-        kg = hl.Var("kg")
-        flat[kg, b] = dhg_in[kg % H, hl.min(kg / H, G - 1), b]
-        dhg_bf = bf16.rows(flat, G * H, "dhg_bf")
+        dhg_bf = bf16.rows(_gate_rows(dhg_in, G, H, "dhg_flat"), G * H, "dhg_bf")
         acc, tile, r = bf16.product("dh", dhg_bf, w_hh, G * H, 1)
         dh = hl.Func("dh")
         dh[k, b] = init + bf16.at(tile, k, b, 0, p.P)
@@ -1084,6 +1081,15 @@ def _all_grads(p: Pipe, ids: bool) -> None:
     _bias_grads(p, stages, rn, dxp, dhg, ("dw_ih", "dw_hh") if ids else ("dx", "dw_ih", "dw_hh"))
 
 
+def _gate_rows(d, G: int, H: int, name: str) -> hl.Func:
+    """d(j, gate, row) as f(gate*H + j, row): a row's gates one after
+    another, the reduction of a product over (gate, unit)."""
+    f = hl.Func(name)
+    kg, row = hl.Var("kg"), hl.Var("row")
+    f[kg, row] = d[kg % H, hl.min(kg / H, G - 1), row]
+    return f
+
+
 def _scattered_dw_ih(p: Pipe, stages: dict, ids, dxp, rn) -> None:
     """dW_ih of one-hot rows given as indices: dW_ih[g, k] = the sum of
     dxp[n, g] over the rows n with ids[n] == k."""
@@ -1140,10 +1146,8 @@ def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
         k, g0 = hl.Var("k"), hl.Var("g0")
         wt[k, i, g0] = w(k % H, k / H)
         wt_pan = bf16.panels(wt, G * H, K, 1, P, "w_ih_panels")
-        dxp_bf = hl.Func("dxp_bf")      # dxp's rows in bf16, reduction (gate, unit) innermost
-        row = hl.Var("row")
-        dxp_bf[k, row] = bf16.value(hl.select(k < G * H, dxp_in[k % H, hl.min(k / H, G - 1), row],
-                                              hl.f32(0)))
+        # dxp's rows in bf16, the reduction (gate, unit) innermost
+        dxp_bf = bf16.rows(_gate_rows(dxp_in, G, H, "dxp_flat"), G * H, "dxp_bf")
         acc, tile, r = bf16.product("dx", dxp_bf, wt_pan, G * H, 1)
         dx = hl.Func("dx")
         dx[i, n] = bf16.at(tile, i, n, 0, P)

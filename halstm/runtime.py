@@ -248,11 +248,12 @@ class Library:
                                  f"{tuple(a.shape)}")
         return [None if a is None else mem.contiguous(a) for a in init]
 
-    def _panels_shape(self, n: int) -> tuple:
-        """A forward's packed weight of reduction n, in float32 elements:
-        (Hp/P, n, G, P), or with AMX (precision bf16 on a CPU) bf16 pair
-        panels (Hp/P, G, NH, P, 2) as (Hp/P, G, NH, P) (halstm.bf16)."""
-        P, G = self.P, self.G
+    def _panels_shape(self, n: int, gates: int | None = None) -> tuple:
+        """A packed weight of reduction n and `gates` gates (None: the
+        cell's), in float32 elements: (Hp/P, n, G, P), or with AMX
+        (precision bf16 on a CPU) bf16 pair panels (Hp/P, G, NH, P, 2) as
+        (Hp/P, G, NH, P) (halstm.bf16)."""
+        P, G = self.P, self.G if gates is None else gates
         if self._amx:
             return (self.Hp // P, G, -(-n // 32) * 16, P)
         return (self.Hp // P, n, G, P)
@@ -378,9 +379,9 @@ class Library:
             ws = [None, None]       # no pack_bwd: the products read the weights as given
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
                 # with AMX, wq_hh's panels are followed by W_hh^T's bf16 pair panels
-                # (Hp/P, 1, NH, P, 2), NH = G*H rounded up to 32, halved (halstm.bf16)
-                wq_hh = (Hp * G * H + Hp * (-(-G * H // 32) * 16),) if self._amx else (
-                    Hp // P, G, H, P)
+                # over (gate, unit), one "gate" (halstm.bf16)
+                wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
+                         if self._amx else (Hp // P, G, H, P))
                 ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
                       self._workspace(mem, stream, "wq_hh", wq_hh)]
             reuse = ws[0] is not None and self._pack_reused(mem, stream, ws, pack_key)

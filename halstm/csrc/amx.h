@@ -1,5 +1,5 @@
 // Permission to use AMX tiles (HALSTM_AMX, precision "bf16" on a CPU: the
-// forward's and the grads pipeline's products run on them).
+// products of the forward and of the backward run on them).
 // Part of the driver: included once, by driver.cpp.
 
 #if HALSTM_AMX

@@ -227,11 +227,14 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
 #if HALSTM_AMX   // (steps of few rows: the float32 step, whose tiles fit them)
             const bool amx = rows > HALSTM_NARROW_ROWS;
-            args[n++] = dh_add.hb(), args[n++] = dhg_next.hb();
-            args[n++] = amx ? vwt_hh.hb() : vwq_hh.hb();
+            View &vw_step = amx ? vwt_hh : vwq_hh;
+            int (*const step_bwd)(void **) = amx ? halstm_step_bwd_amx_argv
+                                                 : halstm_step_bwd_fused_argv;
 #else
-            args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vwq_hh.hb();
+            View &vw_step = vwq_hh;
+            int (*const step_bwd)(void **) = halstm_step_bwd_fused_argv;
 #endif
+            args[n++] = dh_add.hb(), args[n++] = dhg_next.hb(), args[n++] = vw_step.hb();
             // the vector gradients' sums: read [cur], written to [nxt] (call -1:
             // scratch, unused)
             float *dvec_t = t < 0 ? scratch + 2 * (int64_t)B * G * H
@@ -256,11 +259,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int c = 0; c < NV; c++)
                 args[n++] = (vplanes[c] = PART(plane(dvec_t, c, NV, rows), H, 1)).hb();
             args[n++] = add_out.hb();
-#if HALSTM_AMX
-            rc = amx ? halstm_step_bwd_amx_argv(args) : halstm_step_bwd_fused_argv(args);
-#else
-            rc = halstm_step_bwd_fused_argv(args);
-#endif
+            rc = step_bwd(args);
             if (!step_done(barrier, rc)) break;
         }
         return rc;
