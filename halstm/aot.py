@@ -90,7 +90,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
         kinds += pipeline.FOLD_FWD if spec.direction == "fwd" else pipeline.FOLD_BWD
     if layout.narrow_rows and spec.direction == "fwd":
         kinds += pipeline.NARROW
-    if layout.amx_bf16 and "step_bwd_fused" in kinds:   # (its narrow steps: step_bwd_fused)
+    if layout.cpu_bf16 and "step_bwd_fused" in kinds:   # (its narrow steps: step_bwd_fused)
         kinds += pipeline.AMX_BWD
     if layout.loop_rows:             # (the same)
         kinds += pipeline.LOOP
@@ -185,7 +185,8 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
 def code_files() -> list[Path]:
     """The sources that decide a layer library's code."""
     import halstm.schedules as sched
-    files = [_HERE / "pipeline.py", _HERE / "aot.py", _HERE / "layout.py", _HERE / "driver.py"]
+    files = [_HERE / "pipeline.py", _HERE / "aot.py", _HERE / "layout.py", _HERE / "driver.py",
+             _HERE / "bf16.py"]
     files += sorted((_HERE / "cells").glob("*.py"))
     files += sorted(Path(sched.__file__).parent.glob("*.py"))
     return files + driver.sources()
@@ -335,15 +336,15 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
                            f"writes static libraries and headers for it")
     cuda = target.has_feature(hl.TargetFeature.CUDA)
     d = cells.definition(spec.cell)
-    amx = spec.precision == "bf16" and not cuda
-    if amx:
-        _check_amx(spec, target, d, hl)
+    cpu_bf16 = spec.precision == "bf16" and not cuda
+    if cpu_bf16:
+        _check_cpu_bf16(spec, target, d, hl)
     try:
         module = schedules.for_target(target, spec.schedule)
         layout = module.layout(target)
-        if amx:
-            layout = module.amx_layout(layout, spec.direction, spec.input_size,
-                                       spec.hidden_size)
+        if cpu_bf16:
+            layout = module.bf16_layout(layout, spec.direction, spec.input_size,
+                                        spec.hidden_size, target)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
             # first: no ranges of units for a whole step on the driver's
@@ -376,12 +377,16 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
     return _Plan(target, module, layout, kinds, link, cuda)
 
 
-def _check_amx(spec: Spec, target, d, hl) -> None:
-    """precision "bf16" on a CPU target: its products run on AMX tiles."""
-    if not target.has_feature(hl.TargetFeature.AVX512_SapphireRapids):
-        raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU needs Intel AMX "
-                           f"(Halide target feature avx512_sapphirerapids), which target "
-                           f"{target} lacks; use precision 'fp32'")
+def _check_cpu_bf16(spec: Spec, target, d, hl) -> None:
+    """precision "bf16" on a CPU target: its products run on AMX tiles or
+    as AVX512-BF16 dot products (Halide 21 emits vdpbf16ps from
+    avx512_zen4 on; avx512_sapphirerapids implies it)."""
+    if not target.has_feature(hl.TargetFeature.AVX512_Zen4) and \
+            not target.has_feature(hl.TargetFeature.AVX512_SapphireRapids):
+        raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU needs AVX512-BF16 "
+                           f"or Intel AMX (Halide target feature avx512_zen4, avx512_zen5 or "
+                           f"avx512_sapphirerapids), which target {target} lacks; use "
+                           f"precision 'fp32'")
     if d.reduces:
         raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU: cells that reduce "
                            f"over units ({spec.cell}) compute in 'fp32' only")

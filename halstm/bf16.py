@@ -1,5 +1,5 @@
 """bfloat16 operands: rounding float32 to bf16, and the products of
-precision "bf16" on CPUs with Intel AMX (Layout.amx_bf16), written in the
+precision "bf16" on CPUs with Intel AMX (Layout.cpu_bf16), written in the
 form Halide 21 lowers to AMX tile instructions (tdpbf16ps: a 16 x 16
 float32 tile += 16 x 32 bf16 rows times 32 x 16 bf16 columns).
 
@@ -82,14 +82,6 @@ def rows(src, n, name: str) -> hl.Func:
     return f
 
 
-def operand(a, k, row) -> hl.Expr:
-    """Element k of row `row` of a left-hand operand: rows a(k, row), or
-    rows in chunks a(k % K_CHUNK, row, k / K_CHUNK) (chunks' layout)."""
-    if a.dimensions() == 3:
-        return a[k % K_CHUNK, row, k / K_CHUNK]
-    return a[k, row]
-
-
 def weight(w, k, ji, gate, jo, n, G: int, pad=K_CHUNK) -> hl.Expr:
     """Element k of unit jo*P + ji of `gate` of a weight in bf16 pair
     panels (panels' layout; n its reduction's true extent, padded to `pad`)."""
@@ -99,7 +91,8 @@ def weight(w, k, ji, gate, jo, n, G: int, pad=K_CHUNK) -> hl.Expr:
 
 def product(name: str, a: hl.Func, w, n, G: int, chunk=None) -> tuple:
     """The product tiles acc(ji, row, gate, jo) = sum over k of a(k, row)
-    w(k, jo*P + ji, gate), a the bf16 rows (rows, chunks), w the bf16 panels
+    w(k, jo*P + ji, gate), a the bf16 rows (rows; chunks' layout with
+    chunk), w the bf16 panels
     (an ImageParam or Func f(k2, ji, q)), n the reduction's true extent (an
     int or an Expr). With chunk (an Expr: a multiple of K_CHUNK), the sums
     over each chunk of that many k apart: acc(ji, row, gate, jo, c) over k
@@ -114,13 +107,14 @@ def product(name: str, a: hl.Func, w, n, G: int, chunk=None) -> tuple:
         c = hl.Var("c")
         args, pad = args + [c], chunk
         r = hl.RDom([(0, K_CHUNK), (0, chunk / K_CHUNK)], name + "_r")
-        k = (c * (chunk / K_CHUNK) + r.y) * K_CHUNK + r.x
+        kq = c * (chunk / K_CHUNK) + r.y
+        k, left = kq * K_CHUNK + r.x, a[r.x, row, kq]     # (a: chunks' layout)
     else:
         r = hl.RDom([(0, padded_reduction(n))], name + "_r")
-        k = r.x
+        k, left = r.x, a[r.x, row]
     acc = hl.Func(name + "_amx")
     acc[args] = hl.f32(0)
-    acc[args] += hl.f32(operand(a, k, row)) * hl.f32(weight(w, k, ji, gate, jo, n, G, pad))
+    acc[args] += hl.f32(left) * hl.f32(weight(w, k, ji, gate, jo, n, G, pad))
     out = hl.Func(name + "_tile")
     out[args] = acc[args]
     return acc, out, r

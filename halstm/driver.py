@@ -88,8 +88,10 @@ class Layer:
             d["HALSTM_NARROW_ROWS"] = lay.narrow_rows
         if lay.loop_rows:
             d["HALSTM_LOOP_ROWS"] = lay.loop_rows
-        if lay.amx_bf16:
-            d["HALSTM_AMX"] = 1
+        if lay.cpu_bf16:
+            d["HALSTM_CPU_BF16"] = 1
+        if lay.amx_tiles:
+            d["HALSTM_AMX_TILES"] = 1
         if self.direction == "bwd" and not self.pack_bwd:
             d["HALSTM_RAW_BWD"] = 1
         if self.cuda:

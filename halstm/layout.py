@@ -47,12 +47,13 @@ class Layout:
     #                                (pipeline.FOLD_FWD), run where the driver finds them fit
     narrow_rows: int = 0           # steps of up to this many batch rows run the narrow
     #                                step pipelines (pipeline.NARROW: CUDA and AMX forwards;
-    #                                with amx_bf16, backward: step_bwd_fused; 0: none)
+    #                                with cpu_bf16, backward: step_bwd_fused; 0: none)
     loop_rows: int = 0             # CUDA forward: inference of up to this many batch rows
     #                                runs every step in one pipeline (pipeline.LOOP; 0: none)
-    amx_bf16: bool = False         # CPU (precision "bf16"): the products of the projection,
-    #                                the steps and the grads pipeline on AMX tiles, bf16
-    #                                operands (halstm.bf16; pipeline.AMX_BWD)
+    cpu_bf16: bool = False         # CPU (precision "bf16"): the products of the projection,
+    #                                the steps and the grads pipeline of bf16 operands
+    #                                (halstm.bf16; pipeline.AMX_BWD) ...
+    amx_tiles: bool = False        # ... on AMX tiles (else AVX512-BF16 dot products)
     amx_dw_rows: int = 0           # ... and the weight gradients' sums over rows in chunks of
     #                                this many rows (a multiple of 32; 0: one chunk)
 

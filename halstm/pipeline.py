@@ -84,7 +84,7 @@ FOLD_BWD = ("step_bwd_fold",)
 # step_narrow_infer: step and step_infer themselves, scheduled for steps of
 # few batch rows; the driver calls them for steps of up to narrow_rows rows.
 NARROW = ("step_narrow", "step_narrow_infer")
-# With AMX (Layout.amx_bf16), a backward of fused steps also has
+# With AMX (Layout.cpu_bf16), a backward of fused steps also has
 # step_bwd_amx: step_bwd_fused with its product on AMX tiles, which the
 # driver calls for steps of more than narrow_rows rows.
 AMX_BWD = ("step_bwd_amx",)
@@ -142,7 +142,8 @@ class Pipe(Stages):
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
-    amx: bool = False            # CPU: products on AMX tiles, bf16 operands (bf16.py)
+    cpu_bf16: bool = False       # CPU: products of bf16 operands (bf16.py) ...
+    amx_tiles: bool = False      # ... on AMX tiles (else in vector registers)
     amx_dw_rows: int = 0         # ... the weight gradients' rows in chunks of (_amx_grads)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
@@ -285,7 +286,7 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
              vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16,
-             amx=layout.amx_bf16, amx_dw_rows=layout.amx_dw_rows)
+             cpu_bf16=layout.cpu_bf16, amx_tiles=layout.amx_tiles, amx_dw_rows=layout.amx_dw_rows)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -305,7 +306,7 @@ def _pack(p: Pipe) -> None:
     G, K, H, P = p.G, p.K, p.H, p.P
     w_ih = _param(p, "w_ih", [K, H, G])      # numpy (G*H, K): PyTorch weight_ih
     w_hh = _param(p, "w_hh", [H, H, G])      # numpy (G*H, H): PyTorch weight_hh
-    if p.amx:   # bf16 pair panels (bf16.panels): numpy (Hp/P, G, KH, P, 2), (Hp/P, G, HH, P, 2)
+    if p.cpu_bf16:   # bf16 pair panels (bf16.panels): numpy (Hp/P, G, KH, P, 2), (Hp/P, G, HH, P, 2)
         wp_ih = bf16.panels(w_ih, K, H, G, P, "wp_ih")
         wp_hh = bf16.panels(w_hh, H, H, G, P, "wp_hh")
         p.inputs, p.outputs = [w_ih, w_hh], [wp_ih, wp_hh]
@@ -354,7 +355,7 @@ def _proj(p: Pipe) -> None:
         p.stages = {"xp": _xp_out(p, xp)}
         return
     x = _param(p, "x", [K, None])                        # numpy (N, K)
-    if p.amx:
+    if p.cpu_bf16:
         return _proj_amx(p, x, b_ih)
     wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
     r = hl.RDom([(0, K)], "r_i")
@@ -435,7 +436,7 @@ def _gather(p: Pipe) -> None:
     ids = _ids_param(p)                                # numpy (N,)
     b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
     c = hl.clamp(ids[n], 0, K - 1)
-    if p.amx:   # the class's column of W_ih's bf16 panels (bf16.panels)
+    if p.cpu_bf16:   # the class's column of W_ih's bf16 panels (bf16.panels)
         wp_ih = _amx_weight(p, "wp_ih", K)
         column = hl.f32(bf16.weight(wp_ih, c, j % P, gate, j / P, K, G))
     else:
@@ -507,7 +508,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
         hg = hl.Func("hg")
         hg[j, gate, b] = (hg_in[j, gate, b] + b_hh[0][hl.min(j, H - 1), gate] if b_hh
                           else hg_in[j, gate, b])
-    elif p.amx:
+    elif p.cpu_bf16:
         recurrent = _amx_weight(p, "wp_hh", H)
     else:
         recurrent = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
@@ -516,7 +517,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
     product_stages = {}
-    if p.amx:   # h's rows in bf16 times W_hh's bf16 panels, in AMX tiles of 16 rows
+    if p.cpu_bf16:   # h's rows in bf16 times W_hh's bf16 panels, in AMX tiles of 16 rows
         h_bf = bf16.rows(prev_in["h"], H, "h_bf")
         hg_amx, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G)
         hg = hl.Func("hg")
@@ -716,7 +717,7 @@ def _pack_bwd(p: Pipe) -> None:
     _fix_output(p, wq_ih, [P, H, G, p.Kp // P])
     _fix_output(p, wq_hh, [P, H, G, p.Hp // P])
     p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
-    if p.amx:   # and for step_bwd_amx, W_hh^T's bf16 pair panels: numpy (Hp/P, 1, NH, P, 2)
+    if p.cpu_bf16:   # and for step_bwd_amx, W_hh^T's bf16 pair panels: numpy (Hp/P, 1, NH, P, 2)
         k, kg, g0 = hl.Var("k"), hl.Var("kg"), hl.Var("g0")
         w_t = hl.Func("w_hh_t")             # w_t(g*H + j, k, 0) = W_hh[g*H + j, k]
         w_t[kg, k, g0] = w_hh[k, kg % H, hl.min(kg / H, G - 1)]
@@ -1044,7 +1045,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
         p.rdoms = {"n": rn}
         _bias_grads(p, stages, rn, dxp, dhg, ())
         return
-    if p.amx:
+    if p.cpu_bf16:
         return _amx_grads(p, stages, x, hs, dxp, dhg, rn, ids)
     if not ids:
         w_ih, w = _bwd_weight(p, "w_ih", K, i)
@@ -1127,8 +1128,9 @@ def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
     def transposed(d, name):
         f = hl.Func(name + "_src")
         k, row = hl.Var("k"), hl.Var("row")
-        u = row % Hr
-        f[k, row] = hl.select(u < H, d[hl.min(u, H - 1), row / Hr, k], hl.f32(0))
+        u, g = row % Hr, row / Hr      # (rows past G*Hr: zero, for tiles that overrun)
+        f[k, row] = hl.select((u < H) & (g < G), d[hl.min(u, H - 1), hl.min(g, G - 1), k],
+                              hl.f32(0))
         return bf16.chunks(f, N, name)
     d_rows["dxp"] = transposed(dxp_in, "dxp_t")
     d_rows["dhg"] = d_rows["dxp"] if p.cell.dxp_is_dhg else transposed(dhg_in, "dhg_t")

@@ -108,7 +108,7 @@ class Library:
             self._shared.check(self._lib.halstm_cublas_init(found.encode()),
                                f"loading cuBLAS from {found}")
         self._folds = "halstm_step_fold" in manifest["pipelines"]   # (pipeline.FOLD_FWD)
-        self._amx = bool(manifest["layout"].get("amx_bf16"))   # (halstm.bf16)
+        self._amx = bool(manifest["layout"].get("cpu_bf16"))   # (halstm.bf16)
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 14

@@ -1,4 +1,4 @@
-"""The CPU schedule's AMX parts (precision "bf16", Layout.amx_bf16): the
+"""The CPU schedule's AMX parts (precision "bf16", Layout.cpu_bf16): the
 packing, projection and steps of halstm.bf16's products, as Halide 21
 lowers them to AMX tiles, and the steps of few rows without AMX.
 
@@ -172,22 +172,18 @@ def step_narrow(p, panels: int):
     a_ji, a_row, a_gate, a_jo = acc.args()
     ro, ri = hl.RVar("ro"), hl.RVar("ri")
     acc.vectorize(a_ji).unroll(a_gate).unroll(a_jo)
-    acc.update().split(r, ro, ri, 2).reorder(a_ji, a_gate, a_jo, ri, ro, a_row) \
-        .vectorize(a_ji).unroll(a_gate).unroll(a_jo).unroll(ri)
+    acc.update().split(r, ro, ri, 2).reorder(ri, a_ji, a_gate, a_jo, ro, a_row).atomic() \
+        .vectorize(ri).vectorize(a_ji).unroll(a_gate).unroll(a_jo)
     act.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
     p.split_quantum = panels
     p.split_batch_bytes = 0
 
 
-def grads(p):
-    """The backward's products on AMX tiles (pipeline._amx_grads): the
-    operands in bf16 first, each computed whole (d^T and the x and h pairs
-    in tiles of 16 rows, their transposes in registers); dx as the
-    projection (tiles of 16 rows x one panel of inputs, rows in chunks, one
-    parallel loop over (chunk, panel)); dW the rows' chunks outermost (the
-    layout's amx_dw_rows), in each a tile of 16 inputs x 16 units of one
-    gate added to dW, the tasks over (unit tile, gate), the inputs' tiles
-    in turn (bench/RESULTS.md, "Schedule decisions": cpu.amx backward)."""
+def grad_operands(p) -> bool:
+    """The backward's product operands in bf16 (pipeline._amx_grads), each
+    computed whole: d^T and the x and h pairs in tiles of 16 rows, their
+    transposes in registers; W_ih^T's panels and dxp's rows (unless the
+    input is one-hot: returns whether it is)."""
     ids = "dx" not in p.stages
     for name in {p.stage(v).name(): v for v in ("dxp_t", "dhg_t")}.values():
         f = p.stage(name)
@@ -204,6 +200,19 @@ def grads(p):
     if not ids:
         weight_panels(p.stage("w_ih_panels").compute_root(), p.G * p.H, 1)
         rows(p.stage("dxp_bf"))
+    return ids
+
+
+def grads(p):
+    """The backward's products on AMX tiles (pipeline._amx_grads): the
+    operands in bf16 first (grad_operands); dx as the projection (tiles of
+    16 rows x one panel of inputs, rows in chunks, one parallel loop over
+    (chunk, panel)); dW the rows' chunks outermost (the layout's
+    amx_dw_rows), in each a tile of 16 inputs x 16 units of one gate added
+    to dW, the tasks over (unit tile, gate), the inputs' tiles in turn
+    (bench/RESULTS.md, "Schedule decisions": cpu.amx backward)."""
+    ids = grad_operands(p)
+    if not ids:
         out = p.stage("dx")
         i, n = out.args()
         io, ii, nf, no, ni, nc = (hl.Var(v) for v in ("io", "ii", "nf", "no", "ni", "nc"))

@@ -14,7 +14,7 @@ from dataclasses import replace
 import halide as hl
 
 from .. import machine
-from . import amx
+from . import amx, bf16_vectors
 from ..layout import Layout, StepSplit
 from .knobs import KNOBS as _KNOBS
 
@@ -266,7 +266,7 @@ def pack(p, target):
     a block's P rows is read once along a cache line rather than each
     vector gathered from P rows
     (bench/RESULTS.md, "Schedule decisions": cpu.pack)."""
-    if p.amx:
+    if p.cpu_bf16:
         return amx.panels(p, target)
     for name in ("wp_ih", "wp_hh"):
         f = p.stage(name)
@@ -279,7 +279,7 @@ def pack(p, target):
 def pack_bwd(p, target):
     for name in ("wq_ih", "wq_hh"):
         _pack(p.stage(name), target)
-    if p.amx:     # (W_hh^T's bf16 pair panels, for step_bwd_amx)
+    if p.cpu_bf16:     # (W_hh^T's bf16 pair panels, for step_bwd_amx)
         amx.weight_panels(p.stage("wt_hh"), p.G * p.H, 1)
 
 
@@ -312,8 +312,11 @@ def proj(p, target):
     tile is one contiguous run of xp), rows in chunks of proj_chunk tiles;
     one parallel loop over (chunk, panel) pairs, chunk-major, unless the
     rows' products are fewer than PROJ_SERIAL_MACS multiply-adds."""
-    if p.amx:
-        return amx.proj(p)
+    if p.cpu_bf16:
+        if p.amx_tiles:
+            return amx.proj(p)
+        rows, _ = bf16_vectors.tile_shape(registers(target), p.G)
+        return bf16_vectors.proj(p, rows, knob(p, "proj_chunk"))
     out, acc = p.stage("xp"), p.stage("xp_acc")
     ji, gate, n, jo = out.args()
     j, r = p.vars["j"], p.rdoms["i"].x
@@ -337,15 +340,18 @@ def proj(p, target):
     acc.update().reorder(j, gate, n, r)
 
 
-def amx_layout(layout: Layout, direction: str, input_size: int, hidden_size: int) -> Layout:
-    """layout for precision bf16 on AMX (halstm.bf16): steps of up to
+def bf16_layout(layout: Layout, direction: str, input_size: int, hidden_size: int,
+                target: hl.Target) -> Layout:
+    """layout for precision bf16 (halstm.bf16). With AMX: steps of up to
     amx.NARROW_ROWS rows run without AMX (step_narrow forward, the float32
     step_bwd_fused backward), the others on AMX tiles (step, step_bwd_amx),
     as do the projection and the backward's dx and weight gradients; those
     sum over the rows in chunks whose x or h pairs (the wider) fill half
     the L2 (machine.l2_bytes; bench/RESULTS.md, "Schedule decisions":
-    cpu.amx backward)."""
-    layout = replace(layout, amx_bf16=True, narrow_rows=amx.NARROW_ROWS)
+    cpu.amx backward). Without AMX (AVX512-BF16) the same products run as
+    dot products in vector registers (bf16_vectors), with the same rules."""
+    amx_tiles = target.has_feature(hl.TargetFeature.AVX512_SapphireRapids)
+    layout = replace(layout, cpu_bf16=True, amx_tiles=amx_tiles, narrow_rows=amx.NARROW_ROWS)
     if direction == "fwd":
         return layout
     rows = machine.l2_bytes() // 2 // (2 * max(input_size, hidden_size))
@@ -353,7 +359,7 @@ def amx_layout(layout: Layout, direction: str, input_size: int, hidden_size: int
 
 
 def step_narrow(p, target):
-    """A step of few rows with precision bf16 (amx_layout): amx.step_narrow,
+    """A step of few rows with precision bf16 (bf16_layout): amx.step_narrow,
     in tiles of two panels where H allows whole aligned tiles."""
     amx.step_narrow(p, _panels(p.Hp, p.P, 2) if p.H % p.P == 0 else 1)
 
@@ -362,8 +368,13 @@ step_narrow_infer = step_narrow
 
 
 def step_bwd_amx(p, target):
-    """A backward step with its product on AMX tiles (amx_layout): amx.step_bwd."""
-    amx.step_bwd(p)
+    """A backward step with its product of bf16 operands (bf16_layout):
+    amx.step_bwd on AMX tiles, else bf16_vectors.step_bwd in tiles of
+    panels that divide Hp / P."""
+    if p.amx_tiles:
+        return amx.step_bwd(p)
+    rows, panels = bf16_vectors.tile_shape(registers(target), 1)
+    bf16_vectors.step_bwd(p, rows, _panels(p.Hp, p.P, panels))
 
 
 def _row_sums(p, at, at_var, vw):
@@ -470,8 +481,10 @@ def step(p, target):
     then the cell on it, then the stores of new states and saved gates."""
     if p.reductions:
         return _step_rows(p, target)
-    if p.amx:
-        return amx.step(p)
+    if p.cpu_bf16:
+        if p.amx_tiles:
+            return amx.step(p)
+        return bf16_vectors.step(p, bf16_vectors.tile_shape(registers(target), p.G)[0])
     v, H, P = p.vars, p.H, p.P
     j, b, gate = v["j"], v["b"], v["gate"]
     out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
@@ -671,8 +684,12 @@ DX_CHUNK_TILES = 32
 
 
 def grads(p, target, ids=False):
-    if p.amx:
-        amx.grads(p)
+    if p.cpu_bf16:
+        if p.amx_tiles:
+            amx.grads(p)
+        else:
+            rows, panels = bf16_vectors.tile_shape(registers(target), 1)
+            bf16_vectors.grads(p, rows, panels, DX_CHUNK_TILES)
         return _bias_sums(p, target)
     v, H = p.vars, p.H
     i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]

@@ -30,7 +30,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # (halstm.machine's functions of those names) that shape its libraries:
 # their cache keys hold them. cpu: the core count, the weight gradients'
 # tasks (cpu._dw_blocks), and the L2's size, the rows of the bf16 weight
-# gradients' chunks (cpu.amx_layout); cuda: the SM count, the batches whose forward
+# gradients' chunks (cpu.bf16_layout); cuda: the SM count, the batches whose forward
 # steps put the gates on the lanes (cuda.narrow_layout) or whose forward
 # runs as one kernel (cuda.loop_layout), and a multiprocessor's shared
 # memory, the weights that forward may read (cuda.loop_layout).

@@ -1,14 +1,17 @@
-"""precision "bf16" on a CPU with AMX: the forward's products (projection
-and steps) and the backward's dx and weight gradients on AMX tiles, bf16
-operands, float32 sums, cell and states (the backward's steps float32).
+"""precision "bf16" on a CPU with AMX or AVX512-BF16: the products of the
+forward (projection and steps) and of the backward (steps, dx and weight
+gradients) on AMX tiles or as vdpbf16ps dot products, bf16 operands,
+float32 sums, cell and states.
 
 Checked against halstm.reference's step with the same operands rounded to
 bf16 (reference.round_bf16; float64 sums). After the first step the
 kernel's h and the reference's differ by float32 rounding, so an h near a
 bf16 halfway point may round the other way in one of them: one step and
 one layer are held to 2e-5, longer runs to 5e-4 and to a fifth of their
-distance from the unrounded float32 result. The tests of what runs where
-AMX is missing run everywhere; the rest only on a CPU with AMX."""
+distance from the unrounded float32 result. The tests of errors and of
+the lowered code run everywhere; the rest only on a CPU with AMX or
+AVX512-BF16 (AMX tiles on Intel Sapphire Rapids and later, dot products on
+AMD Zen 4 and Zen 5)."""
 import re
 
 import numpy as np
@@ -21,15 +24,18 @@ from halstm.schedules import amx
 from helpers import assert_close
 
 I, H = 37, 45      # odd sizes: a reduction past whole 32-chunks, units past whole panels
-NO_AMX = "x86-64-linux-avx-avx2-f16c-fma-sse41"
+NO_BF16 = "x86-64-linux-avx-avx2-f16c-fma-sse41"
 
 
-def _amx_here() -> bool:
+def _bf16_here() -> bool:
     import halide as hl
-    return hl.get_host_target().has_feature(hl.TargetFeature.AVX512_SapphireRapids)
+    host = hl.get_host_target()
+    return any(host.has_feature(f) for f in (hl.TargetFeature.AVX512_SapphireRapids,
+                                             hl.TargetFeature.AVX512_Zen4))
 
 
-needs_amx = pytest.mark.skipif(not _amx_here(), reason="this CPU has no AMX")
+needs_bf16 = pytest.mark.skipif(not _bf16_here(), reason="this CPU has neither AMX nor "
+                                                         "AVX512-BF16")
 
 
 def _lstm(xg, hg, s):
@@ -77,10 +83,10 @@ def lstm1():
     return halstm.LSTM(I, H, seed=0, precision="bf16")
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-# B = 1: the steps without AMX (step_narrow, up to cpu.AMX_NARROW_ROWS rows);
-# 4: one AMX tile of rows; 17: two, the second ragged
+# B = 1: step_narrow (up to amx.NARROW_ROWS rows); 4: one tile of rows (an
+# AMX tile of 16, or a register tile); 17: two or more, the last ragged
 @pytest.mark.parametrize("B", [1, 4, 17])
 def test_bf16_step_equals_the_reference_with_bf16_operands(cell, B):
     m = halstm.Recurrent(cell, I, H, seed=0, precision="bf16")
@@ -89,7 +95,7 @@ def test_bf16_step_equals_the_reference_with_bf16_operands(cell, B):
     assert _rel(y, plain) > 5e-4      # (the products did round their operands)
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_bf16_layers_over_time_follow_the_reference(cell):
     m = halstm.Recurrent(cell, I, H, num_layers=2, seed=0, precision="bf16")
@@ -98,15 +104,15 @@ def test_bf16_layers_over_time_follow_the_reference(cell):
     assert err < 5e-4 and err < _rel(y, plain) / 5, (err, _rel(y, plain))
 
 
-@needs_amx
+@needs_bf16
 def test_bf16_one_hot_indices_equal_one_hot_rows(lstm1):
     ids = np.random.default_rng(2).integers(0, I, (6, 5)).astype(np.int32)
     y_ids, _ = lstm1(ids)                                   # the gather of W_ih's columns
-    y_rows, _ = lstm1(np.eye(I, dtype=np.float32)[ids])     # the AMX projection
+    y_rows, _ = lstm1(np.eye(I, dtype=np.float32)[ids])     # the bf16 projection
     assert_close("y", y_ids, y_rows, rtol=1e-6)
 
 
-@needs_amx
+@needs_bf16
 def test_bf16_nan_stays_nan_in_its_row(lstm1):
     x = np.random.default_rng(3).standard_normal((3, 4, I)).astype(np.float32)
     x[1, 2, 5] = np.nan
@@ -140,13 +146,13 @@ def _lstm_step_gradients(x, h0, c0, p, dy, operand, dh_operand=None):
             "input": dar @ operand(f32(w_ih)), "h0": dh_operand(f32(da)) @ dh_operand(f32(w_hh)), "c0": dc * f}
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("B", [2, 17])
 def test_bf16_backward_equals_the_reference_with_bf16_operands(B):
-    """The backward's products on AMX tiles (dx, the weight gradients and,
-    with more than amx.NARROW_ROWS rows, the step's dh = W_hh^T da; B = 2
-    runs the float32 step): one step, B = 17 (two tiles of rows, the
-    second ragged) and 2, against the float64
+    """The backward's products in bf16 (dx, the weight gradients and, with
+    more than amx.NARROW_ROWS rows, the step's dh = W_hh^T da; B = 2 runs
+    the float32 step): one step, B = 17 (tiles of rows, the last ragged)
+    and 2, against the float64
     gradients with every product's operands rounded to bf16 as the kernels
     round them. The kernel rounds its own float32 gate gradients, and one
     that lies at a bf16 halfway point may round the other way than the
@@ -163,11 +169,11 @@ def test_bf16_backward_equals_the_reference_with_bf16_operands(B):
     p = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
     args = (x[0], h0[0], c0[0], p, dy[0].astype(np.float64))
     f64 = lambda a: np.asarray(a, np.float64)   # noqa: E731
-    amx_step = B > amx.NARROW_ROWS             # (else dh0 from the float32 step)
+    bf16_step = B > amx.NARROW_ROWS            # (else dh0 from the float32 step)
     want = _lstm_step_gradients(*args, operand=reference.round_bf16,
-                                dh_operand=None if amx_step else f64)
+                                dh_operand=None if bf16_step else f64)
     plain = _lstm_step_gradients(*args, operand=f64)
-    rounded = ("weight_ih_l0", "weight_hh_l0", "input") + (("h0",) if amx_step else ())
+    rounded = ("weight_ih_l0", "weight_hh_l0", "input") + (("h0",) if bf16_step else ())
     for k, w in want.items():
         g = np.asarray(got[k]).reshape(w.shape)
         err = _rel(g, w)
@@ -177,7 +183,7 @@ def test_bf16_backward_equals_the_reference_with_bf16_operands(B):
             assert err < 2e-5, (k, err)
 
 
-@needs_amx
+@needs_bf16
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_bf16_trains_close_to_fp32(cell):
     """Forward and backward products in bf16, two layers: the gradients are
@@ -197,15 +203,15 @@ def test_bf16_trains_close_to_fp32(cell):
         assert _rel(g, grads["fp32"][k]) < 3e-2, k
 
 
-@needs_amx
+@needs_bf16
 def test_bf16_on_a_cpu_refuses_cells_that_reduce_over_units():
     with pytest.raises(CompileError, match="cells that reduce over units"):
         halstm.Recurrent("layernorm_lstm", I, H, precision="bf16").compile(backward=False)
 
 
-def test_bf16_on_a_cpu_without_amx_is_a_clear_error():
-    with pytest.raises(CompileError, match="needs Intel AMX"):
-        halstm.LSTM(I, H, target=NO_AMX, precision="bf16").compile(backward=False)
+def test_bf16_on_a_cpu_without_avx512_bf16_is_a_clear_error():
+    with pytest.raises(CompileError, match="needs AVX512-BF16 or Intel AMX"):
+        halstm.LSTM(I, H, target=NO_BF16, precision="bf16").compile(backward=False)
 
 
 def test_tf32_stays_a_cuda_mode():
@@ -214,9 +220,9 @@ def test_tf32_stays_a_cuda_mode():
 
 
 
-@needs_amx
+@needs_bf16
 def test_bf16_weight_gradients_in_chunks_of_rows_sum_every_chunk(monkeypatch):
-    """The weight gradients' sums over the rows in chunks (cpu.amx_layout:
+    """The weight gradients' sums over the rows in chunks (cpu.bf16_layout:
     at most as many rows as the L2's size gives): with an L2 of 64 KiB, at
     most 352 rows, so T*B = 800 rows are three chunks of 288, the last
     ragged; the gradients equal those of one chunk (another library) up to
@@ -237,12 +243,13 @@ def test_bf16_weight_gradients_in_chunks_of_rows_sum_every_chunk(monkeypatch):
 
 
 def cpu_amx_rows(l2: int) -> int:
-    """The chunk rows cpu.amx_layout gives a backward of I, H with that L2."""
+    """The chunk rows cpu.bf16_layout gives a backward of I, H with that L2."""
     from unittest import mock
     import halide as hl
     from halstm.schedules import cpu
     with mock.patch.object(halstm.machine, "l2_bytes", lambda: l2):
-        layout = cpu.amx_layout(cpu.layout(hl.get_host_target()), "bwd", I, H)
+        target = hl.get_host_target()
+        layout = cpu.bf16_layout(cpu.layout(target), "bwd", I, H, target)
     return layout.amx_dw_rows
 
 
@@ -261,7 +268,7 @@ def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, products, tmp_pat
     from halstm import cells, pipeline
     from halstm.schedules import cpu
     target = hl.Target(AMX_TARGET)
-    layout = cpu.amx_layout(cpu.layout(target), "bwd", I, H)
+    layout = cpu.bf16_layout(cpu.layout(target), "bwd", I, H, target)
     p = pipeline.build(cells.get(cell), kind, I, H, layout)
     getattr(cpu, kind)(p, target)
     path = tmp_path / "k.stmt"
@@ -272,3 +279,34 @@ def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, products, tmp_pat
     amx = set(re.findall(r"allocate (\w+)_amx(?:\$\d+)?\.amx\[float32x256 \* 1\] in AMXTile", stmt))
     assert amx == products
     assert "tile_matmul" in stmt
+
+
+ZEN4_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_skylake-avx512_zen4-"
+               "f16c-fma-sse41")
+
+
+@pytest.mark.parametrize("cell,kind,direction", [
+    ("lstm", "proj", "fwd"), ("gru", "step", "fwd"), ("lstm", "step_narrow", "fwd"),
+    ("gru", "step_bwd_amx", "bwd"), ("lstm", "grads", "bwd"), ("gru", "grads_ids", "bwd")])
+def test_bf16_products_without_amx_are_dot_products(cell, kind, direction, tmp_path):
+    """Without AMX (compiled for a Zen 4 target on any machine) every
+    product of bf16 operands is vdpbf16ps dot products, loaded whole: no
+    element-wise gathers (vpinsrw) of its operands."""
+    import halide as hl
+    from halstm import cells, pipeline
+    from halstm.schedules import cpu
+    target = hl.Target(ZEN4_TARGET)
+    layout = cpu.bf16_layout(cpu.layout(target), direction, I, H, target)
+    assert layout.cpu_bf16 and not layout.amx_tiles
+    p = pipeline.build(cells.get(cell), kind, I, H, layout)
+    getattr(cpu, kind)(p, target)
+    path = tmp_path / "k.s"
+    p.pipeline().compile_to({hl.OutputFileType.assembly: str(path)},
+                            [hl.Argument(q) for q in p.inputs], "k",
+                            target.with_feature(hl.TargetFeature.NoRuntime))
+    # the assembly's functions: their names and bodies
+    functions = dict(re.findall(r"\n(\w+):[^\n]*\n(.*?)\n\t\.size", path.read_text(), re.S))
+    products = {name: body for name, body in functions.items() if "vdpbf16ps" in body}
+    assert products, sorted(functions)
+    for name, body in products.items():
+        assert "vpinsrw" not in body, name

@@ -70,7 +70,8 @@ def test_comment_and_docstring_edits_keep_the_cache_warm(tmp_path, pristine):
     lambda pkg: _append(pkg / "cells" / "lstm.py", "\nUNUSED = 1\n"),
     lambda pkg: _append(pkg / "schedules" / "cpu.py", "\nUNUSED = 1\n"),
     lambda pkg: _append(pkg / "csrc" / "forward.h", "\nstatic int unused_symbol;\n"),
-], ids=["cell", "schedule", "driver"])
+    lambda pkg: _append(pkg / "bf16.py", "\nUNUSED = 1\n"),
+], ids=["cell", "schedule", "driver", "bf16 products"])
 def test_code_edits_change_the_key(tmp_path, pristine, edit):
     keys = _keys(tmp_path, "edited", edit)
     assert keys[0] != pristine[0] and keys[1] != pristine[1]     # both directions' libraries

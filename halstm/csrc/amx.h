@@ -1,8 +1,9 @@
-// Permission to use AMX tiles (HALSTM_AMX, precision "bf16" on a CPU: the
-// products of the forward and of the backward run on them).
+// Permission to use AMX tiles (HALSTM_AMX_TILES: precision "bf16" on a CPU
+// with AMX, HALSTM_CPU_BF16, whose products run on them; without AMX they
+// run in vector registers and need no permission).
 // Part of the driver: included once, by driver.cpp.
 
-#if HALSTM_AMX
+#if HALSTM_AMX_TILES
 // Linux lets a process use AMX's tile data only once it asked for it
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); every thread
 // of the process may then. Asked once; 0, or -1 with the error set.
@@ -14,4 +15,6 @@ int amx_permitted() {
                                   "needs Linux 5.16 or later on a CPU with AMX\n");
     return rc ? -1 : 0;
 }
+#elif HALSTM_CPU_BF16
+int amx_permitted() { return 0; }
 #endif

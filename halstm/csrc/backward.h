@@ -16,7 +16,7 @@ int halstm_step_bwd_argv(void **);
 // outputs (one Tuple) dh, dxp[G], [dhg[G]], dprev[1:NS], dvec sums[NV], the next call's dh_add
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
-#if HALSTM_AMX
+#if HALSTM_CPU_BF16
 // step_bwd_fused with its product on AMX tiles, for steps of more than
 // HALSTM_NARROW_ROWS rows: the same arguments, w_hh as W_hh^T's bf16 pair
 // panels (pack_bwd's third output)
@@ -45,7 +45,7 @@ int halstm_step_bwd_fold_argv(void **);
 // to dprev[0] by cuBLAS
 int halstm_step_bwd_vendor_argv(void **);
 #endif
-#if HALSTM_AMX   // (a third output: W_hh^T's bf16 pair panels, after wq_hh's)
+#if HALSTM_CPU_BF16   // (a third output: W_hh^T's bf16 pair panels, after wq_hh's)
 int halstm_pack_bwd(HB, HB, HB, HB, HB);
 #else
 int halstm_pack_bwd(HB, HB, HB, HB);
@@ -60,7 +60,7 @@ int halstm_grads_ids_argv(void **);
 // states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
 // dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
 // on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
-// workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P), with HALSTM_AMX
+// workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P), with HALSTM_CPU_BF16
 //   followed by W_hh^T's bf16 pair panels (HP/P, 1, NH, P, 2), NH = G*H
 //   rounded up to 32, halved;
 //   dxp, dhg (N, G, H) (dhg unused when DXP_IS_DHG): N rows, step t's from
@@ -106,7 +106,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #else
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     const float *wq_key = wq_hh;
-#if HALSTM_AMX
+#if HALSTM_CPU_BF16
     if (int rc = amx_permitted()) return rc;
     View vwt_hh = panels_amx(wq_hh + (int64_t)HP * G * H, G * H, 1);
     int rc = t_reuse_pack ? 0 : halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb(),
@@ -225,7 +225,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             for (int s = 1; s < NS; s++) args[n++] = next[s].hb();
             args[n++] = dy_t.hb();
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
-#if HALSTM_AMX   // (steps of few rows: the float32 step, whose tiles fit them)
+#if HALSTM_CPU_BF16   // (steps of few rows: the float32 step, whose tiles fit them)
             const bool amx = rows > HALSTM_NARROW_ROWS;
             View &vw_step = amx ? vwt_hh : vwq_hh;
             int (*const step_bwd)(void **) = amx ? halstm_step_bwd_amx_argv

@@ -35,7 +35,7 @@
 #include <string>
 #include <thread>
 #endif
-#if HALSTM_AMX
+#if HALSTM_AMX_TILES
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -60,7 +60,7 @@
 // One concern per file, in this order (each uses only those before it):
 #include "errors.h"       // the calling thread's last error
 #include "views.h"        // Halide buffer views of the caller's arrays
-#include "amx.h"          // permission to use AMX tiles (HALSTM_AMX)
+#include "amx.h"          // permission to use AMX tiles (HALSTM_AMX_TILES)
 #include "cuda_graphs.h"  // CUDA context, stream and graph-captured time loops
 #include "cublas.h"       // vendor GEMMs (HALSTM_CUBLAS)
 #include "memory.h"       // Halide's large host allocations kept for reuse

@@ -89,7 +89,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #endif
     }
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
-#if HALSTM_AMX
+#if HALSTM_CPU_BF16
     if (int rc = amx_permitted()) return rc;
     View vwp_ih = panels_amx(wp_ih, K), vwp_hh = panels_amx(wp_hh, H);
 #else

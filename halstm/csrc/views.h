@@ -100,7 +100,7 @@ View panels_t(const float *w, int n_red) {  // (HP/P, n_red, G, P): ji, gate, re
 View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate, ko
     return View(w, {{P, 1}, {H, P}, {G, H * P}, {n_pad / P, G * H * P}});
 }
-#if HALSTM_AMX
+#if HALSTM_CPU_BF16
 // A weight of reduction n_red as bf16 pair panels (halstm/bf16.py panels):
 // (HP/P, gates, NH, P, 2) bf16, NH = n_red rounded up to 32, halved: k2, ji, q
 View panels_amx(const float *w, int n_red, int gates = G) {
