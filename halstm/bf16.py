@@ -1,7 +1,8 @@
 """bfloat16 operands: rounding float32 to bf16, and the products of
-precision "bf16" on CPUs with Intel AMX (Layout.cpu_bf16), written in the
-form Halide 21 lowers to AMX tile instructions (tdpbf16ps: a 16 x 16
-float32 tile += 16 x 32 bf16 rows times 32 x 16 bf16 columns).
+precision "bf16" on CPUs (Layout.cpu_bf16), written in the form Halide 21
+lowers to AMX tile instructions (tdpbf16ps: a 16 x 16 float32 tile += 16 x
+32 bf16 rows times 32 x 16 bf16 columns); the same products also lower to
+AVX512-BF16 dot products (vdpbf16ps; schedules/bf16_vectors.py).
 
 A weight is stored as bf16 panels of P = 16 units whose reduction axis is
 taken in pairs (AMX's layout for the right-hand operand): element (k, j)

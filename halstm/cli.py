@@ -119,8 +119,8 @@ def cells_command(as_json):
 @click.option("--precision", type=click.Choice(list(cublas.PRECISIONS)), default="fp32",
               show_default=True, help="tf32, bf16: the projection and gradient GEMMs in "
               "TF32 / bf16 tensor-core math by cuBLAS (CUDA targets); bf16 on a CPU with "
-              "AMX: the forward's products on AMX tiles; storage, states and the cell "
-              "stay fp32.")
+              "AMX or AVX512-BF16: every product in bf16 with fp32 sums; storage, states "
+              "and the cell stay fp32.")
 @click.option("--gemm", type=click.Choice(["halide", "cublas"]), default=None,
               help="Who runs the projection and gradient GEMMs on a CUDA target (default: "
                    "cuBLAS where it is installed, else Halide).")

@@ -22,8 +22,9 @@ projection, the gradients, a large batch's step products) in TF32 / bf16
 tensor-core math with fp32 accumulation; storage, the states and the cell
 stay fp32. gemm="halide" or "cublas" picks who runs
 them (None: the target's default; see halstm.cublas). precision="bf16" on
-a CPU with AMX: the forward's products (projection, steps) on AMX tiles
-with bf16 operands and fp32 sums; the backward stays fp32 (halstm.bf16).
+a CPU with AMX or AVX512-BF16: every product of forward and backward with
+bf16 operands and fp32 sums, on AMX tiles or as vdpbf16ps dot products
+(halstm.bf16).
 
 lengths= (a length per sequence), bidirectional=True and dropout=p
 (between layers, in training mode: train() / eval(); masks from numpy's

@@ -84,8 +84,8 @@ FOLD_BWD = ("step_bwd_fold",)
 # step_narrow_infer: step and step_infer themselves, scheduled for steps of
 # few batch rows; the driver calls them for steps of up to narrow_rows rows.
 NARROW = ("step_narrow", "step_narrow_infer")
-# With AMX (Layout.cpu_bf16), a backward of fused steps also has
-# step_bwd_amx: step_bwd_fused with its product on AMX tiles, which the
+# With bf16 products (Layout.cpu_bf16), a backward of fused steps also has
+# step_bwd_amx: step_bwd_fused with its product of bf16 operands, which the
 # driver calls for steps of more than narrow_rows rows.
 AMX_BWD = ("step_bwd_amx",)
 # Where the layout has loop_rows, the forward also has loop_infer: a
@@ -286,7 +286,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
              vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16,
-             cpu_bf16=layout.cpu_bf16, amx_tiles=layout.amx_tiles, amx_dw_rows=layout.amx_dw_rows)
+             cpu_bf16=layout.cpu_bf16, amx_tiles=layout.amx_tiles,
+             amx_dw_rows=layout.amx_dw_rows)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -369,18 +370,19 @@ def _proj(p: Pipe) -> None:
 
 
 def _amx_weight(p: Pipe, name: str, n: int, gates: int = 0) -> hl.ImageParam:
-    """A weight packed for AMX (bf16.panels) by _pack (or _pack_bwd), n its
-    reduction, `gates` its gates (0: the cell's)."""
+    """A weight packed in bf16 pair panels (bf16.panels) by _pack (or
+    _pack_bwd), n its reduction, `gates` its gates (0: the cell's)."""
     q = hl.ImageParam(hl.BFloat(16), 3, name)
     # only the innermost stride fixed: with every stride constant Halide 21
-    # no longer recognises the product as an AMX tile product
+    # no longer recognises the product as an AMX tile product (schedules
+    # without AMX fix the others: bf16_vectors.fixed_panels)
     q.dim(0).set_stride(1)
     p.shapes[name] = [2, p.P, bf16.padded_reduction(n) // 2 * (gates or p.G) * (p.Hp // p.P)]
     return q
 
 
 def _proj_amx(p: Pipe, x: hl.ImageParam, b_ih: hl.ImageParam) -> None:
-    """_proj with its product on AMX tiles: x's rows rounded to bf16
+    """_proj with its product of bf16 operands: x's rows rounded to bf16
     (rows past N clamped: a tile has 16 rows, and its rows past N are
     never stored), times W_ih's bf16 panels."""
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
@@ -517,7 +519,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
     r = hl.RDom([(0, H)], "r_k")
     product_stages = {}
-    if p.cpu_bf16:   # h's rows in bf16 times W_hh's bf16 panels, in AMX tiles of 16 rows
+    if p.cpu_bf16:   # h's rows in bf16 times W_hh's bf16 panels
         h_bf = bf16.rows(prev_in["h"], H, "h_bf")
         hg_amx, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G)
         hg = hl.Func("hg")
@@ -925,7 +927,7 @@ def _step_bwd_units(p: Pipe) -> None:
 
 
 def _step_bwd_amx(p: Pipe) -> None:
-    """step_bwd_fused with its product on AMX tiles (precision bf16 on a
+    """step_bwd_fused with its product of bf16 operands (precision bf16 on a
     CPU): dhg_next's rows rounded to bf16 (the reduction over gate and
     unit innermost) times W_hh's bf16 pair panels over that reduction
     (pack_bwd's wt_hh)."""
@@ -1104,8 +1106,8 @@ def _scattered_dw_ih(p: Pipe, stages: dict, ids, dxp, rn) -> None:
 
 
 def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
-    """_all_grads with dx and the weight gradients on AMX tiles (precision
-    bf16 on a CPU; bf16.product): their operands rounded to bf16, float32
+    """_all_grads with dx and the weight gradients of bf16 operands
+    (precision bf16 on a CPU; bf16.product): their operands rounded to bf16, float32
     sums. dx = dxp's bf16 rows (reduction over gate and unit) times W_ih's
     bf16 panels over that reduction (made here from wq_ih); dW_ih = dxp^T's
     bf16 rows in chunks (a gate's units padded to whole tiles of 16 rows,

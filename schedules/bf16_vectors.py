@@ -52,31 +52,35 @@ def product(acc, tile, r, level: hl.LoopLevel, rows: int, panels: int = 1) -> No
         .vectorize(ki).vectorize(a_ji).unroll(a_gate).unroll(a_jo).unroll(a_row)
 
 
-def proj(p, rows: int, chunk: int) -> None:
-    """The projection: tiles of `rows` rows x every gate of one panel, rows
-    in chunks of `chunk` tiles; one parallel loop over (chunk, panel)
-    pairs, chunk-major, as the float32 projection's."""
+def proj(p, rows: int, panels: int, chunk: int) -> None:
+    """The projection: tiles of `rows` rows x every gate of `panels`
+    panels, rows in chunks of `chunk` tiles; one parallel loop over (chunk,
+    tile of panels) pairs, chunk-major, as the float32 projection's
+    (`panels` must divide Hp / P: W_ih's panels are read unclamped)."""
     out = p.stage("xp")
     ji, gate, n, jo = out.args()
-    nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
+    nf, no, ni, nc, jt, jp = (hl.Var(name) for name in ("nf", "no", "ni", "nc", "jt", "jp"))
     fixed_panels(p.param("wp_ih"), p.P)
     amx.rows(p.stage("x_bf"))
-    out.split(n, nf, ni, rows, GUARD).split(nf, nc, no, chunk, GUARD)
-    out.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate)
-    out.fuse(jo, nc, jo).parallel(jo)
-    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no), rows)
+    out.split(n, nf, ni, rows, GUARD).split(nf, nc, no, chunk, GUARD).split(jo, jt, jp, panels)
+    out.reorder(ji, gate, jp, ni, no, jt, nc).vectorize(ji).unroll(gate).unroll(jp)
+    out.fuse(jt, nc, jt).parallel(jt)
+    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no), rows,
+            panels)
 
 
-def step(p, rows: int) -> None:
-    """A step: per panel of units and `rows` batch rows, every gate's
-    product in registers, then the cell on the tile; h's bf16 rows first,
-    once a call. The driver's threads take ranges of panels."""
+def step(p, rows: int, panels: int) -> None:
+    """A step: per tile of `panels` panels of units x `rows` batch rows,
+    every gate's product in registers, then the cell on the tile; h's bf16
+    rows first, once a call. The driver's threads take ranges of tiles
+    (`panels` must divide Hp / P: W_hh's panels are read unclamped)."""
     out, act = p.stage("out"), p.stage("saved")
     j, P = p.vars["j"], p.P
-    bo = _tiles(p, out, j, rows, 1, "wp_hh", "h_bf")
-    product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], hl.LoopLevel(out, bo), rows)
+    bo = _tiles(p, out, j, rows, panels, "wp_hh", "h_bf")
+    product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], hl.LoopLevel(out, bo), rows,
+            panels)
     # whole panels at the guarded edge too (the cell's reads are clamped)
-    act.compute_at(out, bo).bound_extent(j, P).vectorize(j).unroll(act.args()[1])
+    act.compute_at(out, bo).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
     p.split_batch_bytes = 0
 
 

@@ -315,8 +315,8 @@ def proj(p, target):
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.proj(p)
-        rows, _ = bf16_vectors.tile_shape(registers(target), p.G)
-        return bf16_vectors.proj(p, rows, knob(p, "proj_chunk"))
+        rows, panels = bf16_vectors.tile_shape(registers(target), p.G)
+        return bf16_vectors.proj(p, rows, _panels(p.Hp, p.P, panels), knob(p, "proj_chunk"))
     out, acc = p.stage("xp"), p.stage("xp_acc")
     ji, gate, n, jo = out.args()
     j, r = p.vars["j"], p.rdoms["i"].x
@@ -484,7 +484,8 @@ def step(p, target):
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.step(p)
-        return bf16_vectors.step(p, bf16_vectors.tile_shape(registers(target), p.G)[0])
+        rows, panels = bf16_vectors.tile_shape(registers(target), p.G)
+        return bf16_vectors.step(p, rows, _panels(p.Hp, p.P, panels))
     v, H, P = p.vars, p.H, p.P
     j, b, gate = v["j"], v["b"], v["gate"]
     out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")

@@ -55,7 +55,11 @@ def _gru(xg, hg, s):
     return ((1 - z) * cand + z * s[0],)
 
 
-STEPS = {"lstm": _lstm, "gru": _gru}
+def _rnn_tanh(xg, hg, s):
+    return (np.tanh(xg + hg),)
+
+
+STEPS = {"lstm": _lstm, "gru": _gru, "rnn_tanh": _rnn_tanh}
 
 
 def _run(m, cell, T, B, seed=0):
@@ -84,7 +88,7 @@ def lstm1():
 
 
 @needs_bf16
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
 # B = 1: step_narrow (up to amx.NARROW_ROWS rows); 4: one tile of rows (an
 # AMX tile of 16, or a register tile); 17: two or more, the last ragged
 @pytest.mark.parametrize("B", [1, 4, 17])
@@ -96,7 +100,7 @@ def test_bf16_step_equals_the_reference_with_bf16_operands(cell, B):
 
 
 @needs_bf16
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
 def test_bf16_layers_over_time_follow_the_reference(cell):
     m = halstm.Recurrent(cell, I, H, num_layers=2, seed=0, precision="bf16")
     y, want, plain = _run(m, cell, T=5, B=20, seed=1)
@@ -286,7 +290,8 @@ ZEN4_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_skylake-av
 
 
 @pytest.mark.parametrize("cell,kind,direction", [
-    ("lstm", "proj", "fwd"), ("gru", "step", "fwd"), ("lstm", "step_narrow", "fwd"),
+    ("lstm", "proj", "fwd"), ("gru", "step", "fwd"), ("rnn_tanh", "step", "fwd"),
+    ("rnn_tanh", "proj", "fwd"), ("lstm", "step_narrow", "fwd"),
     ("gru", "step_bwd_amx", "bwd"), ("lstm", "grads", "bwd"), ("gru", "grads_ids", "bwd")])
 def test_bf16_products_without_amx_are_dot_products(cell, kind, direction, tmp_path):
     """Without AMX (compiled for a Zen 4 target on any machine) every
