@@ -64,6 +64,9 @@ def targets():
     click.echo(f"features:     {', '.join(features) or '(none)'}")
     click.echo(f"cuda:         {_cuda_status()}")
     click.echo(f"machine:      {machine.summary()}")
+    bf16 = aot.cpu_bf16_products(hl.get_host_target())
+    click.echo(f"precisions:   fp32; bf16 {bf16 or 'not on this CPU'}"
+               f" (cpu targets); tf32, bf16 by cuBLAS (cuda targets)")
     click.echo("schedules:")
     for name in schedules.names():
         fams = ", ".join(sorted(schedules.families(name)))
