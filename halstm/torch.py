@@ -148,15 +148,32 @@ def _load(spec: str, direction: str, device: torch.device,
     key = (spec, direction, target)
     with _lock:
         if key not in _libs:
-            # the precision acts on CUDA tensors; CPU tensors compute in fp32
-            # (as torch's allow_tf32 flags do)
-            spec = aot.Spec(cell, K, H, direction, target, schedule,
-                            precision=precision if target != "host" else "fp32")
+            if target == "host":
+                precision = _cpu_precision(cell, precision)
+            spec = aot.Spec(cell, K, H, direction, target, schedule, precision=precision)
             _libs[key] = Library(*aot.library(spec))
         kept = not (per_call and device.type == "cuda")
         if (device, kept) not in _mems:
             _mems[device, kept] = _Tensors(device, kept)
         return _libs[key], _mems[device, kept]
+
+
+def _cpu_precision(cell: str, precision: str) -> str:
+    """The precision CPU tensors compute in: "bf16" where asked, the host
+    CPU has AMX or AVX512-BF16 and the cell does not reduce over its units;
+    else "fp32" (tf32 is a CUDA mode, as torch's allow_tf32 flags are; a
+    bf16 this CPU cannot run warns)."""
+    if precision != "bf16":
+        return "fp32"
+    import halide as hl
+    where = aot.cpu_bf16_products(hl.get_host_target())
+    if where and not cells.definition(cell).reduces:
+        return "bf16"
+    why = (f"cell {cell!r} reduces over its units" if where
+           else "this CPU has neither AMX nor AVX512-BF16")
+    warnings.warn(f"halstm.torch: precision 'bf16' on CPU tensors computes in float32 ({why})",
+                  stacklevel=4)
+    return "fp32"
 
 
 _warned = False

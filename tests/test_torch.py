@@ -474,6 +474,39 @@ def test_autocast_runs_float32():
     assert_close("autocast output vs float32 input", got.detach(), want.detach(), rtol=2e-2)
 
 
+def _host_bf16() -> bool:
+    import halide as hl
+    from halstm import aot
+    return aot.cpu_bf16_products(hl.get_host_target()) is not None
+
+
+def test_bf16_on_cpu_tensors_runs_where_the_cpu_has_it():
+    """precision="bf16" on CPU tensors: bf16 products where the host has
+    AMX or AVX512-BF16 (results within bf16's accuracy of torch.nn's, and
+    not float32's), else float32 with a warning; a cell that reduces over
+    its units computes in float32 and warns."""
+    m, ref = _pair("lstm", 2, False, False)
+    m16 = hnn.LSTM(I, H, num_layers=2, precision="bf16")
+    m16.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 19, I, generator=torch.Generator().manual_seed(3))
+    results = []
+    for module in (m, m16):
+        xi = x.clone().requires_grad_()
+        y, _ = module(xi)
+        (y * y).sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad for p in module.parameters()])
+    for k, (a, b) in enumerate(zip(*results)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert (1e-4 < err < 3e-2) if _host_bf16() else err < 1e-6, (k, err)
+    # (sizes of this test's own: a library is loaded, and warns, once a process)
+    if _host_bf16():
+        with pytest.warns(UserWarning, match="reduces over its units"):
+            hnn.Recurrent("layernorm_lstm", I, H + 3, precision="bf16")(x)
+    else:
+        with pytest.warns(UserWarning, match="neither AMX nor AVX512-BF16"):
+            hnn.LSTM(I, H + 3, precision="bf16")(x)
+
+
 @pytest.mark.parametrize("cell, layers, bidir, form, output", [
     ("lstm", 1, False, "padded", "y"), ("lstm", 2, True, "packed", "c_n"),
     ("gru", 2, False, "padded", "h_n"), ("lstm", 1, False, "packed", "h_n")])
