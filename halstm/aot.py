@@ -91,7 +91,7 @@ def pipeline_kinds(spec, layout: Layout) -> tuple:
     if layout.narrow_rows and spec.direction == "fwd":
         kinds += pipeline.NARROW
     if layout.cpu_bf16 and "step_bwd_fused" in kinds:   # (its narrow steps: step_bwd_fused)
-        kinds += pipeline.AMX_BWD
+        kinds += pipeline.BF16_BWD
     if layout.loop_rows:             # (the same)
         kinds += pipeline.LOOP
     if layout.raw_bwd_weights:       # the backward reads the weights as given

@@ -46,16 +46,16 @@ class Layout:
     #                                also has steps that compute the next step's product
     #                                (pipeline.FOLD_FWD), run where the driver finds them fit
     narrow_rows: int = 0           # steps of up to this many batch rows run the narrow
-    #                                step pipelines (pipeline.NARROW: CUDA and AMX forwards;
-    #                                with cpu_bf16, backward: step_bwd_fused; 0: none)
+    #                                step pipelines (pipeline.NARROW: CUDA and CPU bf16
+    #                                forwards; with cpu_bf16, backward: step_bwd_fused; 0: none)
     loop_rows: int = 0             # CUDA forward: inference of up to this many batch rows
     #                                runs every step in one pipeline (pipeline.LOOP; 0: none)
     cpu_bf16: bool = False         # CPU (precision "bf16"): the products of the projection,
     #                                the steps and the grads pipeline of bf16 operands
-    #                                (halstm.bf16; pipeline.AMX_BWD) ...
+    #                                (halstm.bf16; pipeline.BF16_BWD), the weight gradients'
+    bf16_dw_rows: int = 0          # ... sums over rows in chunks of this many rows (a
+    #                                multiple of 32; 0: one chunk) ...
     amx_tiles: bool = False        # ... on AMX tiles (else AVX512-BF16 dot products)
-    amx_dw_rows: int = 0           # ... and the weight gradients' sums over rows in chunks of
-    #                                this many rows (a multiple of 32; 0: one chunk)
 
     def __post_init__(self):
         for name in ("panel", "dw_cols", "dw_rows", "max_registers"):

@@ -38,7 +38,7 @@ KINDS = ("pack", "proj", "step", "step_infer", "pack_bwd", "step_bwd", "step_bwd
          "step_bwd_units", "grads", "gather", "grads_ids", "step_vendor", "step_vendor_infer",
          "step_bwd_vendor", "to_bf16", "step_product", "step_cell", "step_cell_infer",
          "step_bwd_cell", "step_bwd_product", "step_fold", "step_fold_infer", "step_bwd_fold",
-         "step_narrow", "step_narrow_infer", "loop_infer", "step_bwd_amx")
+         "step_narrow", "step_narrow_infer", "loop_infer", "step_bwd_bf16")
 # step_infer: a step that stores the new states only (a forward pass that
 # no backward follows: halstm.no_grad())
 FORWARD = ("pack", "proj", "step", "step_infer")
@@ -85,9 +85,9 @@ FOLD_BWD = ("step_bwd_fold",)
 # few batch rows; the driver calls them for steps of up to narrow_rows rows.
 NARROW = ("step_narrow", "step_narrow_infer")
 # With bf16 products (Layout.cpu_bf16), a backward of fused steps also has
-# step_bwd_amx: step_bwd_fused with its product of bf16 operands, which the
+# step_bwd_bf16: step_bwd_fused with its product of bf16 operands, which the
 # driver calls for steps of more than narrow_rows rows.
-AMX_BWD = ("step_bwd_amx",)
+BF16_BWD = ("step_bwd_bf16",)
 # Where the layout has loop_rows, the forward also has loop_infer: a
 # forward that no backward follows with every step in one pipeline, for a
 # cell without sums over units; the driver calls it once, in place of the
@@ -144,7 +144,7 @@ class Pipe(Stages):
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
     cpu_bf16: bool = False       # CPU: products of bf16 operands (bf16.py) ...
     amx_tiles: bool = False      # ... on AMX tiles (else in vector registers)
-    amx_dw_rows: int = 0         # ... the weight gradients' rows in chunks of (_amx_grads)
+    bf16_dw_rows: int = 0         # ... the weight gradients' rows in chunks of (_bf16_grads)
     inputs: list = field(default_factory=list)   # ImageParams, argument order
     outputs: list = field(default_factory=list)  # Funcs, argument order
     stages: dict = field(default_factory=dict)   # name -> Func
@@ -287,7 +287,7 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              split_rows_only=layout.split is not None and layout.split.rows_only,
              vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16,
              cpu_bf16=layout.cpu_bf16, amx_tiles=layout.amx_tiles,
-             amx_dw_rows=layout.amx_dw_rows)
+             bf16_dw_rows=layout.bf16_dw_rows)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -357,7 +357,7 @@ def _proj(p: Pipe) -> None:
         return
     x = _param(p, "x", [K, None])                        # numpy (N, K)
     if p.cpu_bf16:
-        return _proj_amx(p, x, b_ih)
+        return _proj_bf16(p, x, b_ih)
     wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
     r = hl.RDom([(0, K)], "r_i")
     xin, w = _clamp(x, (1,)), _packed(wp_ih, j, P)
@@ -369,7 +369,7 @@ def _proj(p: Pipe) -> None:
     p.rdoms = {"i": r}
 
 
-def _amx_weight(p: Pipe, name: str, n: int, gates: int = 0) -> hl.ImageParam:
+def _bf16_weight(p: Pipe, name: str, n: int, gates: int = 0) -> hl.ImageParam:
     """A weight packed in bf16 pair panels (bf16.panels) by _pack (or
     _pack_bwd), n its reduction, `gates` its gates (0: the cell's)."""
     q = hl.ImageParam(hl.BFloat(16), 3, name)
@@ -381,13 +381,13 @@ def _amx_weight(p: Pipe, name: str, n: int, gates: int = 0) -> hl.ImageParam:
     return q
 
 
-def _proj_amx(p: Pipe, x: hl.ImageParam, b_ih: hl.ImageParam) -> None:
+def _proj_bf16(p: Pipe, x: hl.ImageParam, b_ih: hl.ImageParam) -> None:
     """_proj with its product of bf16 operands: x's rows rounded to bf16
     (rows past N clamped: a tile has 16 rows, and its rows past N are
     never stored), times W_ih's bf16 panels."""
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
     G, K, H, P = p.G, p.K, p.H, p.P
-    wp_ih = _amx_weight(p, "wp_ih", K)
+    wp_ih = _bf16_weight(p, "wp_ih", K)
     x_bf = bf16.rows(_clamp(x, (1,)), K, "x_bf")
     acc, tile, r = bf16.product("xp", x_bf, wp_ih, K, G)
     xp = hl.Func("xp")
@@ -439,7 +439,7 @@ def _gather(p: Pipe) -> None:
     b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
     c = hl.clamp(ids[n], 0, K - 1)
     if p.cpu_bf16:   # the class's column of W_ih's bf16 panels (bf16.panels)
-        wp_ih = _amx_weight(p, "wp_ih", K)
+        wp_ih = _bf16_weight(p, "wp_ih", K)
         column = hl.f32(bf16.weight(wp_ih, c, j % P, gate, j / P, K, G))
     else:
         wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
@@ -511,7 +511,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
         hg[j, gate, b] = (hg_in[j, gate, b] + b_hh[0][hl.min(j, H - 1), gate] if b_hh
                           else hg_in[j, gate, b])
     elif p.cpu_bf16:
-        recurrent = _amx_weight(p, "wp_hh", H)
+        recurrent = _bf16_weight(p, "wp_hh", H)
     else:
         recurrent = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
@@ -719,7 +719,7 @@ def _pack_bwd(p: Pipe) -> None:
     _fix_output(p, wq_ih, [P, H, G, p.Kp // P])
     _fix_output(p, wq_hh, [P, H, G, p.Hp // P])
     p.stages = {"wq_ih": wq_ih, "wq_hh": wq_hh}
-    if p.cpu_bf16:   # and for step_bwd_amx, W_hh^T's bf16 pair panels: numpy (Hp/P, 1, NH, P, 2)
+    if p.cpu_bf16:   # and for step_bwd_bf16, W_hh^T's bf16 pair panels: numpy (Hp/P, 1, NH, P, 2)
         k, kg, g0 = hl.Var("k"), hl.Var("kg"), hl.Var("g0")
         w_t = hl.Func("w_hh_t")             # w_t(g*H + j, k, 0) = W_hh[g*H + j, k]
         w_t[kg, k, g0] = w_hh[k, kg % H, hl.min(kg / H, G - 1)]
@@ -926,15 +926,15 @@ def _step_bwd_units(p: Pipe) -> None:
     _step_bwd(p)
 
 
-def _step_bwd_amx(p: Pipe) -> None:
+def _step_bwd_bf16(p: Pipe) -> None:
     """step_bwd_fused with its product of bf16 operands (precision bf16 on a
     CPU): dhg_next's rows rounded to bf16 (the reduction over gate and
     unit innermost) times W_hh's bf16 pair panels over that reduction
     (pack_bwd's wt_hh)."""
-    _step_bwd_fused(p, amx=True)
+    _step_bwd_fused(p, bf16_product=True)
 
 
-def _step_bwd_fused(p: Pipe, amx: bool = False) -> None:
+def _step_bwd_fused(p: Pipe, bf16_product: bool = False) -> None:
     """step_bwd turned around, so that a step is one kernel on a GPU (its
     product needs every unit's dhg, so step_bwd's pointwise part and its
     product are two): call t finishes step t+1's product,
@@ -958,8 +958,8 @@ def _step_bwd_fused(p: Pipe, amx: bool = False) -> None:
     r = hl.RDom([(0, H), (0, G)], "r_jg")
     dhg_in = _clamp(dhg_next, (2,))
     init = _clamp(dh_add, (0, 1))[k, b]                  # (k clamped: whole tiles)
-    if amx:
-        w_hh = _amx_weight(p, "wt_hh", G * H, 1)
+    if bf16_product:
+        w_hh = _bf16_weight(p, "wt_hh", G * H, 1)
         dhg_bf = bf16.rows(_gate_rows(dhg_in, G, H, "dhg_flat"), G * H, "dhg_bf")
         acc, tile, r = bf16.product("dh", dhg_bf, w_hh, G * H, 1)
         dh = hl.Func("dh")
@@ -1048,7 +1048,7 @@ def _all_grads(p: Pipe, ids: bool) -> None:
         _bias_grads(p, stages, rn, dxp, dhg, ())
         return
     if p.cpu_bf16:
-        return _amx_grads(p, stages, x, hs, dxp, dhg, rn, ids)
+        return _bf16_grads(p, stages, x, hs, dxp, dhg, rn, ids)
     if not ids:
         w_ih, w = _bwd_weight(p, "w_ih", K, i)
         stages["dx_acc"], stages["dx"] = _matmul(                                # (N, Kp)
@@ -1105,7 +1105,7 @@ def _scattered_dw_ih(p: Pipe, stages: dict, ids, dxp, rn) -> None:
     stages |= {"dw_ih_acc": acc, "dw_ih": out}
 
 
-def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
+def _bf16_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
     """_all_grads with dx and the weight gradients of bf16 operands
     (precision bf16 on a CPU; bf16.product): their operands rounded to bf16, float32
     sums. dx = dxp's bf16 rows (reduction over gate and unit) times W_ih's
@@ -1113,15 +1113,15 @@ def _amx_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
     bf16 rows in chunks (a gate's units padded to whole tiles of 16 rows,
     over n) times x's bf16 panels over n; dW_hh the same with dhg^T and h.
     The weight gradients sum over the rows n in chunks of at most the
-    layout's amx_dw_rows rows (0: one chunk), each chunk's tiles added to
+    layout's bf16_dw_rows rows (0: one chunk), each chunk's tiles added to
     dW."""
     G, K, H, P = p.G, p.K, p.H, p.P
     i, j, gate, n = (p.vars[v] for v in ("i", "j", "gate", "t"))
     dxp_in, dhg_in = stages["dxp_in"], stages["dhg_in"]
     N = dxp.dim(2).extent()
-    # the weight gradients' rows in chunks of at most amx_dw_rows, as equal
+    # the weight gradients' rows in chunks of at most bf16_dw_rows, as equal
     # as whole tile rows allow: chunk (an Expr) of `chunks`
-    most = p.amx_dw_rows or bf16.padded_reduction(N)
+    most = p.bf16_dw_rows or bf16.padded_reduction(N)
     chunks = (N + most - 1) / most
     chunk = bf16.padded_reduction((N + chunks - 1) / chunks)
     Hr = padded(H, bf16.TILE_ROWS)

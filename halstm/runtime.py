@@ -108,7 +108,7 @@ class Library:
             self._shared.check(self._lib.halstm_cublas_init(found.encode()),
                                f"loading cuBLAS from {found}")
         self._folds = "halstm_step_fold" in manifest["pipelines"]   # (pipeline.FOLD_FWD)
-        self._amx = bool(manifest["layout"].get("cpu_bf16"))   # (halstm.bf16)
+        self._cpu_bf16 = bool(manifest["layout"].get("cpu_bf16"))   # (halstm.bf16)
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
             self._entry.argtypes = [_I, _I] + [_P] * 14
@@ -254,7 +254,7 @@ class Library:
         (precision bf16 on a CPU) bf16 pair panels (Hp/P, G, NH, P, 2) as
         (Hp/P, G, NH, P) (halstm.bf16)."""
         P, G = self.P, self.G if gates is None else gates
-        if self._amx:
+        if self._cpu_bf16:
             return (self.Hp // P, G, -(-n // 32) * 16, P)
         return (self.Hp // P, n, G, P)
 
@@ -381,7 +381,7 @@ class Library:
                 # with AMX, wq_hh's panels are followed by W_hh^T's bf16 pair panels
                 # over (gate, unit), one "gate" (halstm.bf16)
                 wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
-                         if self._amx else (Hp // P, G, H, P))
+                         if self._cpu_bf16 else (Hp // P, G, H, P))
                 ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
                       self._workspace(mem, stream, "wq_hh", wq_hh)]
             reuse = ws[0] is not None and self._pack_reused(mem, stream, ws, pack_key)

@@ -1,6 +1,8 @@
-"""The CPU schedule's AMX parts (precision "bf16", Layout.cpu_bf16): the
-packing, projection and steps of halstm.bf16's products, as Halide 21
-lowers them to AMX tiles, and the steps of few rows without AMX.
+"""The CPU schedule's AMX parts (precision "bf16", Layout.cpu_bf16 with
+amx_tiles): the packing, projection and steps of halstm.bf16's products,
+as Halide 21 lowers them to AMX tiles, and the steps of few rows without
+AMX. The packing, the bf16 rows, the narrow steps and the backward's
+operands serve bf16_vectors (CPUs without AMX) too.
 
 Halide recognises a product as AMX work only in this form: the accumulator
 stored in an AMX tile (MemoryType 8), computed per 16 x 16 tile of its
@@ -120,7 +122,7 @@ def step(p):
 
 def step_bwd(p):
     """A backward step with its product on AMX tiles (pipeline.py
-    _step_bwd_amx), as step: per panel of units, the product for every
+    _step_bwd_bf16), as step: per panel of units, the product for every
     row (tiles of 16 rows), then the pointwise backward on tiles of one
     panel x 16 rows; dhg_next's bf16 rows first, once a call. The driver's
     threads take ranges of panels (and of rows where its layout says)."""
@@ -180,7 +182,7 @@ def step_narrow(p, panels: int):
 
 
 def grad_operands(p) -> bool:
-    """The backward's product operands in bf16 (pipeline._amx_grads), each
+    """The backward's product operands in bf16 (pipeline._bf16_grads), each
     computed whole: d^T and the x and h pairs in tiles of 16 rows, their
     transposes in registers; W_ih^T's panels and dxp's rows (unless the
     input is one-hot: returns whether it is)."""
@@ -204,11 +206,11 @@ def grad_operands(p) -> bool:
 
 
 def grads(p):
-    """The backward's products on AMX tiles (pipeline._amx_grads): the
+    """The backward's products on AMX tiles (pipeline._bf16_grads): the
     operands in bf16 first (grad_operands); dx as the projection (tiles of
     16 rows x one panel of inputs, rows in chunks, one parallel loop over
     (chunk, panel)); dW the rows' chunks outermost (the layout's
-    amx_dw_rows), in each a tile of 16 inputs x 16 units of one gate added
+    bf16_dw_rows), in each a tile of 16 inputs x 16 units of one gate added
     to dW, the tasks over (unit tile, gate), the inputs' tiles in turn
     (bench/RESULTS.md, "Schedule decisions": cpu.amx backward)."""
     ids = grad_operands(p)

@@ -279,7 +279,7 @@ def pack(p, target):
 def pack_bwd(p, target):
     for name in ("wq_ih", "wq_hh"):
         _pack(p.stage(name), target)
-    if p.cpu_bf16:     # (W_hh^T's bf16 pair panels, for step_bwd_amx)
+    if p.cpu_bf16:     # (W_hh^T's bf16 pair panels, for step_bwd_bf16)
         amx.weight_panels(p.stage("wt_hh"), p.G * p.H, 1)
 
 
@@ -344,7 +344,7 @@ def bf16_layout(layout: Layout, direction: str, input_size: int, hidden_size: in
                 target: hl.Target) -> Layout:
     """layout for precision bf16 (halstm.bf16). With AMX: steps of up to
     amx.NARROW_ROWS rows run without AMX (step_narrow forward, the float32
-    step_bwd_fused backward), the others on AMX tiles (step, step_bwd_amx),
+    step_bwd_fused backward), the others on AMX tiles (step, step_bwd_bf16),
     as do the projection and the backward's dx and weight gradients; those
     sum over the rows in chunks whose x or h pairs (the wider) fill half
     the L2 (machine.l2_bytes; bench/RESULTS.md, "Schedule decisions":
@@ -355,7 +355,7 @@ def bf16_layout(layout: Layout, direction: str, input_size: int, hidden_size: in
     if direction == "fwd":
         return layout
     rows = machine.l2_bytes() // 2 // (2 * max(input_size, hidden_size))
-    return replace(layout, amx_dw_rows=max(1, rows // 32) * 32)
+    return replace(layout, bf16_dw_rows=max(1, rows // 32) * 32)
 
 
 def step_narrow(p, target):
@@ -367,7 +367,7 @@ def step_narrow(p, target):
 step_narrow_infer = step_narrow
 
 
-def step_bwd_amx(p, target):
+def step_bwd_bf16(p, target):
     """A backward step with its product of bf16 operands (bf16_layout):
     amx.step_bwd on AMX tiles, else bf16_vectors.step_bwd in tiles of
     panels that divide Hp / P."""

@@ -254,7 +254,7 @@ def cpu_amx_rows(l2: int) -> int:
     with mock.patch.object(halstm.machine, "l2_bytes", lambda: l2):
         target = hl.get_host_target()
         layout = cpu.bf16_layout(cpu.layout(target), "bwd", I, H, target)
-    return layout.amx_dw_rows
+    return layout.bf16_dw_rows
 
 
 AMX_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_sapphirerapids-"
@@ -263,7 +263,7 @@ AMX_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_sapphirerap
 
 @pytest.mark.parametrize("cell,kind,products", [
     ("lstm", "grads", {"dx", "dw_ih", "dw_hh"}), ("gru", "grads", {"dx", "dw_ih", "dw_hh"}),
-    ("lstm", "grads_ids", {"dw_hh"}), ("gru", "step_bwd_amx", {"dh"})])
+    ("lstm", "grads_ids", {"dw_hh"}), ("gru", "step_bwd_bf16", {"dh"})])
 def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, products, tmp_path):
     """The pipelines of a bf16 backward (compiled for an AMX target on any
     machine): dx and both weight gradients are AMX tile products (one hot:
@@ -292,7 +292,7 @@ ZEN4_TARGET = ("x86-64-linux-avx-avx2-avx512-avx512_cannonlake-avx512_skylake-av
 @pytest.mark.parametrize("cell,kind,direction", [
     ("lstm", "proj", "fwd"), ("gru", "step", "fwd"), ("rnn_tanh", "step", "fwd"),
     ("rnn_tanh", "proj", "fwd"), ("lstm", "step_narrow", "fwd"),
-    ("gru", "step_bwd_amx", "bwd"), ("lstm", "grads", "bwd"), ("gru", "grads_ids", "bwd")])
+    ("gru", "step_bwd_bf16", "bwd"), ("lstm", "grads", "bwd"), ("gru", "grads_ids", "bwd")])
 def test_bf16_products_without_amx_are_dot_products(cell, kind, direction, tmp_path):
     """Without AMX (compiled for a Zen 4 target on any machine) every
     product of bf16 operands is vdpbf16ps dot products, loaded whole: no

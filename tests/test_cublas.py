@@ -108,13 +108,15 @@ def test_a_cublas_build_links_and_says_so(tmp_path):
 
 
 def test_torch_modules_check_the_precision_and_run_cpu_tensors_in_fp32():
+    """tf32 is a CUDA mode: CPU tensors compute in fp32 (bf16 on a CPU:
+    test_torch.py test_bf16_on_cpu_tensors_runs_where_the_cpu_has_it)."""
     torch = pytest.importorskip("torch")
     import halstm.torch as ht
     with pytest.raises(ValueError, match="precision: expected one of"):
         ht.LSTM(I, H, precision="fp16")
     torch.manual_seed(0)
     ref = torch.nn.LSTM(I, H)
-    m = ht.LSTM(I, H, precision="bf16")      # a CUDA mode: CPU tensors compute in fp32
+    m = ht.LSTM(I, H, precision="tf32")
     m.load_state_dict(ref.state_dict())
     x = torch.randn(5, 3, I)
     torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=1e-4, atol=1e-5)

@@ -15,6 +15,4 @@ int amx_permitted() {
                                   "needs Linux 5.16 or later on a CPU with AMX\n");
     return rc ? -1 : 0;
 }
-#elif HALSTM_CPU_BF16
-int amx_permitted() { return 0; }
 #endif

@@ -17,10 +17,10 @@ int halstm_step_bwd_argv(void **);
 // (called through Halide's argv entry point: buffers as given)
 int halstm_step_bwd_fused_argv(void **);
 #if HALSTM_CPU_BF16
-// step_bwd_fused with its product on AMX tiles, for steps of more than
+// step_bwd_fused with its product of bf16 operands, for steps of more than
 // HALSTM_NARROW_ROWS rows: the same arguments, w_hh as W_hh^T's bf16 pair
 // panels (pack_bwd's third output)
-int halstm_step_bwd_amx_argv(void **);
+int halstm_step_bwd_bf16_argv(void **);
 #endif
 #endif
 #if HALSTM_UNITS_BWD
@@ -107,8 +107,10 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     View vwq_ih = panels_in(wq_ih, KP), vwq_hh = panels_in(wq_hh, HP);
     const float *wq_key = wq_hh;
 #if HALSTM_CPU_BF16
+#if HALSTM_AMX_TILES
     if (int rc = amx_permitted()) return rc;
-    View vwt_hh = panels_amx(wq_hh + (int64_t)HP * G * H, G * H, 1);
+#endif
+    View vwt_hh = panels_bf16(wq_hh + (int64_t)HP * G * H, G * H, 1);
     int rc = t_reuse_pack ? 0 : halstm_pack_bwd(vw_ih.hb(), vw_hh.hb(), vwq_ih.hb(), vwq_hh.hb(),
                                                 vwt_hh.hb());
 #else
@@ -226,9 +228,9 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
             args[n++] = dy_t.hb();
             for (int s = 1; s < NS; s++) args[n++] = dnext[s].hb();
 #if HALSTM_CPU_BF16   // (steps of few rows: the float32 step, whose tiles fit them)
-            const bool amx = rows > HALSTM_NARROW_ROWS;
-            View &vw_step = amx ? vwt_hh : vwq_hh;
-            int (*const step_bwd)(void **) = amx ? halstm_step_bwd_amx_argv
+            const bool bf16 = rows > HALSTM_NARROW_ROWS;
+            View &vw_step = bf16 ? vwt_hh : vwq_hh;
+            int (*const step_bwd)(void **) = bf16 ? halstm_step_bwd_bf16_argv
                                                  : halstm_step_bwd_fused_argv;
 #else
             View &vw_step = vwq_hh;

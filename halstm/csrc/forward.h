@@ -90,8 +90,10 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     }
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
 #if HALSTM_CPU_BF16
+#if HALSTM_AMX_TILES
     if (int rc = amx_permitted()) return rc;
-    View vwp_ih = panels_amx(wp_ih, K), vwp_hh = panels_amx(wp_hh, H);
+#endif
+    View vwp_ih = panels_bf16(wp_ih, K), vwp_hh = panels_bf16(wp_hh, H);
 #else
     View vwp_ih = panels_t(wp_ih, K), vwp_hh = panels_t(wp_hh, H);
 #endif

@@ -103,7 +103,7 @@ View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate,
 #if HALSTM_CPU_BF16
 // A weight of reduction n_red as bf16 pair panels (halstm/bf16.py panels):
 // (HP/P, gates, NH, P, 2) bf16, NH = n_red rounded up to 32, halved: k2, ji, q
-View panels_amx(const float *w, int n_red, int gates = G) {
+View panels_bf16(const float *w, int n_red, int gates = G) {
     const int nh = (n_red + 31) / 32 * 16;
     View v(w, {{2, 1}, {P, 2}, {nh * gates * (HP / P), 2 * P}});
     v.buf.type.code = halide_type_bfloat;
