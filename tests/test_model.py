@@ -78,6 +78,8 @@ def test_config_rejects_bad_values():
         Config(lr=-1.0)
     with pytest.raises(ValueError, match="unknown config keys"):
         Config.from_dict({"hidden": 3})
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        Config(precision="fp16")
     assert Config.from_json(Config(layers=3).to_json()) == Config(layers=3)
 
 
@@ -173,6 +175,29 @@ def test_gradients_match_the_float64_reference(cell):
     for k, g in grads.items():
         assert g.shape == model.parameters()[k].shape and g.dtype == np.float32
         assert_close(k, g, ref_grads[k])
+
+
+def _host_bf16() -> bool:
+    import halide as hl
+    from halstm import aot
+    return aot.cpu_bf16_products(hl.get_host_target()) is not None
+
+
+@pytest.mark.skipif(not _host_bf16(), reason="this CPU has neither AMX nor AVX512-BF16")
+def test_bf16_gradients_follow_fp32():
+    """precision="bf16" (one-hot input: the first layer's W_ih gathered,
+    its gradient scattered in float32): the loss and every gradient within
+    bf16's accuracy of the float32 model's, and not equal to them."""
+    results = {}
+    for precision in ("fp32", "bf16"):
+        model = CharLM(16, "lstm", hidden_size=37, layers=2, seed=3, precision=precision)
+        ids, targets, state = _batch(model, B=9)     # (more rows than narrow steps take)
+        results[precision] = model.loss_and_grads(ids, targets, state)[:2]
+    (loss32, g32), (loss16, g16) = results["fp32"], results["bf16"]
+    assert loss16 == pytest.approx(loss32, rel=1e-2) and loss16 != loss32
+    for k, g in g16.items():
+        err = float(np.abs(g - g32[k]).max() / np.abs(g32[k]).max())
+        assert err < 3e-2, (k, err)
 
 
 def test_vector_parameters_start_at_their_declared_values():

@@ -52,7 +52,7 @@ class CharLM:
 
     def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
                  layers: int = 2, target: str = "host", schedule: str | None = None,
-                 seed: int = 0, kernels: bool | None = None):
+                 seed: int = 0, kernels: bool | None = None, precision: str = "fp32"):
         cells.check(cell)
         from halstm import schedules
         self.on_gpu = schedules.family(target) == "gpu"
@@ -67,7 +67,7 @@ class CharLM:
         # biases uniform, a cell's vectors as declared: a layer norm's gains
         # 1), then the head from the same generator
         self.rnn = Recurrent(cell, self.V, self.H, num_layers=self.L, target=target,
-                             schedule=schedule, seed=seed)
+                             schedule=schedule, seed=seed, precision=precision)
         self.n_states = len(self.rnn._state_names)
         rng = self.rnn._rng
         bound = 1.0 / np.sqrt(self.H)
@@ -86,7 +86,7 @@ class CharLM:
     @classmethod
     def from_config(cls, config, vocab_size: int) -> "CharLM":
         return cls(vocab_size, config.cell, config.hidden_size, config.layers,
-                   config.target, config.schedule, config.seed)
+                   config.target, config.schedule, config.seed, precision=config.precision)
 
     # ---- parameters --------------------------------------------------------
     def parameters(self) -> dict[str, np.ndarray]:

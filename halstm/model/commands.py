@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .. import CacheError, CompileError, KernelError
+from .. import CacheError, CompileError, KernelError, cublas
 from ..cell_options import cell_file_option, cell_options
 from . import checkpoint as ckpt_mod
 from . import data, outputs, signals
@@ -97,6 +97,10 @@ def _option(name: str) -> str:
 @click.option("--target", default=_DEFAULTS.target, show_default=True,
               help="Halide target of the kernels.")
 @click.option("--schedule", default=None, help="Kernel schedule (default: the target's).")
+@click.option("--precision", type=click.Choice(list(cublas.PRECISIONS)), default=_DEFAULTS.precision,
+              show_default=True, help="The recurrent layers' products: bf16 on a CPU with AMX "
+              "or AVX512-BF16 (halstm targets says), or by cuBLAS on a GPU; tf32 on a GPU. "
+              "Weights, states and checkpoints stay fp32.")
 @click.option("--engine", type=click.Choice(ENGINES), default=_DEFAULTS.engine, show_default=True,
               help="halstm: halstm's kernels throughout; torch: halstm.torch layers with "
                    "torch's autograd, head and optimizer (needs PyTorch).")
@@ -316,7 +320,8 @@ def sample(checkpoint, prime, length, temperature, seed, target, schedule):
         if schedules.family(target) != "cpu":
             raise click.ClickException(f"--target {target}: sampling runs on CPU targets "
                                        f"(a checkpoint trained on the GPU samples on the CPU)")
-        config = ckpt.config.replace(target=target, schedule=schedule)
+        # float32 whatever the run trained in: a checkpoint samples on any CPU
+        config = ckpt.config.replace(target=target, schedule=schedule, precision="fp32")
         model = CharLM.from_config(config, len(vocab))
         try:
             model.load_parameters(ckpt.params)

@@ -5,7 +5,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 
-from .. import cells
+from .. import cells, cublas
 
 OPTIMIZERS = ("adam", "sgd")
 ENGINES = ("halstm", "torch")
@@ -18,7 +18,7 @@ ARCHITECTURE = ("cell", "hidden_size", "layers")
 # Fields a resumed run may change: they change neither array shapes nor what
 # the run has done so far (more steps, other evaluation cadence, other device).
 RESUMABLE = ("steps", "eval_every", "save_every", "save_minutes", "target", "schedule",
-             "engine")
+             "precision", "engine")
 
 
 @dataclass
@@ -51,6 +51,8 @@ class Config:
     seed: int = 0
     target: str = "host"             # Halide target of the kernels (not part of the model)
     schedule: str | None = None      # kernel schedule name; None: the target's default
+    precision: str = "fp32"          # the recurrent layers' products: fp32 | bf16 (a CPU with
+                                     # AMX or AVX512-BF16; CUDA: cuBLAS) | tf32 (CUDA)
     engine: str = "halstm"           # halstm: own head and optimizer kernels; torch:
                                      # halstm.torch layers, torch head, autograd, torch.optim
 
@@ -80,6 +82,7 @@ class Config:
         choice("optimizer", OPTIMIZERS)
         choice("engine", ENGINES)
         choice("lr_schedule", LR_SCHEDULES)
+        choice("precision", cublas.PRECISIONS)
         for name in ("hidden_size", "layers", "seq_len", "batch_size", "steps", "eval_batch_size"):
             positive_int(name)
         for name in ("warmup_steps", "eval_every", "save_every", "seed"):

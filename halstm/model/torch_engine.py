@@ -39,13 +39,14 @@ class TorchCharLM:
 
     def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
                  layers: int = 2, target: str = "host", schedule: str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, precision: str = "fp32"):
         own = CharLM(vocab_size, cell, hidden_size, layers, seed=seed)   # CPU: the init only
         self.V, self.H, self.L, self.cell = own.V, own.H, own.L, cell
         self.n_states = own.n_states
         self.device = torch.device("cuda" if "cuda" in str(target).split("-") else "cpu")
         self.net = torch.nn.Module()
-        self.net.rnn = Recurrent(cell, self.V, self.H, num_layers=self.L, schedule=schedule)
+        self.net.rnn = Recurrent(cell, self.V, self.H, num_layers=self.L, schedule=schedule,
+                                 precision=precision)
         self.net.head = torch.nn.Linear(self.H, self.V)
         self.net.to(self.device)
         self.load_parameters(own.parameters())
@@ -53,7 +54,7 @@ class TorchCharLM:
     @classmethod
     def from_config(cls, config, vocab_size: int) -> "TorchCharLM":
         return cls(vocab_size, config.cell, config.hidden_size, config.layers, config.target,
-                   config.schedule, config.seed)
+                   config.schedule, config.seed, config.precision)
 
     # ---- parameters, state ---------------------------------------------------
     def parameters(self) -> dict[str, torch.nn.Parameter]:
