@@ -350,3 +350,14 @@ def check_lengths_against_alone(m, x, lengths, hx, dy, dfinal, rtol=RTOL):
             want[k] = want.get(k, 0) + rg[k]
     for k, v in want.items():
         assert_close(f"d {k}", grads[k], v, rtol)
+
+
+def host_has_bf16() -> bool:
+    """Whether this CPU runs precision "bf16" (AMX or AVX512-BF16)."""
+    import halide as hl
+    from halstm import aot
+    return aot.cpu_bf16_products(hl.get_host_target()) is not None
+
+
+needs_bf16 = pytest.mark.skipif(not host_has_bf16(),
+                                reason="this CPU has neither AMX nor AVX512-BF16")

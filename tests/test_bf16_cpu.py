@@ -21,21 +21,10 @@ import halstm
 from halstm import reference
 from halstm.errors import CompileError
 from halstm.schedules import amx
-from helpers import assert_close
+from helpers import assert_close, needs_bf16
 
 I, H = 37, 45      # odd sizes: a reduction past whole 32-chunks, units past whole panels
 NO_BF16 = "x86-64-linux-avx-avx2-f16c-fma-sse41"
-
-
-def _bf16_here() -> bool:
-    import halide as hl
-    host = hl.get_host_target()
-    return any(host.has_feature(f) for f in (hl.TargetFeature.AVX512_SapphireRapids,
-                                             hl.TargetFeature.AVX512_Zen4))
-
-
-needs_bf16 = pytest.mark.skipif(not _bf16_here(), reason="this CPU has neither AMX nor "
-                                                         "AVX512-BF16")
 
 
 def _lstm(xg, hg, s):

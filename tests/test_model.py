@@ -19,7 +19,7 @@ from halstm.model import (CharLM, CheckpointError, Config, Corpus, CorpusError, 
                           checkpoint, data, generate)
 from halstm.model import optim
 from helpers import (ALPHABET, TINY, assert_cli_error, assert_close, make_corpus, make_text,
-                     needs_no_gpu, run_cli)
+                     needs_bf16, needs_no_gpu, run_cli)
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +177,7 @@ def test_gradients_match_the_float64_reference(cell):
         assert_close(k, g, ref_grads[k])
 
 
-def _host_bf16() -> bool:
-    import halide as hl
-    from halstm import aot
-    return aot.cpu_bf16_products(hl.get_host_target()) is not None
-
-
-@pytest.mark.skipif(not _host_bf16(), reason="this CPU has neither AMX nor AVX512-BF16")
+@needs_bf16
 def test_bf16_gradients_follow_fp32():
     """precision="bf16" (one-hot input: the first layer's W_ih gathered,
     its gradient scattered in float32): the loss and every gradient within

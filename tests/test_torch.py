@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import halstm  # noqa: E402
 import halstm.torch as hnn  # noqa: E402
-from helpers import H, I, assert_close  # noqa: E402
+from helpers import H, I, assert_close, host_has_bf16  # noqa: E402
 
 PEERS = {"lstm": (hnn.LSTM, torch.nn.LSTM, {}), "gru": (hnn.GRU, torch.nn.GRU, {}),
          "rnn_tanh": (hnn.RNN, torch.nn.RNN, {}),
@@ -474,12 +474,6 @@ def test_autocast_runs_float32():
     assert_close("autocast output vs float32 input", got.detach(), want.detach(), rtol=2e-2)
 
 
-def _host_bf16() -> bool:
-    import halide as hl
-    from halstm import aot
-    return aot.cpu_bf16_products(hl.get_host_target()) is not None
-
-
 def test_bf16_on_cpu_tensors_runs_where_the_cpu_has_it():
     """precision="bf16" on CPU tensors: bf16 products where the host has
     AMX or AVX512-BF16 (results within bf16's accuracy of torch.nn's, and
@@ -497,9 +491,9 @@ def test_bf16_on_cpu_tensors_runs_where_the_cpu_has_it():
         results.append([y.detach(), xi.grad] + [p.grad for p in module.parameters()])
     for k, (a, b) in enumerate(zip(*results)):
         err = float((a - b).abs().max() / b.abs().max())
-        assert (1e-4 < err < 3e-2) if _host_bf16() else err < 1e-6, (k, err)
+        assert (1e-4 < err < 3e-2) if host_has_bf16() else err < 1e-6, (k, err)
     # (sizes of this test's own: a library is loaded, and warns, once a process)
-    if _host_bf16():
+    if host_has_bf16():
         with pytest.warns(UserWarning, match="reduces over its units"):
             hnn.Recurrent("layernorm_lstm", I, H + 3, precision="bf16")(x)
     else:
