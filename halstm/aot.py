@@ -377,22 +377,11 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
     return _Plan(target, module, layout, kinds, link, cuda)
 
 
-def cpu_bf16_products(target) -> str | None:
-    """Where precision "bf16" runs its products on CPU target `target`:
-    "on AMX tiles", "as AVX512-BF16 dot products" (Halide 21 emits vdpbf16ps from
-    avx512_zen4 on; avx512_sapphirerapids implies it), or None (no bf16)."""
-    import halide as hl
-    if target.has_feature(hl.TargetFeature.AVX512_SapphireRapids):
-        return "on AMX tiles"
-    if target.has_feature(hl.TargetFeature.AVX512_Zen4):
-        return "as AVX512-BF16 dot products"
-    return None
-
-
 def _check_cpu_bf16(spec: Spec, target, d, hl) -> None:
     """precision "bf16" on a CPU target: its products run on AMX tiles or
-    as AVX512-BF16 dot products (cpu_bf16_products)."""
-    if cpu_bf16_products(target) is None:
+    as AVX512-BF16 dot products (bf16.cpu_products)."""
+    from . import bf16
+    if bf16.cpu_products(target) is None:
         raise CompileError(f"{spec.describe()}: precision 'bf16' on a CPU needs AVX512-BF16 "
                            f"or Intel AMX (Halide target feature avx512_zen4, avx512_zen5 or "
                            f"avx512_sapphirerapids), which target {target} lacks; use "

@@ -14,9 +14,21 @@ from __future__ import annotations
 
 import halide as hl
 
+ON_AMX_TILES, AS_DOT_PRODUCTS = "on AMX tiles", "as AVX512-BF16 dot products"
 TILE_ROWS = 16   # rows of an AMX tile: batch rows (or rows n) of one product tile
 K_CHUNK = 32     # bf16 values of a tile row (64 bytes): the reduction in chunks of 32
 AMX = hl.MemoryType(8)   # Halide's MemoryType::AMXTile (the Python bindings do not name it)
+
+
+def cpu_products(target: hl.Target) -> str | None:
+    """Where precision "bf16" runs its products on CPU target `target`:
+    ON_AMX_TILES, AS_DOT_PRODUCTS (Halide 21 emits vdpbf16ps from
+    avx512_zen4 on; avx512_sapphirerapids implies it), or None (no bf16)."""
+    if target.has_feature(hl.TargetFeature.AVX512_SapphireRapids):
+        return ON_AMX_TILES
+    if target.has_feature(hl.TargetFeature.AVX512_Zen4):
+        return AS_DOT_PRODUCTS
+    return None
 
 
 def bits(x) -> hl.Expr:

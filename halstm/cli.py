@@ -56,7 +56,7 @@ def _cuda_status() -> str:
 def targets():
     """Show the host target, its features, GPU availability and schedules."""
     import halide as hl
-    from halstm import schedules
+    from halstm import bf16, schedules
     host = str(hl.get_host_target())
     arch, bits, os_, *features = host.split("-")
     click.echo(f"host target:  {host}")
@@ -64,8 +64,8 @@ def targets():
     click.echo(f"features:     {', '.join(features) or '(none)'}")
     click.echo(f"cuda:         {_cuda_status()}")
     click.echo(f"machine:      {machine.summary()}")
-    bf16 = aot.cpu_bf16_products(hl.get_host_target())
-    click.echo(f"precisions:   fp32; bf16 {bf16 or 'not on this CPU'}"
+    where = bf16.cpu_products(hl.get_host_target())
+    click.echo(f"precisions:   fp32; bf16 {where or 'not on this CPU'}"
                f" (cpu targets); tf32, bf16 by cuBLAS (cuda targets)")
     click.echo("schedules:")
     for name in schedules.names():

@@ -166,7 +166,8 @@ def _cpu_precision(cell: str, precision: str) -> str:
     if precision != "bf16":
         return "fp32"
     import halide as hl
-    where = aot.cpu_bf16_products(hl.get_host_target())
+    from . import bf16
+    where = bf16.cpu_products(hl.get_host_target())
     if where and not cells.definition(cell).reduces:
         return "bf16"
     why = (f"cell {cell!r} reduces over its units" if where

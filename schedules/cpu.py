@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import halide as hl
 
-from .. import machine
+from .. import bf16, machine
 from . import amx, bf16_vectors
 from ..layout import Layout, StepSplit
 from .knobs import KNOBS as _KNOBS
@@ -350,7 +350,7 @@ def bf16_layout(layout: Layout, direction: str, input_size: int, hidden_size: in
     the L2 (machine.l2_bytes; bench/RESULTS.md, "Schedule decisions":
     cpu.amx backward). Without AMX (AVX512-BF16) the same products run as
     dot products in vector registers (bf16_vectors), with the same rules."""
-    amx_tiles = target.has_feature(hl.TargetFeature.AVX512_SapphireRapids)
+    amx_tiles = bf16.cpu_products(target) == bf16.ON_AMX_TILES
     layout = replace(layout, cpu_bf16=True, amx_tiles=amx_tiles, narrow_rows=amx.NARROW_ROWS)
     if direction == "fwd":
         return layout

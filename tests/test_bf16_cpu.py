@@ -310,5 +310,5 @@ def test_bf16_products_without_amx_are_dot_products(cell, kind, direction, tmp_p
     (AMX_TARGET, "on AMX tiles"), (ZEN4_TARGET, "as AVX512-BF16 dot products"), (NO_BF16, None)])
 def test_where_cpu_bf16_runs_follows_the_target(target, where):
     import halide as hl
-    from halstm import aot
-    assert aot.cpu_bf16_products(hl.Target(target)) == where
+    from halstm import bf16
+    assert bf16.cpu_products(hl.Target(target)) == where

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import halstm
-from halstm import aot, cuda, schedules
+from halstm import bf16, cuda, schedules
 from helpers import (B, CUDA_TARGET, H, I, L, T, assert_cli_error, assert_close, ref_run,
                      run_cli)
 
@@ -75,8 +75,8 @@ def test_targets():
     import halide as hl
     out = run_cli("targets").output
     assert f"host target:  {hl.get_host_target()}" in out
-    bf16 = aot.cpu_bf16_products(hl.get_host_target()) or "not on this CPU"
-    assert f"precisions:   fp32; bf16 {bf16} (cpu targets)" in out
+    where = bf16.cpu_products(hl.get_host_target()) or "not on this CPU"
+    assert f"precisions:   fp32; bf16 {where} (cpu targets)" in out
     lines = out.splitlines()
     listed = lines[lines.index("schedules:") + 1:]
     for name in schedules.names():
