@@ -51,17 +51,16 @@ def rows(f, parallel: bool = True):
         f.split(row, ro, ri, ROWS, GUARD).parallel(ro)
 
 
-def product(acc, tile, r, at, at_var, rows_here: bool = False, level=None) -> None:
-    """acc (AMX) and its copy `tile` (ji, row, gate, jo) computed per tile
-    of `at`'s loop `at_var`: 16 units by 16 rows, every gate; r: acc's
-    reduction (RDom). rows_here: `at_var` is a loop over panels, and the
-    copy holds every row of its panel (in tiles of 16, a gate's tiles in
-    turn) (bench/RESULTS.md, "Schedule decisions": cpu.amx tiles)."""
+def product(acc, tile, r, level: hl.LoopLevel, rows_here: bool = False) -> None:
+    """acc (AMX) and its copy `tile` (ji, row, gate, jo) computed at `level`:
+    16 units by 16 rows, every gate; r: acc's reduction (RDom). rows_here:
+    `level` is a loop over panels, and the copy holds every row of its
+    panel (in tiles of 16, a gate's tiles in turn) (bench/RESULTS.md,
+    "Schedule decisions": cpu.amx tiles)."""
     ji, row, gate, jo = tile.args()[:4]
     # a row stride of 32: a dense 16 x 16 tile's store would simplify to one
     # 256-wide ramp, which the AMX lowering does not take for a tile store
-    tile.compute_at(level if level is not None else hl.LoopLevel(at, at_var))
-    tile.bound_extent(ji, 16).align_storage(ji, 32)
+    tile.compute_at(level).bound_extent(ji, 16).align_storage(ji, 32)
     if rows_here:
         ro, ri = hl.Var("ro"), hl.Var("ri")
         tile.split(row, ro, ri, ROWS, hl.TailStrategy.RoundUp).reorder(ji, ri, ro, gate, jo)
@@ -101,7 +100,7 @@ def proj(p):
     out.split(n, nf, ni, ROWS, GUARD).split(nf, nc, no, CHUNK_TILES, GUARD)
     out.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate)
     out.fuse(jo, nc, jo).parallel(jo)
-    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], out, no)
+    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no))
 
 
 def step(p):
@@ -131,22 +130,35 @@ def step_bwd(p):
 
 
 def _per_panel(p, unit, bf_rows: str, name: str, rdom: str) -> tuple:
-    """A step's out(unit, b) per panel of P units (in parallel unless the
-    driver splits the step), in tiles of 16 rows; the product `name` (its
-    stages name_amx, name_tile, reduction p.rdoms[rdom]) per panel for
-    every row, its bf16 rows bf_rows first, once a call. Returns (out,
-    the loop over row tiles)."""
-    out, b = p.stage("out"), p.vars["b"]
-    uo, ui, bo, bi = (hl.Var(unit.name() + "o"), hl.Var(unit.name() + "i"), hl.Var("bo"),
-                      hl.Var("bi"))
+    """A step's out(unit, b) per panel of P units, in tiles of 16 rows
+    (step_tiles); the product `name` (its stages name_amx, name_tile,
+    reduction p.rdoms[rdom]) per panel for every row. Returns (out, the
+    loop over row tiles)."""
+    out, uo, bo = step_tiles(p, unit, ROWS, 1, bf_rows)
+    product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[rdom],
+            hl.LoopLevel(out, uo), rows_here=True)
+    return out, bo
+
+
+def step_tiles(p, unit, tile_rows: int, panels: int, bf_rows: str) -> tuple:
+    """A step's out(unit, b) in tiles of `panels` panels of P units x
+    `tile_rows` rows, in parallel over the tiles of units unless the driver
+    splits the step; its product's bf16 rows bf_rows computed whole first,
+    once a call. Returns (out, the loop over tiles of units, the loop over
+    tiles of rows)."""
+    out, b, u = p.stage("out"), p.vars["b"], unit.name()
+    uo, ui, bo, bi = hl.Var(u + "o"), hl.Var(u + "i"), hl.Var("bo"), hl.Var("bi")
     rows(p.stage(bf_rows), parallel=not p.split_steps)
-    out.split(unit, uo, ui, p.P, GUARD).split(b, bo, bi, ROWS, GUARD)
-    out.reorder(ui, bi, bo, uo).vectorize(ui)
+    out.split(unit, uo, ui, p.P * panels, GUARD)
+    lanes = [ui]
+    if panels > 1:      # a vector of each of the tile's panels
+        up, uv = hl.Var(u + "p"), hl.Var(u + "v")
+        out.split(ui, up, uv, p.P)
+        lanes = [uv, up]
+    out.split(b, bo, bi, tile_rows, GUARD).reorder(*lanes, bi, bo, uo).vectorize(lanes[0])
     if not p.split_steps:
         out.parallel(uo)
-    product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[rdom], out, uo,
-            rows_here=True)
-    return out, bo
+    return out, uo, bo
 
 
 def step_narrow(p, panels: int):
@@ -221,7 +233,7 @@ def grads(p):
         out.split(n, nf, ni, ROWS, GUARD).split(nf, nc, no, CHUNK_TILES, GUARD)
         out.split(i, io, ii, p.P).reorder(ii, ni, no, io, nc).vectorize(ii)
         out.fuse(io, nc, io).parallel(io)
-        product(p.stage("dx_amx"), p.stage("dx_tile"), p.rdoms["dx"], out, no)
+        product(p.stage("dx_amx"), p.stage("dx_tile"), p.rdoms["dx"], hl.LoopLevel(out, no))
     for name in ("dw_hh",) if ids else ("dw_ih", "dw_hh"):
         out = p.stage(name)
         v, j, gate = out.args()
@@ -233,5 +245,5 @@ def grads(p):
         u = out.update()
         u.split(v, vo, vi, p.P, GUARD).split(j, jo, ji, ROWS, GUARD)
         u.reorder(vi, ji, vo, jo, gate, rc).vectorize(vi).fuse(jo, gate, jo).parallel(jo)
-        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name], None, None,
-                level=hl.LoopLevel(out, vo))
+        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name],
+                hl.LoopLevel(out, vo))

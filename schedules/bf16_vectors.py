@@ -74,9 +74,8 @@ def step(p, rows: int, panels: int) -> None:
     every gate's product in registers, then the cell on the tile; h's bf16
     rows first, once a call. The driver's threads take ranges of tiles
     (`panels` must divide Hp / P: W_hh's panels are read unclamped)."""
-    out, act = p.stage("out"), p.stage("saved")
-    j, P = p.vars["j"], p.P
-    bo = _tiles(p, out, j, rows, panels, "wp_hh", "h_bf")
+    act, j, P = p.stage("saved"), p.vars["j"], p.P
+    out, bo = _tiles(p, j, rows, panels, "wp_hh", "h_bf")
     product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], hl.LoopLevel(out, bo), rows,
             panels)
     # whole panels at the guarded edge too (the cell's reads are clamped)
@@ -90,26 +89,19 @@ def step_bwd(p, rows: int, panels: int) -> None:
     registers, then the pointwise backward on the tile; dhg_next's bf16
     rows first, once a call. The driver's threads take ranges of tiles
     (`panels` must divide Hp / P: W_hh^T's panels are read unclamped)."""
-    k = p.vars["k"]
-    bo = _tiles(p, p.stage("out"), k, rows, panels, "wt_hh", "dhg_bf")
-    product(p.stage("dh_amx"), p.stage("dh_tile"), p.rdoms["jg"], hl.LoopLevel(p.stage("out"), bo),
-            rows, panels)
+    out, bo = _tiles(p, p.vars["k"], rows, panels, "wt_hh", "dhg_bf")
+    product(p.stage("dh_amx"), p.stage("dh_tile"), p.rdoms["jg"], hl.LoopLevel(out, bo), rows,
+            panels)
 
 
-def _tiles(p, out, unit, rows: int, panels: int, weight: str, bf_rows: str) -> hl.Var:
-    """A step's out(unit, b) in tiles of `panels` panels x `rows` rows, in
-    parallel over the tiles of units unless the driver splits the step;
-    its bf16 rows bf_rows computed whole first. Returns the rows' loop."""
-    b, P = p.vars["b"], p.P
-    uo, ui, up, uv, bo, bi = (hl.Var(v) for v in ("uo", "ui", "up", "uv", "bo", "bi"))
-    fixed_panels(p.param(weight), P)
-    amx.rows(p.stage(bf_rows), parallel=not p.split_steps)
-    out.split(unit, uo, ui, P * panels, GUARD).split(ui, up, uv, P).split(b, bo, bi, rows, GUARD)
-    out.reorder(uv, up, bi, bo, uo).vectorize(uv)
-    if not p.split_steps:
-        out.parallel(uo)
+def _tiles(p, unit, rows: int, panels: int, weight: str, bf_rows: str) -> tuple:
+    """A step's out(unit, b) in tiles of `panels` panels x `rows` rows
+    (amx.step_tiles), `weight`'s panels read with their packed strides; the
+    driver's threads take ranges of tiles. Returns (out, the rows' loop)."""
+    fixed_panels(p.param(weight), p.P)
+    out, _, bo = amx.step_tiles(p, unit, rows, panels, bf_rows)
     p.split_quantum = panels
-    return bo
+    return out, bo
 
 
 def grads(p, rows: int, panels: int, chunk: int) -> None:

@@ -315,8 +315,7 @@ def proj(p, target):
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.proj(p)
-        rows, panels = bf16_vectors.tile_shape(registers(target), p.G)
-        return bf16_vectors.proj(p, rows, _panels(p.Hp, p.P, panels), knob(p, "proj_chunk"))
+        return bf16_vectors.proj(p, *_bf16_tile(p, target, p.G), knob(p, "proj_chunk"))
     out, acc = p.stage("xp"), p.stage("xp_acc")
     ji, gate, n, jo = out.args()
     j, r = p.vars["j"], p.rdoms["i"].x
@@ -373,8 +372,14 @@ def step_bwd_bf16(p, target):
     panels that divide Hp / P."""
     if p.amx_tiles:
         return amx.step_bwd(p)
-    rows, panels = bf16_vectors.tile_shape(registers(target), 1)
-    bf16_vectors.step_bwd(p, rows, _panels(p.Hp, p.P, panels))
+    bf16_vectors.step_bwd(p, *_bf16_tile(p, target, 1))
+
+
+def _bf16_tile(p, target, gates: int) -> tuple:
+    """(rows, panels) of a bf16 product's register tile over the layer's
+    units (bf16_vectors.tile_shape), its panels dividing Hp / P."""
+    rows, panels = bf16_vectors.tile_shape(registers(target), gates)
+    return rows, _panels(p.Hp, p.P, panels)
 
 
 def _row_sums(p, at, at_var, vw):
@@ -484,8 +489,7 @@ def step(p, target):
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.step(p)
-        rows, panels = bf16_vectors.tile_shape(registers(target), p.G)
-        return bf16_vectors.step(p, rows, _panels(p.Hp, p.P, panels))
+        return bf16_vectors.step(p, *_bf16_tile(p, target, p.G))
     v, H, P = p.vars, p.H, p.P
     j, b, gate = v["j"], v["b"], v["gate"]
     out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
