@@ -250,9 +250,9 @@ class Library:
 
     def _panels_shape(self, n: int, gates: int | None = None) -> tuple:
         """A packed weight of reduction n and `gates` gates (None: the
-        cell's), in float32 elements: (Hp/P, n, G, P), or with AMX
-        (precision bf16 on a CPU) bf16 pair panels (Hp/P, G, NH, P, 2) as
-        (Hp/P, G, NH, P) (halstm.bf16)."""
+        cell's), in float32 elements: (Hp/P, n, G, P), or with precision
+        bf16 on a CPU bf16 pair panels (Hp/P, G, NH, P, 2) as (Hp/P, G, NH,
+        P) (halstm.bf16)."""
         P, G = self.P, self.G if gates is None else gates
         if self._cpu_bf16:
             return (self.Hp // P, G, -(-n // 32) * 16, P)
@@ -378,7 +378,7 @@ class Library:
                 dstate.append(a)
             ws = [None, None]       # no pack_bwd: the products read the weights as given
             if "halstm_pack_bwd" in self.manifest["pipelines"]:
-                # with AMX, wq_hh's panels are followed by W_hh^T's bf16 pair panels
+                # with CPU bf16, wq_hh's panels are followed by W_hh^T's bf16 pair panels
                 # over (gate, unit), one "gate" (halstm.bf16)
                 wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
                          if self._cpu_bf16 else (Hp // P, G, H, P))

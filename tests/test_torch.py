@@ -49,6 +49,15 @@ def _pair(cell, layers, bidirectional, batch_first, seed=0, proj_size=0):
     return m, ref
 
 
+def _squares_and_grads(module, x) -> list:
+    """module's output y for x and, after a loss of sum(y * y), the
+    gradients of x and of every parameter."""
+    xi = x.clone().requires_grad_()
+    y, _ = module(xi)
+    (y * y).sum().backward()
+    return [y.detach(), xi.grad] + [q.grad for q in module.parameters()]
+
+
 def _finals(hn):
     return hn if isinstance(hn, tuple) else (hn,)
 
@@ -418,13 +427,7 @@ def test_without_biases_matches_torch(cell):
     m.load_state_dict(ref.state_dict())
     assert not any("bias" in k for k in m.state_dict())
     x = torch.randn(4, 3, I)
-    results = []
-    for module in (m, ref):
-        xi = x.clone().requires_grad_()
-        y, _ = module(xi)
-        (y * y).sum().backward()
-        results.append([y.detach(), xi.grad] + [q.grad for q in module.parameters()])
-    for k, (a, b) in enumerate(zip(*results)):
+    for k, (a, b) in enumerate(zip(_squares_and_grads(m, x), _squares_and_grads(ref, x))):
         assert_close(f"result {k}", a, b)
 
 
@@ -483,13 +486,7 @@ def test_bf16_on_cpu_tensors_runs_where_the_cpu_has_it():
     m16 = hnn.LSTM(I, H, num_layers=2, precision="bf16")
     m16.load_state_dict(ref.state_dict())
     x = torch.randn(6, 19, I, generator=torch.Generator().manual_seed(3))
-    results = []
-    for module in (m, m16):
-        xi = x.clone().requires_grad_()
-        y, _ = module(xi)
-        (y * y).sum().backward()
-        results.append([y.detach(), xi.grad] + [p.grad for p in module.parameters()])
-    for k, (a, b) in enumerate(zip(*results)):
+    for k, (a, b) in enumerate(zip(_squares_and_grads(m, x), _squares_and_grads(m16, x))):
         err = float((a - b).abs().max() / b.abs().max())
         assert (1e-4 < err < 3e-2) if host_has_bf16() else err < 1e-6, (k, err)
     # (sizes of this test's own: a library is loaded, and warns, once a process)
