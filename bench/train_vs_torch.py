@@ -21,7 +21,8 @@ off.
 With a CUDA target halstm trains on the GPU and PyTorch on cuda (cuDNN;
 TF32 off for matmuls and cuDNN, so both compute in float32); every timed
 step ends with a device synchronisation. --precision bf16 (or tf32 on a
-GPU) sets halstm's; PyTorch's side stays float32.
+GPU) sets halstm's; --torch-precision bf16 runs PyTorch's recurrent layers
+under torch.autocast in bfloat16 (its head stays float32, as halstm's).
 
 Writes OUT_DIR/train_vs_torch.json (config, machine, per side: loss curves,
 validation losses, chars/s; halstm's step-time breakdown) and
@@ -60,6 +61,8 @@ def parse_args():
     p.add_argument("--keep-denormals", action="store_true",
                    help="do not flush denormal floats to zero on the CPU (see above)")
     p.add_argument("--no-torch", action="store_true", help="halstm only")
+    p.add_argument("--torch-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="PyTorch's recurrent layers in float32 or under bfloat16 autocast")
     p.add_argument("--profile", action="store_true",
                    help="also time the one-hot layer's kernels against a dense layer")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
@@ -75,11 +78,12 @@ class TorchSide:
     """The same model, optimizer and schedule in PyTorch."""
 
     def __init__(self, config: Config, vocab_size: int, params: dict, corpus: Corpus, val,
-                 device: str = "cpu"):
+                 device: str = "cpu", precision: str = "fp32"):
         import torch
         import torch.nn.functional as F
         self.torch, self.F, self.config, self.V = torch, F, config, vocab_size
         self.device = torch.device(device)
+        self.autocast = precision == "bf16"
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
@@ -106,8 +110,10 @@ class TorchSide:
 
     def _forward(self, ids, state):
         x = self.F.one_hot(self.torch.from_numpy(ids).long().to(self.device), self.V).float()
-        y, state = self.model.rnn(x, state)
-        return self.model.head(y), state
+        with self.torch.autocast(self.device.type, dtype=self.torch.bfloat16,
+                                 enabled=self.autocast):
+            y, state = self.model.rnn(x, state)
+        return self.model.head(y.float()), state
 
     def _detach(self, state):
         if state is None:
@@ -228,9 +234,9 @@ def main():
             import torch
             device = "cuda" if trainer.model.on_gpu else "cpu"
             sides["torch"] = TorchSide(config, V, trainer.params, corpus, trainer._val_streams(),
-                                       device)
+                                       device, a.torch_precision)
             torch_info = {"version": torch.__version__, "threads": torch.get_num_threads(),
-                          "device": device}
+                          "device": device, "precision": a.torch_precision}
             if device == "cuda":
                 torch_info |= {"gpu": torch.cuda.get_device_name(0),
                                "cudnn": torch.backends.cudnn.version(),
