@@ -165,16 +165,27 @@ def _cpu_precision(cell: str, precision: str) -> str:
     bf16 this CPU cannot run warns)."""
     if precision != "bf16":
         return "fp32"
-    import halide as hl
-    from . import bf16
-    where = bf16.cpu_products(hl.get_host_target())
-    if where and not cells.definition(cell).reduces:
+    if _cpu_runs_bf16(cell):
         return "bf16"
-    why = (f"cell {cell!r} reduces over its units" if where
+    why = (f"cell {cell!r} reduces over its units" if _host_bf16()
            else "this CPU has neither AMX nor AVX512-BF16")
     warnings.warn(f"halstm.torch: precision 'bf16' on CPU tensors computes in float32 ({why})",
                   stacklevel=4)
     return "fp32"
+
+
+@functools.cache
+def _host_bf16() -> bool:
+    """Whether the host CPU has AMX or AVX512-BF16."""
+    import halide as hl
+    from . import bf16
+    return bf16.cpu_products(hl.get_host_target()) is not None
+
+
+@torch.compiler.assume_constant_result     # (Dynamo cannot trace halide's calls)
+def _cpu_runs_bf16(cell: str) -> bool:
+    """Whether CPU tensors of `cell` can run precision "bf16"."""
+    return _host_bf16() and not cells.definition(cell).reduces
 
 
 _warned = False
@@ -611,7 +622,7 @@ def _check_input(module, x: Tensor) -> Tensor:
         raise TypeError(f"input: expected a Tensor or PackedSequence, got {type(x).__name__}")
     if (x.dtype in (torch.float16, torch.bfloat16) and x.device.type in ("cpu", "cuda")
             and torch.is_autocast_enabled(x.device.type)):
-        x = x.float()        # autocast: ops without a low-precision kernel run in float32
+        x = x.float()        # autocast: the kernels take float32 (bf16: _call_precision)
     if x.dtype != torch.float32:
         raise TypeError(f"input: halstm's kernels run float32, got {x.dtype} (convert with "
                         f".float())")
@@ -760,7 +771,19 @@ class _Recurrent(torch.nn.Module):
         NS = len(self._states)
         return (y0, y1), (fins[:NS], fins[NS:])
 
-    def _each_direction(self, args, batch_sizes, save, given, side):
+    def _call_precision(self, device: torch.device) -> str:
+        """The precision of a call: the module's, or "bf16" for "fp32"
+        inside a torch.autocast(dtype=torch.bfloat16) region where the
+        device runs bf16 kernels (CUDA; a CPU with AMX or AVX512-BF16, for
+        a cell that does not reduce over its units)."""
+        kind = device.type
+        if (self.precision == "fp32" and torch.is_autocast_enabled(kind)
+                and torch.get_autocast_dtype(kind) == torch.bfloat16
+                and (kind == "cuda" or _cpu_runs_bf16(self.cell))):
+            return "bf16"
+        return self.precision
+
+    def _each_direction(self, args, batch_sizes, save, given, side, precision):
         """Each direction of a layer by its own call (_direction): ys (the
         reverse one in its input's time order) and per direction its
         finals. With a side stream (a CUDA bidirectional layer, eagerly)
@@ -774,7 +797,7 @@ class _Recurrent(torch.nn.Module):
             beside = side is not None and d == 1
             with torch.cuda.stream(side) if beside else contextlib.nullcontext():
                 spec = _spec(self.cell, inp.shape[-1], self.hidden_size, self.schedule,
-                             self.precision, lane=int(beside))
+                             precision, lane=int(beside))
                 y, fin = self._direction(inp, init_d, batch_sizes, weights, spec, save, given)
             ys.append(y)
             fins.append(fin)
@@ -888,6 +911,7 @@ class _Recurrent(torch.nn.Module):
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
         finals = [[] for _ in self._states]
         side = _side_stream(x.device) if D == 2 else None   # (CUDA, eager)
+        precision = self._call_precision(x.device)
         for layer in range(L):
             # each direction's input, initial states and weights, made on the
             # current stream (a leaf's gradient then comes back on it)
@@ -895,10 +919,11 @@ class _Recurrent(torch.nn.Module):
                      self._weights(layer, sfx, zero)) for d, sfx in enumerate(("", "_reverse")[:D])]
             if D == 2 and x.device.type == "cpu" and not self.proj_size \
                     and not torch.compiler.is_compiling():
-                spec = _spec(self.cell, x.shape[-1], H, self.schedule, self.precision)
+                spec = _spec(self.cell, x.shape[-1], H, self.schedule, precision)
                 ys, fins = self._both_directions(args, batch_sizes, spec, save)
             else:
-                ys, fins = self._each_direction(args, batch_sizes, save, hx is not None, side)
+                ys, fins = self._each_direction(args, batch_sizes, save, hx is not None, side,
+                                                precision)
             for fin in fins:
                 for s, a in enumerate(fin):
                     finals[s].append(a)

@@ -4,6 +4,7 @@ dict: outputs, final states and every gradient, over the layer options
 training, torch.compile, determinism and errors."""
 import copy
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -466,15 +467,36 @@ def test_cells_match_torch(cell):
         assert_close(f"result {k}", a, b)
 
 
-def test_autocast_runs_float32():
-    m = hnn.LSTM(I, H)
-    x = torch.randn(5, 2, I)
-    want, _ = m(x)
+def test_autocast_bf16_runs_the_bf16_kernels_where_the_cpu_has_them():
+    """Inside torch.autocast(dtype=torch.bfloat16) a float32 module computes
+    as precision="bf16" where the CPU has it (else float32, without a
+    warning), forward and backward, bitwise; float16 autocast computes in
+    float32; a bfloat16 input is taken; outputs and gradients are float32;
+    torch.compile(fullgraph=True) under autocast as eagerly."""
+    m, ref = _pair("lstm", 2, False, False)
+    m16 = hnn.LSTM(I, H, num_layers=2, precision="bf16")
+    m16.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 2, I, generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for name, module, dtype in (("bf16", m16, None), ("fp32", m, None),
+                                ("autocast bf16", m, torch.bfloat16),
+                                ("autocast fp16", m, torch.float16)):
+        module.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught, \
+                torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=bool(dtype)):
+            warnings.simplefilter("always")
+            runs[name] = _squares_and_grads(module, x)
+            y, _ = module(x.to(dtype) if dtype else x)
+        assert not [w for w in caught if "precision" in str(w.message)], name
+        assert {a.dtype for a in runs[name]} == {torch.float32} and y.dtype == torch.float32
+    for name, want in (("autocast bf16", "bf16" if host_has_bf16() else "fp32"),
+                       ("autocast fp16", "fp32")):
+        for k, (a, b) in enumerate(zip(runs[name], runs[want])):
+            assert torch.equal(a, b), (name, want, k)
+    assert not torch.equal(runs["bf16"][0], runs["fp32"][0]) or not host_has_bf16()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, _ = m(x.bfloat16())
-    assert got.dtype == torch.float32
-    assert_close("autocast output", got.detach(), m(x.bfloat16().float())[0].detach())
-    assert_close("autocast output vs float32 input", got.detach(), want.detach(), rtol=2e-2)
+        assert torch.equal(compiled(x)[0], runs["autocast bf16"][0])
 
 
 def test_bf16_on_cpu_tensors_runs_where_the_cpu_has_it():

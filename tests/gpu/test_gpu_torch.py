@@ -153,3 +153,27 @@ def test_compile_reduce_overhead_matches_eager():
         got = step(compiled, x)
         for k, (a, b) in enumerate(zip(got, want)):
             assert_close(f"result {k}", a.cpu(), b.cpu())
+
+
+def test_autocast_bf16_runs_the_bf16_kernels():
+    """Inside torch.autocast("cuda", dtype=torch.bfloat16) a float32 module
+    computes as precision="bf16", forward and backward, bitwise; outputs
+    and gradients float32."""
+    torch.manual_seed(0)
+    m = hnn.LSTM(64, 256).cuda()
+    m16 = hnn.LSTM(64, 256, precision="bf16").cuda()
+    m16.load_state_dict(m.state_dict())
+    x = torch.randn(20, 48, 64, device="cuda")
+    runs = []
+    for module, autocast in ((m, True), (m16, False), (m, False)):
+        module.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y, _, loss = _losses(module, x, None)
+            loss.backward()
+            if autocast:
+                assert module(x.bfloat16())[0].dtype == torch.float32
+        assert y.dtype == torch.float32
+        runs.append([y.detach(), *[p.grad for p in module.parameters()]])
+    for k, (a, b) in enumerate(zip(runs[0], runs[1])):
+        assert torch.equal(a, b), k
+    assert not torch.equal(runs[0][0], runs[2][0])
