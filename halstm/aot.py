@@ -162,8 +162,8 @@ def schedule_knobs(schedule: str) -> dict:
 
 def _checked_knobs(spec: Spec, knobs) -> tuple:
     """knobs (a mapping or pairs) as sorted pairs: the ones that act on
-    spec's direction (and cell: a knob for steps that reduce over units)
-    and differ from their defaults (so that a default value is the same
+    spec's direction (and cell: a knob for steps that reduce over units;
+    and precision: Knob.bf16) and differ from their defaults (so that a default value is the same
     library as none); an unknown name or a value that is not a positive
     int raises ValueError."""
     have = schedule_knobs(spec.schedule)
@@ -177,7 +177,8 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"knobs: {name} expects a positive int, got {value!r}")
         if (have[name].direction == spec.direction and value != have[name].default
-                and (reduces or not have[name].reducing)):
+                and (reduces or not have[name].reducing)
+                and (spec.precision != "bf16" or have[name].bf16)):
             out[name] = value
     return tuple(sorted(out.items()))
 

@@ -294,8 +294,11 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
               help="Seconds for the whole search; values not reached are reported skipped.")
 @click.option("--rounds", type=int, default=11, show_default=True, callback=_positive,
               help="Alternating timing rounds per direction (the first two left out).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32",
+              show_default=True, help="Tune the layers of this precision (bf16: a CPU with "
+              "AMX or AVX512-BF16); each precision keeps its own values.")
 @click.option("--report", is_flag=True, help="Print what was tuned on this machine and exit.")
-def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, report):
+def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, precision, report):
     """Measure the schedule's knobs on this machine for a model's layers
     and keep the fastest (in the kernel cache's tuning.json); compile, the
     modules and the char LM then use them. Every value is checked against
@@ -330,7 +333,8 @@ def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, repor
         left = budget - (time.perf_counter() - start)
         try:
             found = tuning.tune(cell, K, s["H"], s["B"], s["T"], target, schedule,
-                                list(knob_names) or None, left / (len(layers) - k), rounds)
+                                list(knob_names) or None, left / (len(layers) - k), rounds,
+                                precision=precision)
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
         except aot.CompileError as e:

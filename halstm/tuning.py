@@ -46,7 +46,8 @@ def machine_key(target: str) -> str:
 
 def layer_key(spec) -> str:
     return (f"{spec.cell} K={spec.input_size} H={spec.hidden_size} {spec.direction} "
-            f"{spec.target} {spec.schedule}" + (" onehot" if spec.onehot else ""))
+            f"{spec.target} {spec.schedule}" + (" onehot" if spec.onehot else "")
+            + (f" {spec.precision}" if spec.precision != "fp32" else ""))
 
 
 def _path() -> Path:
@@ -137,20 +138,23 @@ def _close(got: dict, want: dict) -> bool:
 
 def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
          schedule: str | None = None, names=None, budget: float = 300.0, rounds: int = 11,
-         seed: int = 0, progress: bool = True) -> dict:
-    """Tune the knobs (all of the schedule's, or `names`) of the layer
-    (cell, K, H) at batch B and T steps, one knob after another from what
-    is kept (the defaults at first): each knob's values against the
-    current choice, the winner kept for the next knob. Stores and returns
-    {layer key: entry}; entry: the knobs kept, and per knob the base
-    knobs, their median (ms) and each value tried."""
+         seed: int = 0, progress: bool = True, precision: str = "fp32") -> dict:
+    """Tune the knobs (all of the schedule's, or `names`, that act on
+    `precision`) of the layer (cell, K, H) at batch B and T steps, one knob
+    after another from what is kept (the defaults at first): each knob's
+    values against the current choice, the winner kept for the next knob.
+    Stores and returns {layer key: entry}; entry: the knobs kept, and per
+    knob the base knobs, their median (ms) and each value tried."""
     from tqdm import tqdm
 
     from . import aot
     from .benchmark import alternating
     from .runtime import Library
     start = time.perf_counter()
-    spec0 = aot.Spec(cell, K, H, "fwd", target, schedule, knobs=())
+    def spec(direction, knobs):
+        return aot.Spec(cell, K, H, direction, target, schedule, knobs=knobs,
+                        precision=precision)
+    spec0 = spec("fwd", ())
     have = aot.schedule_knobs(spec0.schedule)
     if "cuda" in spec0.target.split("-"):
         raise ValueError(f"target {target!r}: tune measures CPU targets (the CUDA schedules "
@@ -161,21 +165,24 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                          f"{sorted(have) or 'none'}")
     from . import cells
     reduces = cells.definition(cell).reduces
+    bf16 = spec0.precision == "bf16"
     for n in names or ():
         if have[n].reducing and not reduces:
             raise ValueError(f"knob: {n} acts on cells that reduce over units; {cell!r} does not")
+        if bf16 and not have[n].bf16:
+            raise ValueError(f"knob: {n} does not act on precision 'bf16' layers")
     wanted = [n for n in have if (names is None or n in names)
-              and (reduces or not have[n].reducing)]
+              and (reduces or not have[n].reducing) and (have[n].bf16 or not bf16)]
     data = _layer_data(spec0, B, T, seed)
     NS, vec, x = data["states"], data["vec"], data["x"]
 
     libs_made: dict = {}
 
     def lib_for(direction, knobs):
-        spec = aot.Spec(cell, K, H, direction, target, schedule, knobs=knobs)
-        key = (direction, spec.knobs)
+        s = spec(direction, knobs)
+        key = (direction, s.knobs)
         if key not in libs_made:
-            libs_made[key] = Library(*aot.library(spec))
+            libs_made[key] = Library(*aot.library(s))
         return libs_made[key]
     fwd0 = lib_for("fwd", ())
     states, saved = fwd0.forward(x, data["w_ih"], data["b_ih"], data["w_hh"], data["b_hh"],
@@ -200,8 +207,8 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
         names_here = [n for n in wanted if have[n].direction == direction]
         if not names_here:
             continue
-        layer = layer_key(aot.Spec(cell, K, H, direction, target, schedule, knobs=()))
-        kept = stored(aot.Spec(cell, K, H, direction, target, schedule, knobs=()))
+        layer = layer_key(spec(direction, ()))
+        kept = stored(spec(direction, ()))
         base = lib_for(direction, kept)
         want = results(lib_for(direction, ()), direction)    # the defaults' results
         by_knob = []

@@ -10,19 +10,24 @@ class Knob(NamedTuple):
     default: int          # the schedule's constant
     candidates: tuple     # the values tune tries
     reducing: bool = False    # acts only on cells whose step reduces over units
+    bf16: bool = False        # acts on precision "bf16" layers too
 
 
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
 # (KiB), the projection's row chunk (tiles), the backward product's panel
 # budget (KiB) and, for a cell that reduces over units, the W_hh size up
 # to which its forward takes ranges of batch rows (in KiB: 1 never, 1 GiB
-# always; cpu._cell_rows; past it, steps in two parts). Which value is
+# always; cpu._cell_rows; past it, steps in two parts). In a precision
+# "bf16" layer the projection's row chunk acts where its products run as
+# AVX512-BF16 dot products (not on AMX tiles), and the backward product's
+# panels in the float32 steps of up to amx.NARROW_ROWS rows; the others do
+# not act (its weight gradients' chunks follow the L2). Which value is
 # fastest depends on the machine: ranges of rows forward past 512 KiB of
 # W_hh lost to Halide's pool on 16 cores and won on 2 (bench/RESULTS.md,
 # "cpu.step rows", "Tuned knobs").
 KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
-                 "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64)),
-                 "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048)),
+                 "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64), bf16=True),
+                 "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048), bf16=True),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)}}
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import halstm
 from halstm import aot, tuning
 from halstm.cli import main
-from helpers import H, I, assert_close
+from helpers import H, I, assert_close, needs_bf16
 
 
 @pytest.fixture
@@ -125,3 +125,33 @@ def test_reducing_forward_rows_knob(own_cache):
         assert "halstm_step_product" in manifest["pipelines"]
     with pytest.raises(ValueError, match="rows_fwd_kib acts on cells that reduce"):
         tuning.tune("lstm", I, H, 3, 7, names=["rows_fwd_kib"], progress=False)
+
+
+def test_bf16_layers_take_only_their_knobs():
+    """A precision "bf16" layer keeps the knobs that act on it (Knob.bf16)
+    and drops the others; tune refuses those for it."""
+    assert aot.Spec("lstm", I, H, "bwd", knobs={"dw_block_kib": 128},
+                    precision="bf16").knobs == ()
+    assert aot.Spec("lstm", I, H, "fwd", knobs={"proj_chunk": 8},
+                    precision="bf16").knobs == (("proj_chunk", 8),)
+    with pytest.raises(ValueError, match="dw_block_kib does not act on precision 'bf16'"):
+        tuning.tune("lstm", I, H, 3, 7, names=["dw_block_kib"], precision="bf16",
+                    progress=False)
+
+
+@needs_bf16
+def test_tune_keeps_bf16_values_apart(own_cache):
+    """`halstm tune --precision bf16` stores a bf16 layer under a key of its
+    own, which the bf16 Spec reads and the float32 one does not."""
+    r = CliRunner().invoke(main, ["tune", "--sizes", f"{I},{H},3,7", "--precision", "bf16",
+                                  "--knob", "proj_chunk", "--rounds", "3"])
+    layer = tuning.layer_key(aot.Spec("lstm", I, H, "fwd", precision="bf16"))
+    assert r.exit_code == 0 and f"{layer}: " in r.output, r.output
+    assert layer.endswith(" bf16") and layer != tuning.layer_key(aot.Spec("lstm", I, H, "fwd"))
+    entry = tuning.load()[tuning.machine_key("host")][layer]
+    (step,) = entry["by_knob"]
+    assert [t["value"] for t in step["tried"]] == [8, 16, 64]
+    assert all(t["correct"] for t in step["tried"])
+    tuning.store({layer: {**entry, "knobs": {"proj_chunk": 8}}}, "host")
+    assert aot.Spec("lstm", I, H, "fwd", precision="bf16").knobs == (("proj_chunk", 8),)
+    assert aot.Spec("lstm", I, H, "fwd").knobs == ()
