@@ -10,8 +10,11 @@ Variants per shape: kernels (halstm.LSTM with numpy / CUDA arrays),
 halstm.torch, torch.nn; packed: lengths uniform in 1..T (seeded), the
 batch as a PackedSequence, through halstm.torch and torch.nn; bidirectional
 halstm.torch and torch.nn; proj_size H/2 through halstm.torch and
-torch.nn. Each halstm.torch variant's output is checked
-against torch.nn's before timing.
+torch.nn; both modules called inside torch.autocast(dtype=torch.bfloat16)
+(halstm.torch then runs its bf16 kernels where the device has them;
+torch.nn its bf16 LSTM), backward outside it. Each halstm.torch variant's
+output is checked against torch.nn's before timing (autocast against
+torch.nn's float32, to bf16's accuracy).
 """
 import argparse
 import json
@@ -60,10 +63,12 @@ def variants(s, device, seed=0, only=""):
     xk = x if device == "cuda" else x.numpy()
     dyk = dy if device == "cuda" else dy.numpy()
 
-    def module(m, inp, d):
+    def module(m, inp, d, autocast=False):
         def run():
-            y, _ = m(inp)
-            (y.data if isinstance(y, torch.nn.utils.rnn.PackedSequence) else y).backward(d)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                y, _ = m(inp)
+            y = y.data if isinstance(y, torch.nn.utils.rnn.PackedSequence) else y
+            y.backward(d.to(y.dtype))
         return run
 
     def kernels():
@@ -77,7 +82,9 @@ def variants(s, device, seed=0, only=""):
              "torch.nn packed": module(ref, packed, dpk),
              "halstm.torch bidir": module(bi, x, torch.cat([dy, dy], -1)),
              "torch.nn bidir": module(bi_ref, x, torch.cat([dy, dy], -1)),
-             "halstm.torch proj": module(pj, x, dyp), "torch.nn proj": module(pj_ref, x, dyp)}
+             "halstm.torch proj": module(pj, x, dyp), "torch.nn proj": module(pj_ref, x, dyp),
+             "halstm.torch autocast": module(mine, x, dy, True),
+             "torch.nn autocast": module(ref, x, dy, True)}
     calls = {k: v for k, v in calls.items() if any(
         k == o[:-1] if o.endswith("$") else o in k for o in only.split(","))}
     with torch.no_grad():
@@ -87,6 +94,10 @@ def variants(s, device, seed=0, only=""):
             if name in calls:
                 y, want = m(inp)[0], r(inp)[0]
                 _check(name, getattr(y, "data", y), getattr(want, "data", want))
+        if "halstm.torch autocast" in calls:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = mine(x)[0]
+            _check("halstm.torch autocast", y.float(), ref(x)[0], tol=3e-2)
     return calls, lengths
 
 
@@ -120,7 +131,9 @@ def main():
                  "packed / padded (halstm.torch)": ("halstm.torch packed", "halstm.torch"),
                  "packed: halstm.torch / torch.nn": ("halstm.torch packed", "torch.nn packed"),
                  "bidir: halstm.torch / torch.nn": ("halstm.torch bidir", "torch.nn bidir"),
-                 "proj: halstm.torch / torch.nn": ("halstm.torch proj", "torch.nn proj")}
+                 "proj: halstm.torch / torch.nn": ("halstm.torch proj", "torch.nn proj"),
+                 "autocast: halstm.torch / torch.nn": ("halstm.torch autocast",
+                                                       "torch.nn autocast")}
         r = {k: med[a] / med[b] for k, (a, b) in pairs.items() if a in med and b in med}
         out["shapes"][name]["ratios"] = r
         for k, v in r.items():
