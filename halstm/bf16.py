@@ -74,6 +74,12 @@ def panels(w, n, H: int, G: int, P: int, name: str, pad=K_CHUNK) -> hl.Func:
     return f
 
 
+def panels_extents(n: int, G: int, P: int, Hp: int) -> list:
+    """The extents (2, P, pairs x G x Hp/P) of panels of a reduction of n
+    values (an int) and G gates over Hp units (whole panels of P)."""
+    return [2, P, _pairs(n) * G * (Hp // P)]
+
+
 def chunks(src, n, name: str) -> hl.Func:
     """src(k, row) (k < n, an Expr) as bf16 rows in chunks of a tile row,
     f(kc, row, kq) = src(kq * K_CHUNK + kc, row), zero past n: a tile's
@@ -110,7 +116,7 @@ def product(name: str, a: hl.Func, w, n, G: int, chunk=None) -> tuple:
     int or an Expr). With chunk (an Expr: a multiple of K_CHUNK), the sums
     over each chunk of that many k apart: acc(ji, row, gate, jo, c) over k
     in [c*chunk, (c+1)*chunk) (w's reduction padded to whole chunks).
-    Returns (acc, out, r): acc the accumulator (`name`_amx), out its copy
+    Returns (acc, out, r): acc the accumulator (`name`_bf16sum, float32), out its copy
     in memory (`name`_tile), which consumers read (a schedule stores acc in
     AMX tiles and computes it per 16 x 16 tile of out, or keeps a tile of
     it in vector registers), r the reduction."""
@@ -125,7 +131,7 @@ def product(name: str, a: hl.Func, w, n, G: int, chunk=None) -> tuple:
     else:
         r = hl.RDom([(0, padded_reduction(n))], name + "_r")
         k, left = r.x, a[r.x, row]
-    acc = hl.Func(name + "_amx")
+    acc = hl.Func(name + "_bf16sum")
     acc[args] = hl.f32(0)
     acc[args] += hl.f32(left) * hl.f32(weight(w, k, ji, gate, jo, n, G, pad))
     out = hl.Func(name + "_tile")

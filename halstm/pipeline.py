@@ -312,7 +312,7 @@ def _pack(p: Pipe) -> None:
         wp_hh = bf16.panels(w_hh, H, H, G, P, "wp_hh")
         p.inputs, p.outputs = [w_ih, w_hh], [wp_ih, wp_hh]
         for f, n in ((wp_ih, K), (wp_hh, H)):
-            _fix_output(p, f, [2, P, bf16.padded_reduction(n) // 2 * G * (p.Hp // P)])
+            _fix_output(p, f, bf16.panels_extents(n, G, P, p.Hp))
         p.stages = {"wp_ih": wp_ih, "wp_hh": wp_hh}
         return
     # Panels of P units with all gates and the whole reduction axis, so that
@@ -377,7 +377,7 @@ def _bf16_weight(p: Pipe, name: str, n: int, gates: int = 0) -> hl.ImageParam:
     # no longer recognises the product as an AMX tile product (schedules
     # without AMX fix the others: bf16_vectors.fixed_panels)
     q.dim(0).set_stride(1)
-    p.shapes[name] = [2, p.P, bf16.padded_reduction(n) // 2 * (gates or p.G) * (p.Hp // p.P)]
+    p.shapes[name] = bf16.panels_extents(n, gates or p.G, p.P, p.Hp)
     return q
 
 
@@ -393,7 +393,7 @@ def _proj_bf16(p: Pipe, x: hl.ImageParam, b_ih: hl.ImageParam) -> None:
     xp = hl.Func("xp")
     xp[j, gate, n] = bf16.at(tile, j, n, gate, P) + b_ih[hl.min(j, H - 1), gate]
     p.inputs = [x, wp_ih, b_ih]
-    p.stages = {"x_bf": x_bf, "xp_amx": acc, "xp_tile": tile, "xp": _xp_out(p, xp)}
+    p.stages = {"x_bf": x_bf, "xp_bf16sum": acc, "xp_tile": tile, "xp": _xp_out(p, xp)}
     p.rdoms = {"i": r}
 
 
@@ -521,10 +521,10 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     product_stages = {}
     if p.cpu_bf16:   # h's rows in bf16 times W_hh's bf16 panels
         h_bf = bf16.rows(prev_in["h"], H, "h_bf")
-        hg_amx, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G)
+        hg_bf16sum, hg_tile, r = bf16.product("hg", h_bf, recurrent, H, G)
         hg = hl.Func("hg")
         hg[j, gate, b] = bf16.at(hg_tile, j, b, gate, P) + b_hh[0][hl.min(j, H - 1), gate]
-        product_stages = {"h_bf": h_bf, "hg_amx": hg_amx, "hg_tile": hg_tile}
+        product_stages = {"h_bf": h_bf, "hg_bf16sum": hg_bf16sum, "hg_tile": hg_tile}
     elif not vendor:
         hg_acc, hg = _hg_product(p, recurrent, b_hh[0], prev_in["h"], r)     # (B, G, Hp)
         product_stages = {"hg_acc": hg_acc}
@@ -725,7 +725,7 @@ def _pack_bwd(p: Pipe) -> None:
         w_t[kg, k, g0] = w_hh[k, kg % H, hl.min(kg / H, G - 1)]
         wt_hh = bf16.panels(w_t, G * H, H, 1, P, "wt_hh")
         p.outputs.append(wt_hh)
-        _fix_output(p, wt_hh, [2, P, bf16.padded_reduction(G * H) // 2 * (p.Hp // P)])
+        _fix_output(p, wt_hh, bf16.panels_extents(G * H, 1, P, p.Hp))
         p.stages["wt_hh"] = wt_hh
 
 
@@ -964,7 +964,7 @@ def _step_bwd_fused(p: Pipe, bf16_product: bool = False) -> None:
         acc, tile, r = bf16.product("dh", dhg_bf, w_hh, G * H, 1)
         dh = hl.Func("dh")
         dh[k, b] = init + bf16.at(tile, k, b, 0, p.P)
-        product_stages = {"dhg_bf": dhg_bf, "dh_amx": acc, "dh_tile": tile}
+        product_stages = {"dhg_bf": dhg_bf, "dh_bf16sum": acc, "dh_tile": tile}
     else:
         w_hh, w = _bwd_weight(p, "w_hh", H, k)   # (the param: panels, or the weight as given)
         dh_acc, dh = _matmul("dh", [k, b], init, lambda: w(r.x, r.y) * dhg_in[r.x, r.y, b])
@@ -1155,7 +1155,7 @@ def _bf16_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
         acc, tile, r = bf16.product("dx", dxp_bf, wt_pan, G * H, 1)
         dx = hl.Func("dx")
         dx[i, n] = bf16.at(tile, i, n, 0, P)
-        stages |= {"w_ih_panels": wt_pan, "dxp_bf": dxp_bf, "dx_amx": acc, "dx_tile": tile,
+        stages |= {"w_ih_panels": wt_pan, "dxp_bf": dxp_bf, "dx_bf16sum": acc, "dx_tile": tile,
                    "dx": dx}
         p.rdoms["dx"] = r
         products += ("dx",)
@@ -1173,7 +1173,7 @@ def _bf16_grads(p: Pipe, stages: dict, x, hs, dxp, dhg, rn, ids: bool) -> None:
         out = hl.Func(name)
         out[v, j, gate] = hl.f32(0)
         out[v, j, gate] += tile[v % P, gate * Hr + j, 0, v / P, rc.x]
-        stages |= {a + "_pairs": pr, name + "_amx": acc, name + "_tile": tile, name: out}
+        stages |= {a + "_pairs": pr, name + "_bf16sum": acc, name + "_tile": tile, name: out}
         p.rdoms[name], p.rdoms[name + "_chunks"] = r, rc
         products += (name,)
     shared = p.cell.dxp_is_dhg

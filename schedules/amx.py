@@ -100,7 +100,7 @@ def proj(p):
     out.split(n, nf, ni, ROWS, GUARD).split(nf, nc, no, CHUNK_TILES, GUARD)
     out.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate)
     out.fuse(jo, nc, jo).parallel(jo)
-    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no))
+    product(p.stage("xp_bf16sum"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no))
 
 
 def step(p):
@@ -131,11 +131,11 @@ def step_bwd(p):
 
 def _per_panel(p, unit, bf_rows: str, name: str, rdom: str) -> tuple:
     """A step's out(unit, b) per panel of P units, in tiles of 16 rows
-    (step_tiles); the product `name` (its stages name_amx, name_tile,
+    (step_tiles); the product `name` (its stages name_bf16sum, name_tile,
     reduction p.rdoms[rdom]) per panel for every row. Returns (out, the
     loop over row tiles)."""
     out, uo, bo = step_tiles(p, unit, ROWS, 1, bf_rows)
-    product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[rdom],
+    product(p.stage(name + "_bf16sum"), p.stage(name + "_tile"), p.rdoms[rdom],
             hl.LoopLevel(out, uo), rows_here=True)
     return out, bo
 
@@ -166,7 +166,7 @@ def step_narrow(p, panels: int):
     tile of `panels` panels, every gate's accumulators in registers, the
     reduction's pairs unrolled; the cell on the tile."""
     out, act = p.stage("out"), p.stage("saved")
-    acc, tile = p.stage("hg_amx"), p.stage("hg_tile")
+    acc, tile = p.stage("hg_bf16sum"), p.stage("hg_tile")
     j, b, P = p.vars["j"], p.vars["b"], p.P
     r = p.rdoms["k"].x
     jo, ji, jp, jv = (hl.Var(name) for name in ("jo", "ji", "jp", "jv"))
@@ -233,7 +233,7 @@ def grads(p):
         out.split(n, nf, ni, ROWS, GUARD).split(nf, nc, no, CHUNK_TILES, GUARD)
         out.split(i, io, ii, p.P).reorder(ii, ni, no, io, nc).vectorize(ii)
         out.fuse(io, nc, io).parallel(io)
-        product(p.stage("dx_amx"), p.stage("dx_tile"), p.rdoms["dx"], hl.LoopLevel(out, no))
+        product(p.stage("dx_bf16sum"), p.stage("dx_tile"), p.rdoms["dx"], hl.LoopLevel(out, no))
     for name in ("dw_hh",) if ids else ("dw_ih", "dw_hh"):
         out = p.stage(name)
         v, j, gate = out.args()
@@ -245,5 +245,5 @@ def grads(p):
         u = out.update()
         u.split(v, vo, vi, p.P, GUARD).split(j, jo, ji, ROWS, GUARD)
         u.reorder(vi, ji, vo, jo, gate, rc).vectorize(vi).fuse(jo, gate, jo).parallel(jo)
-        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name],
+        product(p.stage(name + "_bf16sum"), p.stage(name + "_tile"), p.rdoms[name],
                 hl.LoopLevel(out, vo))

@@ -65,7 +65,7 @@ def proj(p, rows: int, panels: int, chunk: int) -> None:
     out.split(n, nf, ni, rows, GUARD).split(nf, nc, no, chunk, GUARD).split(jo, jt, jp, panels)
     out.reorder(ji, gate, jp, ni, no, jt, nc).vectorize(ji).unroll(gate).unroll(jp)
     out.fuse(jt, nc, jt).parallel(jt)
-    product(p.stage("xp_amx"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no), rows,
+    product(p.stage("xp_bf16sum"), p.stage("xp_tile"), p.rdoms["i"], hl.LoopLevel(out, no), rows,
             panels)
 
 
@@ -76,7 +76,7 @@ def step(p, rows: int, panels: int) -> None:
     (`panels` must divide Hp / P: W_hh's panels are read unclamped)."""
     act, j, P = p.stage("saved"), p.vars["j"], p.P
     out, bo = _tiles(p, j, rows, panels, "wp_hh", "h_bf")
-    product(p.stage("hg_amx"), p.stage("hg_tile"), p.rdoms["k"], hl.LoopLevel(out, bo), rows,
+    product(p.stage("hg_bf16sum"), p.stage("hg_tile"), p.rdoms["k"], hl.LoopLevel(out, bo), rows,
             panels)
     # whole panels at the guarded edge too (the cell's reads are clamped)
     act.compute_at(out, bo).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
@@ -90,7 +90,7 @@ def step_bwd(p, rows: int, panels: int) -> None:
     rows first, once a call. The driver's threads take ranges of tiles
     (`panels` must divide Hp / P: W_hh^T's panels are read unclamped)."""
     out, bo = _tiles(p, p.vars["k"], rows, panels, "wt_hh", "dhg_bf")
-    product(p.stage("dh_amx"), p.stage("dh_tile"), p.rdoms["jg"], hl.LoopLevel(out, bo), rows,
+    product(p.stage("dh_bf16sum"), p.stage("dh_tile"), p.rdoms["jg"], hl.LoopLevel(out, bo), rows,
             panels)
 
 
@@ -121,7 +121,7 @@ def grads(p, rows: int, panels: int, chunk: int) -> None:
         out.split(i, io, ii, p.P * panels, GUARD).split(ii, ip, iv, p.P)
         out.reorder(iv, ip, ni, no, io, nc).vectorize(iv)
         out.fuse(io, nc, io).parallel(io)
-        product(p.stage("dx_amx"), p.stage("dx_tile"), p.rdoms["dx"], hl.LoopLevel(out, no),
+        product(p.stage("dx_bf16sum"), p.stage("dx_tile"), p.rdoms["dx"], hl.LoopLevel(out, no),
                 rows, panels)
     for name in ("dw_hh",) if ids else ("dw_ih", "dw_hh"):
         out = p.stage(name)
@@ -132,5 +132,5 @@ def grads(p, rows: int, panels: int, chunk: int) -> None:
         u = out.update()
         u.split(v, vo, vi, p.P * panels, GUARD).split(vi, vp, vv, p.P).split(j, jo, ji, rows, GUARD)
         u.reorder(vv, vp, ji, vo, jo, gate, rc).vectorize(vv).fuse(jo, gate, jo).parallel(jo)
-        product(p.stage(name + "_amx"), p.stage(name + "_tile"), p.rdoms[name],
+        product(p.stage(name + "_bf16sum"), p.stage(name + "_tile"), p.rdoms[name],
                 hl.LoopLevel(out, vo), rows, panels)

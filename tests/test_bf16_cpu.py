@@ -269,7 +269,8 @@ def test_bf16_backward_products_lower_to_amx_tiles(cell, kind, products, tmp_pat
                             "k", target.with_feature(hl.TargetFeature.NoRuntime))
     stmt = path.read_text()
     # (a second pipeline built in this process has its Funcs named name$1)
-    amx = set(re.findall(r"allocate (\w+)_amx(?:\$\d+)?\.amx\[float32x256 \* 1\] in AMXTile", stmt))
+    amx = set(re.findall(r"allocate (\w+)_bf16sum(?:\$\d+)?\.amx\[float32x256 \* 1\] in AMXTile",
+                         stmt))
     assert amx == products
     assert "tile_matmul" in stmt
 
