@@ -162,10 +162,10 @@ def schedule_knobs(schedule: str) -> dict:
 
 def _checked_knobs(spec: Spec, knobs) -> tuple:
     """knobs (a mapping or pairs) as sorted pairs: the ones that act on
-    spec's direction (and cell: a knob for steps that reduce over units;
-    and precision: Knob.bf16) and differ from their defaults (so that a default value is the same
-    library as none); an unknown name or a value that is not a positive
-    int raises ValueError."""
+    spec's direction, cell (a knob for steps that reduce over units) and
+    precision (Knob.bf16) and differ from their defaults (so that a
+    default value is the same library as none); an unknown name or a
+    value that is not a positive int raises ValueError."""
     have = schedule_knobs(spec.schedule)
     reduces = cells.definition(spec.cell).reduces if any(k.reducing for k in have.values()) \
         else False

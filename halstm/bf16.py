@@ -116,10 +116,10 @@ def product(name: str, a: hl.Func, w, n, G: int, chunk=None) -> tuple:
     int or an Expr). With chunk (an Expr: a multiple of K_CHUNK), the sums
     over each chunk of that many k apart: acc(ji, row, gate, jo, c) over k
     in [c*chunk, (c+1)*chunk) (w's reduction padded to whole chunks).
-    Returns (acc, out, r): acc the accumulator (`name`_bf16sum, float32), out its copy
-    in memory (`name`_tile), which consumers read (a schedule stores acc in
-    AMX tiles and computes it per 16 x 16 tile of out, or keeps a tile of
-    it in vector registers), r the reduction."""
+    Returns (acc, out, r): acc the float32 accumulator (`name`_bf16sum),
+    out its copy in memory (`name`_tile), which consumers read (a schedule
+    stores acc in AMX tiles and computes it per 16 x 16 tile of out, or
+    keeps a tile of it in vector registers), r the reduction."""
     ji, row, gate, jo = hl.Var("ji"), hl.Var("row"), hl.Var("gate"), hl.Var("jo")
     args, pad = [ji, row, gate, jo], K_CHUNK
     if chunk is not None:   # (k = (c * chunk rows + r.y) * K_CHUNK + r.x: as AMX takes it)

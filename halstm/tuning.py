@@ -151,6 +151,7 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     from .benchmark import alternating
     from .runtime import Library
     start = time.perf_counter()
+
     def spec(direction, knobs):
         return aot.Spec(cell, K, H, direction, target, schedule, knobs=knobs,
                         precision=precision)
