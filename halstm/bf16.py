@@ -44,6 +44,13 @@ def value(x) -> hl.Expr:
     return hl.reinterpret(hl.BFloat(16), bits(x))
 
 
+def widened(x) -> hl.Expr:
+    """A bfloat16 Expr as float32, exactly, by its bits (hl.f32 of a
+    bfloat16 outside a product makes Halide 21 warn that it emulates the
+    conversion on CPUs without AMX)."""
+    return hl.reinterpret(hl.Float(32), hl.u32(hl.reinterpret(hl.UInt(16), x)) << 16)
+
+
 def padded_reduction(n, to=K_CHUNK):
     """A reduction of n values padded to whole chunks of `to` values (a
     multiple of a tile row); n and `to` ints or Exprs."""

@@ -440,7 +440,7 @@ def _gather(p: Pipe) -> None:
     c = hl.clamp(ids[n], 0, K - 1)
     if p.cpu_bf16:   # the class's column of W_ih's bf16 panels (bf16.panels)
         wp_ih = _bf16_weight(p, "wp_ih", K)
-        column = hl.f32(bf16.weight(wp_ih, c, j % P, gate, j / P, K, G))
+        column = bf16.widened(bf16.weight(wp_ih, c, j % P, gate, j / P, K, G))
     else:
         wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
         column = _packed(wp_ih, j, P)(gate, c)

@@ -313,3 +313,20 @@ def test_where_cpu_bf16_runs_follows_the_target(target, where):
     import halide as hl
     from halstm import bf16
     assert bf16.cpu_products(hl.Target(target)) == where
+
+
+def test_the_bf16_gather_compiles_without_emulated_conversions(tmp_path, capfd):
+    """The one-hot gather reads W_ih's bf16 panels as float32 by their bits:
+    Halide warns of no emulated bfloat16 operation (as it did for hl.f32)."""
+    import halide as hl
+    from halstm import cells, pipeline
+    from halstm.schedules import cpu
+    target = hl.Target(ZEN4_TARGET)
+    layout = cpu.bf16_layout(cpu.layout(target), "fwd", I, H, target)
+    p = pipeline.build(cells.get("lstm"), "gather", I, H, layout)
+    cpu.gather(p, target)
+    p.pipeline().compile_to({hl.OutputFileType.assembly: str(tmp_path / "k.s")},
+                            [hl.Argument(q) for q in p.inputs], "k",
+                            target.with_feature(hl.TargetFeature.NoRuntime))
+    out, err = capfd.readouterr()             # (Halide's Python bindings warn on stdout)
+    assert "emulated" not in out + err
