@@ -177,8 +177,7 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"knobs: {name} expects a positive int, got {value!r}")
         if (have[name].direction == spec.direction and value != have[name].default
-                and (reduces or not have[name].reducing)
-                and (spec.precision != "bf16" or have[name].bf16)):
+                and have[name].acts_on(reduces, spec.precision)):
             out[name] = value
     return tuple(sorted(out.items()))
 

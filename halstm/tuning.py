@@ -166,14 +166,13 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                          f"{sorted(have) or 'none'}")
     from . import cells
     reduces = cells.definition(cell).reduces
-    bf16 = spec0.precision == "bf16"
     for n in names or ():
         if have[n].reducing and not reduces:
             raise ValueError(f"knob: {n} acts on cells that reduce over units; {cell!r} does not")
-        if bf16 and not have[n].bf16:
+        if spec0.precision == "bf16" and not have[n].bf16:
             raise ValueError(f"knob: {n} does not act on precision 'bf16' layers")
     wanted = [n for n in have if (names is None or n in names)
-              and (reduces or not have[n].reducing) and (have[n].bf16 or not bf16)]
+              and have[n].acts_on(reduces, spec0.precision)]
     data = _layer_data(spec0, B, T, seed)
     NS, vec, x = data["states"], data["vec"], data["x"]
 

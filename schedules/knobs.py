@@ -12,6 +12,11 @@ class Knob(NamedTuple):
     reducing: bool = False    # acts only on cells whose step reduces over units
     bf16: bool = False        # acts on precision "bf16" layers too
 
+    def acts_on(self, reduces: bool, precision: str) -> bool:
+        """Whether it acts on a layer of a cell that reduces over its
+        units (or not) in `precision` (either direction)."""
+        return (reduces or not self.reducing) and (precision != "bf16" or self.bf16)
+
 
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
 # (KiB), the projection's row chunk (tiles), the backward product's panel
