@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,21 @@ def step_batch_sizes(lengths, T: int) -> np.ndarray:
     return (np.asarray(lengths)[None, :] > np.arange(T)[:, None]).sum(1)
 
 
+_openmp: tuple[int, ...] | None = None   # share_openmp's
+_cpu_libraries = weakref.WeakSet()       # loaded CPU SharedLibrarys
+
+
+def share_openmp(functions) -> None:
+    """CPU libraries, loaded and to come, run their step threads and
+    parallel loops on the team of the OpenMP runtime whose openmp.NAMES
+    lie at these addresses (openmp.loaded()), from their next call; None:
+    on their own threads (the default)."""
+    global _openmp
+    _openmp = tuple(functions) if functions else None
+    for lib in list(_cpu_libraries):
+        lib.use_openmp()
+
+
 class SharedLibrary:
     """A loaded libhalstm.so (a layer's, or other kernels linked with the
     driver): its C functions (.lib), where its arrays live (.mem, from
@@ -62,6 +78,14 @@ class SharedLibrary:
             rc = self.lib.halstm_cuda_init(self.mem.cuda.driver().context)
             if rc:
                 raise KernelError(f"halstm_cuda_init failed with code {rc}")
+        else:
+            self.lib.halstm_use_openmp.argtypes = [_P] * 4
+            _cpu_libraries.add(self)
+            self.use_openmp()
+
+    def use_openmp(self) -> None:
+        """A CPU library: share_openmp's runtime from the next call on."""
+        self.lib.halstm_use_openmp(*(_openmp or (None,) * 4))
 
     def check(self, rc: int, what: str) -> None:
         """Raise KernelError naming `what` (and the library's own message)
@@ -201,6 +225,11 @@ class Library:
         """Whether the driver keeps the steps' rows packed (rows.h StepRows:
         CPU builds given batch sizes)."""
         return bs is not None and self.device == "cpu"
+
+    def steps_shared(self) -> bool:
+        """Whether the last time loop's steps ran on the team of the OpenMP
+        runtime that share_openmp named (split_steps builds; else False)."""
+        return bool(self._lib.halstm_steps_shared())
 
     def step_threads_wanted(self) -> int:
         """Threads the last time loop's steps would have run on had every

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils import rnn as rnn_utils
 
-from . import aot, cells, memory, nn
+from . import aot, cells, memory, nn, openmp, runtime
 from .reference import torch_ops
 from .runtime import Library, row_lengths
 
@@ -129,8 +129,8 @@ def _library(spec: str, direction: str, device: torch.device,
     found = _found.get(key)
     if found is None:
         found = _found[key] = _load(spec, direction, device, per_call)
-    if found[1]._cpu and not _warned:
-        _warn_spinning_threads()
+    if found[1]._cpu and _threads is None:
+        _choose_threads()
     return found
 
 
@@ -188,22 +188,41 @@ def _cpu_runs_bf16(cell: str) -> bool:
     return _host_bf16() and not cells.definition(cell).reduces
 
 
-_warned = False
+_threads = None   # _choose_threads' answer: "openmp" or "own"
 
 
-def _warn_spinning_threads() -> None:
-    """Once: torch's OpenMP threads, waiting actively (libgomp's default),
-    spin after each torch op on the cores halstm's CPU kernels run on."""
-    global _warned
-    if _warned or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" \
-            or torch.get_num_threads() < 2:
-        return
-    _warned = True
-    warnings.warn("halstm.torch on the CPU: torch's OpenMP threads spin after each torch op "
-                  "and take the cores halstm's kernels need (forward+backward measured up to "
-                  "2x slower; docs/torch.md). Start Python with OMP_WAIT_POLICY=PASSIVE, or "
-                  "call torch.set_num_threads(1) if the model's torch ops are small.",
-                  PerformanceWarning, stacklevel=2)
+def _choose_threads() -> None:
+    """Once, at the first CPU layer: which threads halstm's CPU kernels run
+    their steps and parallel loops on. torch's CPU ops run on an OpenMP
+    team whose threads, waiting actively (libgomp's default), spin after
+    each parallel op on the cores the kernels need: there the kernels run
+    on that team ("openmp", runtime.share_openmp); under
+    OMP_WAIT_POLICY=PASSIVE, or with one torch thread, on their own
+    ("own"). HALSTM_TORCH_THREADS=openmp|own decides instead. Warns where
+    the team is wanted but its runtime cannot be found."""
+    global _threads
+    wanted = os.environ.get("HALSTM_TORCH_THREADS", "").lower()
+    if wanted not in ("", "openmp", "own"):
+        raise ValueError(f"HALSTM_TORCH_THREADS: expected 'openmp' or 'own', got {wanted!r}")
+    if not wanted:
+        spins = (os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+                 and torch.get_num_threads() >= 2
+                 and "parallel backend: OpenMP" in torch.__config__.parallel_info())
+        wanted = "openmp" if spins else "own"
+    _threads = "own"
+    if wanted == "openmp":
+        here = os.path.dirname(torch.__file__)
+        functions = openmp.loaded(prefer=(here, here + ".libs"))
+        if functions is None:
+            warnings.warn("halstm.torch on the CPU: torch's OpenMP runtime was not found, so "
+                          "halstm's kernels run on threads of their own, beside torch's, "
+                          "which spin after each torch op (forward+backward measured up to "
+                          "2x slower; docs/torch.md). Start Python with "
+                          "OMP_WAIT_POLICY=PASSIVE, or call torch.set_num_threads(1) if the "
+                          "model's torch ops are small.", PerformanceWarning, stacklevel=3)
+        else:
+            runtime.share_openmp(functions)
+            _threads = "openmp"
 
 
 def _to(a: Tensor, device) -> Tensor:

@@ -2,11 +2,14 @@
 follows its own forward) and one loaded library (its workspaces are shared
 between calls, and ctypes releases the GIL while it runs) give exactly the
 results of the same calls made one after another."""
+import ctypes.util
 import threading
 
 import numpy as np
 import pytest
 
+import halstm
+from halstm import openmp, runtime
 from helpers import B, H, I, STATES, T, backward, call, make
 
 THREADS, ROUNDS = 4, 6
@@ -151,3 +154,65 @@ def test_a_pack_key_reuses_the_packed_weights():
         assert np.array_equal(a, b)
     for a, b in zip(run(("k", 2), 2.0), doubled):
         assert np.array_equal(a, b)
+
+
+@pytest.fixture
+def openmp_team():
+    """The functions of an OpenMP runtime loaded in this process (torch's
+    where torch is installed, else the system's libgomp); CPU libraries run
+    on their own threads again afterwards."""
+    try:
+        import torch   # noqa: F401 - loads its OpenMP runtime
+    except ImportError:
+        name = ctypes.util.find_library("gomp")
+        if name is None:
+            pytest.skip("no OpenMP runtime to share")
+        ctypes.CDLL(name)
+    functions = openmp.loaded()
+    assert functions is not None and all(functions)
+    yield functions
+    runtime.share_openmp(None)
+
+
+@pytest.mark.parametrize("hidden, batch, T", [(37, 27, 80), (300, 12, 30)])
+def test_steps_on_a_shared_openmp_team(hidden, batch, T, openmp_team, monkeypatch):
+    """Steps split over three threads of a shared OpenMP team (ranges of
+    rows at H=37; at H=300 ranges of units, meeting after every step) give
+    bitwise the results of the driver's own threads."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, hidden, seed=3)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((T, batch, I)).astype(np.float32)
+    dy = rng.standard_normal((T, batch, hidden)).astype(np.float32)
+    runs = []
+    for team in (None, openmp_team):
+        runtime.share_openmp(team)
+        y, finals = call(m, "lstm", x)
+        grads = backward(m, "lstm", dy)
+        libs = list(m._libs.values())
+        assert [lib.step_threads() for lib in libs] == [3, 3]
+        assert [lib.steps_shared() for lib in libs] == [team is not None] * 2
+        runs.append((y, finals, grads))
+    (y, finals, grads), (y2, finals2, grads2) = runs
+    assert np.array_equal(y, y2)
+    assert all(np.array_equal(a, b) for a, b in zip(finals, finals2))
+    for name in grads:
+        assert np.array_equal(grads[name], grads2[name]), name
+
+
+def test_calls_with_their_own_cores_keep_their_own_threads(openmp_team, monkeypatch):
+    """A call given its share of the cores (threads=: a bidirectional
+    layer's two directions at once) runs on the driver's own threads."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, 37, seed=3)
+    x = np.random.default_rng(12).standard_normal((80, 27, I)).astype(np.float32)
+    runtime.share_openmp(openmp_team)
+    y, _ = call(m, "lstm", x)
+    (lib,) = m._libs.values()
+    assert lib.step_threads() == 3 and lib.steps_shared()
+    sd = m.state_dict()
+    states, _ = lib.forward(x, *(sd[k] for k in ("weight_ih_l0", "bias_ih_l0", "weight_hh_l0",
+                                                  "bias_hh_l0")), [None, None], save=False,
+                                threads=3)
+    assert lib.step_threads() == 3 and not lib.steps_shared()
+    assert np.array_equal(states[0, 1:], y)

@@ -239,23 +239,52 @@ def test_gradcheck(cell, form):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-3, atol=1e-3, rtol=1e-2)
 
 
-def test_warns_once_of_actively_waiting_threads(monkeypatch):
-    """On the CPU without OMP_WAIT_POLICY=PASSIVE and with torch threads
-    to spin, the first call warns (PerformanceWarning), later ones not."""
+def _threads_chosen(monkeypatch, m, x) -> str:
+    """hnn._threads after m(x) as the first CPU call of the process."""
+    monkeypatch.setattr(hnn, "_threads", None)
+    m(x)
+    return hnn._threads
+
+
+def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, request):
+    """Where torch's OpenMP threads wait actively (no OMP_WAIT_POLICY=PASSIVE,
+    two threads or more), the CPU kernels run on their team, with results
+    bitwise those of their own threads; else (or HALSTM_TORCH_THREADS=own)
+    on their own; a runtime that cannot be found warns once."""
     import warnings
-    monkeypatch.setattr(hnn, "_warned", False)
+
+    from halstm import openmp, runtime
+    request.addfinalizer(lambda: runtime.share_openmp(None))
+    monkeypatch.delenv("HALSTM_TORCH_THREADS", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    m, x = hnn.LSTM(I, H), torch.randn(2, 1, I)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    m, x = hnn.LSTM(I, H), torch.randn(80, 27, I)
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m(x)
-    monkeypatch.delenv("OMP_WAIT_POLICY")
+        assert _threads_chosen(monkeypatch, m, x) == "own" and runtime._openmp is None
+        own = m(x)[0]
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+        assert _threads_chosen(monkeypatch, m, x) == "openmp"
+        assert runtime._openmp == openmp.loaded()
+        shared = m(x)[0]
+        (lib, _), = [v for k, v in hnn._found.items() if k[1] == "fwd" and k[2].type == "cpu"
+                     and k[0].startswith(f"lstm|{I}|{H}|")]
+        assert lib.step_threads() == 3 and lib.steps_shared()
+        assert torch.equal(own, shared)
+        monkeypatch.setenv("HALSTM_TORCH_THREADS", "own")
+        runtime.share_openmp(None)
+        assert _threads_chosen(monkeypatch, m, x) == "own" and runtime._openmp is None
+    monkeypatch.setenv("HALSTM_TORCH_THREADS", "openmp")
+    monkeypatch.setattr(openmp, "loaded", lambda prefer=(): None)
     with pytest.warns(hnn.PerformanceWarning, match="OMP_WAIT_POLICY=PASSIVE"):
-        m(x)
+        assert _threads_chosen(monkeypatch, m, x) == "own"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m(x)
+    monkeypatch.setenv("HALSTM_TORCH_THREADS", "spin")
+    with pytest.raises(ValueError, match="HALSTM_TORCH_THREADS: expected 'openmp' or 'own', "
+                                         "got 'spin'"):
+        _threads_chosen(monkeypatch, m, x)
 
 
 def test_dropout_between_layers():

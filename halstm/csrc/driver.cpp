@@ -29,12 +29,10 @@
 #include <initializer_list>
 #include <mutex>
 #include <vector>
-#if HALSTM_SPLIT
 #include <atomic>
 #include <sched.h>
 #include <string>
 #include <thread>
-#endif
 #if HALSTM_AMX_TILES
 #include <sys/syscall.h>
 #include <unistd.h>

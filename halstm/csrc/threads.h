@@ -1,10 +1,140 @@
 // CPU threading: a time loop's steps split over the driver's own threads
-// (HALSTM_SPLIT), and the thread count.
+// (HALSTM_SPLIT) or a shared OpenMP runtime's, Halide's parallel loops, and
+// the thread count.
 // Part of the driver: included once, by driver.cpp.
 
 namespace {
 
+// The OpenMP runtime the process's other work runs on (PyTorch's), where
+// the caller shares it (halstm_use_openmp): the driver's step threads and
+// Halide's parallel loops then run on its team, whose threads would
+// otherwise spin on the same cores after each of that work's parallel
+// regions (libgomp's default wait policy) while halstm's own threads
+// compute. Functions of the GNU OpenMP ABI, which libgomp, LLVM's libomp
+// and Intel's libiomp5 all export.
+struct OpenMP {
+    void (*parallel)(void (*)(void *), void *, unsigned, unsigned);   // GOMP_parallel
+    int (*thread_num)();    // omp_get_thread_num
+    int (*num_threads)();   // omp_get_num_threads
+    int (*in_parallel)();   // omp_in_parallel
+};
+std::atomic<const OpenMP *> g_openmp{nullptr};
+thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
+
+// Runs job(r) for each r in [0, n) at once, on a team of n threads of the
+// shared OpenMP runtime (the calling thread runs r = 0). False where none
+// is shared, or the calling thread has its own share of the cores
+// (halstm_set_call_threads: another call runs beside it, on threads of its
+// own), or the call is inside one of the runtime's parallel regions, or it
+// gave a team of another size (nested regions, a thread limit): then
+// nothing ran.
+template <class F>
+bool run_on_openmp(int n, F &job) {
+    const OpenMP *omp = g_openmp.load(std::memory_order_acquire);
+    if (!omp || n < 2 || t_call_threads > 0 || omp->in_parallel()) return false;
+    struct Team {
+        const OpenMP *omp;
+        F *job;
+        int n;
+        std::atomic<bool> ran{false};
+    } team{omp, &job, n};
+    omp->parallel([](void *p) {
+        Team &t = *(Team *)p;
+        if (t.omp->num_threads() != t.n) return;   // (the same answer on every thread)
+        if (t.omp->thread_num() == 0) t.ran.store(true);
+        (*t.job)(t.omp->thread_num());
+    }, &team, (unsigned)n, 0);
+    return team.ran.load();
+}
+
+std::atomic<int> g_threads{0};      // halstm_set_num_threads; 0: unset
+std::atomic<int> g_last_threads{0}; // threads the last time loop ran on
+std::atomic<int> g_last_wanted{0};  // ... and would have, had every CPU been free
+std::atomic<bool> g_last_shared{false};   // ... on the shared OpenMP team
+
+// Threads a call may use: as set for the calling thread
+// (halstm_set_call_threads), else by halstm_set_num_threads, else
+// HL_NUM_THREADS as for Halide's own pool, else the CPUs it may run on.
+int threads_available() {
+    int n = t_call_threads > 0 ? t_call_threads : g_threads.load();
+    if (n > 0) return n;
+    const char *env = getenv("HL_NUM_THREADS");
+    n = env ? atoi(env) : 0;
+    if (n > 0) return n;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+    if (n <= 0) n = (int)std::thread::hardware_concurrency();
+    return n > 0 ? n : 1;
+}
+
+// Halide's parallel loops on as many of its pool's threads as their work
+// is worth: while a PoolWork of `macs` multiply-adds lives on a thread, a
+// parallel loop that thread runs is cut into at most macs / HALSTM_POOL_MACS
+// tasks (each a run of consecutive iterations; one: the loop runs in
+// turn on the calling thread), so that the pool wakes no more workers than
+// that (each woken worker costs the loop a fork and join).
+thread_local int t_pool_parts = 0;   // 0: no limit
+halide_do_par_for_t g_halide_par_for = nullptr;   // Halide's own pool's
+
+// A parallel loop on the shared OpenMP runtime's team (halstm_use_openmp;
+// as many threads as iterations, at most threads_available(), each taking
+// the next iteration), else on Halide's pool. Returns the first nonzero code.
+int par_for_pool(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
+    const int n = size < threads_available() ? size : threads_available();
+    std::atomic<int> next{0}, failed{0};
+    auto loop = [&](int) {
+        for (int i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < size;)
+            if (int rc = task(uc, min + i, closure)) {
+                int none = 0;
+                failed.compare_exchange_strong(none, rc);
+            }
+    };
+    if (run_on_openmp(n, loop)) return failed.load();
+    return g_halide_par_for(uc, task, min, size, closure);
+}
+
+struct Chunks {
+    halide_task_t task;
+    uint8_t *closure;
+    int min, size, parts;
+};
+
+int run_chunk(void *uc, int i, uint8_t *closure) {
+    const Chunks &c = *(const Chunks *)closure;
+    const int lo = c.min + (int)((int64_t)c.size * i / c.parts);
+    const int hi = c.min + (int)((int64_t)c.size * (i + 1) / c.parts);
+    for (int j = lo; j < hi; j++)
+        if (int rc = c.task(uc, j, c.closure)) return rc;
+    return 0;
+}
+
+int par_for_in_parts(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
+    const int parts = t_pool_parts;   // (as many as the pool has or more: the pool's way)
+    if (parts <= 0 || parts >= size || parts >= threads_available())
+        return par_for_pool(uc, task, min, size, closure);
+    Chunks c = {task, closure, min, size, parts};
+    if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
+    return par_for_pool(uc, run_chunk, 0, parts, (uint8_t *)&c);
+}
+
+// Halide's parallel loops through par_for_in_parts from now (once).
+void take_parallel_loops() {
+    static const halide_do_par_for_t pool = g_halide_par_for =
+        halide_set_custom_do_par_for(par_for_in_parts);
+    (void)pool;
+}
+
 #if HALSTM_SPLIT
+struct PoolWork {
+    int was;
+    explicit PoolWork(double macs) : was(t_pool_parts) {
+        take_parallel_loops();
+        const double parts = macs / HALSTM_POOL_MACS;
+        t_pool_parts = parts < 1 ? 1 : parts > (1 << 30) ? (1 << 30) : (int)parts;
+    }
+    ~PoolWork() { t_pool_parts = was; }
+};
+
 // Steps split across threads by the driver (the layout's split_steps): each
 // thread runs the whole time loop over its own part of every step, a range
 // of batch rows or of unit panels (the step pipelines take panel0 and
@@ -57,71 +187,6 @@ struct SpinBarrier {
         }
         return !failed.load(std::memory_order_acquire);
     }
-};
-
-std::atomic<int> g_threads{0};      // halstm_set_num_threads; 0: unset
-thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
-std::atomic<int> g_last_threads{0}; // threads the last time loop ran on
-std::atomic<int> g_last_wanted{0};  // ... and would have, had every CPU been free
-
-// Threads a call may use: as set for the calling thread
-// (halstm_set_call_threads), else by halstm_set_num_threads, else
-// HL_NUM_THREADS as for Halide's own pool, else the CPUs it may run on.
-int threads_available() {
-    int n = t_call_threads > 0 ? t_call_threads : g_threads.load();
-    if (n > 0) return n;
-    const char *env = getenv("HL_NUM_THREADS");
-    n = env ? atoi(env) : 0;
-    if (n > 0) return n;
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
-    if (n <= 0) n = (int)std::thread::hardware_concurrency();
-    return n > 0 ? n : 1;
-}
-
-// Halide's parallel loops on as many of its pool's threads as their work
-// is worth: while a PoolWork of `macs` multiply-adds lives on a thread, a
-// parallel loop that thread runs is cut into at most macs / HALSTM_POOL_MACS
-// tasks (each a run of consecutive iterations; one: the loop runs in
-// turn on the calling thread), so that the pool wakes no more workers than
-// that (each woken worker costs the loop a fork and join).
-thread_local int t_pool_parts = 0;   // 0: no limit
-halide_do_par_for_t g_pool_par_for = nullptr;
-
-struct Chunks {
-    halide_task_t task;
-    uint8_t *closure;
-    int min, size, parts;
-};
-
-int run_chunk(void *uc, int i, uint8_t *closure) {
-    const Chunks &c = *(const Chunks *)closure;
-    const int lo = c.min + (int)((int64_t)c.size * i / c.parts);
-    const int hi = c.min + (int)((int64_t)c.size * (i + 1) / c.parts);
-    for (int j = lo; j < hi; j++)
-        if (int rc = c.task(uc, j, c.closure)) return rc;
-    return 0;
-}
-
-int par_for_in_parts(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
-    const int parts = t_pool_parts;   // (as many as the pool has or more: the pool's way)
-    if (parts <= 0 || parts >= size || parts >= threads_available())
-        return g_pool_par_for(uc, task, min, size, closure);
-    Chunks c = {task, closure, min, size, parts};
-    if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
-    return g_pool_par_for(uc, run_chunk, 0, parts, (uint8_t *)&c);
-}
-
-struct PoolWork {
-    int was;
-    explicit PoolWork(double macs) : was(t_pool_parts) {
-        static const halide_do_par_for_t pool = g_pool_par_for =
-            halide_set_custom_do_par_for(par_for_in_parts);
-        (void)pool;
-        const double parts = macs / HALSTM_POOL_MACS;
-        t_pool_parts = parts < 1 ? 1 : parts > (1 << 30) ? (1 << 30) : (int)parts;
-    }
-    ~PoolWork() { t_pool_parts = was; }
 };
 
 // The part of each step one thread computes: the units of panels
@@ -253,6 +318,20 @@ struct TwoParts {
 };
 #endif
 
+// The first nonzero code of a time loop's threads (rcs); a worker's error
+// message (errors[r]) is copied into this thread's.
+int first_error(const std::vector<int> &rcs, const std::vector<std::string> &errors) {
+    for (size_t r = 0; r < rcs.size(); r++) {
+        if (!rcs[r]) continue;
+        if (r > 0) {
+            size_t used = strnlen(g_error, sizeof(g_error) - 1);
+            std::strncat(g_error, errors[r].c_str(), sizeof(g_error) - 1 - used);
+        }
+        return rcs[r];
+    }
+    return 0;
+}
+
 // Run body(part, barrier) on as many threads as the work of a step (macs)
 // is worth (HALSTM_SPLIT_MACS each), where the whole loop (T steps) is
 // worth starting threads for (HALSTM_SPLIT_CALL_MACS). Batch rows are independent through the
@@ -282,6 +361,7 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by
     const int n = wanted < threads_available() ? wanted : threads_available();
     g_last_threads.store(n);
     g_last_wanted.store(wanted);
+    g_last_shared.store(false);
     const Part whole{0, panels, 0, B};
     if (n == 1) return body(whole, nullptr);
     // bounds[r]: the first unit of range r; ranges of rows by equal shares
@@ -316,6 +396,14 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by
     SpinBarrier *meet = by_rows ? nullptr : &barrier;
     std::vector<int> rcs(n, 0);
     std::vector<std::string> errors(n);
+    auto run_part = [&](int r) {
+        if (r > 0) g_error[0] = 0;
+        rcs[r] = body(part(r), meet);
+        if (r > 0 && rcs[r]) errors[r] = g_error;
+    };
+    const bool shared = run_on_openmp(n, run_part);
+    g_last_shared.store(shared);
+    if (shared) return first_error(rcs, errors);
     std::atomic<int> go{0};   // 1: run; -1: a thread could not be started
     std::vector<std::thread> workers;
     try {
@@ -323,9 +411,7 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by
             workers.emplace_back([&, r]() {
                 while (go.load(std::memory_order_acquire) == 0) cpu_relax();
                 if (go.load() < 0) return;
-                g_error[0] = 0;
-                rcs[r] = body(part(r), meet);
-                if (rcs[r]) errors[r] = g_error;
+                run_part(r);
             });
         }
     } catch (...) {   // no thread to spare: run the steps here
@@ -335,17 +421,9 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by
         return body(whole, nullptr);
     }
     go.store(1, std::memory_order_release);
-    rcs[0] = body(part(0), meet);
+    run_part(0);
     for (auto &w : workers) w.join();
-    for (int r = 0; r < n; r++) {
-        if (!rcs[r]) continue;
-        if (r > 0) {
-            size_t used = strnlen(g_error, sizeof(g_error) - 1);
-            std::strncat(g_error, errors[r].c_str(), sizeof(g_error) - 1 - used);
-        }
-        return rcs[r];
-    }
-    return 0;
+    return first_error(rcs, errors);
 }
 
 #endif  // HALSTM_SPLIT
@@ -398,12 +476,28 @@ int run_steps(int T, int B, const int *batch_sizes, F part_steps) {
 
 extern "C" {
 
+// Share the OpenMP runtime of the process's other work (its GOMP_parallel,
+// omp_get_thread_num, omp_get_num_threads, omp_in_parallel; parallel NULL:
+// stop sharing): the steps' threads and Halide's parallel loops run on its
+// team from the next call on.
+void halstm_use_openmp(void *parallel, void *thread_num, void *num_threads, void *in_parallel) {
+    static std::mutex lock;
+    static std::vector<OpenMP *> kept;   // (a running call may still read the one replaced)
+    std::lock_guard<std::mutex> hold(lock);
+    OpenMP *omp = nullptr;
+    if (parallel) {
+        omp = new OpenMP{(void (*)(void (*)(void *), void *, unsigned, unsigned))parallel,
+                         (int (*)())thread_num, (int (*)())num_threads, (int (*)())in_parallel};
+        kept.push_back(omp);
+        take_parallel_loops();
+    }
+    g_openmp.store(omp, std::memory_order_release);
+}
+
 // Threads for Halide's parallel loops and (HALSTM_SPLIT) the driver's steps.
 void halstm_set_num_threads(int n) {
     halide_set_num_threads(n);
-#if HALSTM_SPLIT
     g_threads.store(n > 0 ? n : 0);
-#endif
 }
 
 // Threads for the steps of the calls the calling thread makes from now
@@ -422,6 +516,16 @@ void halstm_set_call_threads(int n) {
 int halstm_step_threads_wanted(void) {
 #if HALSTM_SPLIT
     return g_last_wanted.load();
+#else
+    return 0;
+#endif
+}
+
+// Whether the last time loop's steps ran on the shared OpenMP runtime's
+// team (halstm_use_openmp; HALSTM_SPLIT, else 0).
+int halstm_steps_shared(void) {
+#if HALSTM_SPLIT
+    return g_last_shared.load();
 #else
     return 0;
 #endif
