@@ -10,7 +10,8 @@ from pathlib import Path
 
 # The GNU OpenMP ABI's functions the driver calls (threads.h, struct OpenMP);
 # libgomp, LLVM's libomp and Intel's libiomp5 all export them.
-NAMES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel")
+NAMES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel",
+         "omp_get_max_threads")
 _RUNTIME = re.compile(r"lib(gomp|iomp5|omp)[-.]")
 
 

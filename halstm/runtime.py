@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cache, cublas, memory
+from . import cache, cublas, memory, openmp
 from . import manifest as manifest_schema
 from .errors import KernelError, LibraryError
 
@@ -79,13 +79,13 @@ class SharedLibrary:
             if rc:
                 raise KernelError(f"halstm_cuda_init failed with code {rc}")
         else:
-            self.lib.halstm_use_openmp.argtypes = [_P] * 4
+            self.lib.halstm_use_openmp.argtypes = [_P] * len(openmp.NAMES)
             _cpu_libraries.add(self)
             self.use_openmp()
 
     def use_openmp(self) -> None:
         """A CPU library: share_openmp's runtime from the next call on."""
-        self.lib.halstm_use_openmp(*(_openmp or (None,) * 4))
+        self.lib.halstm_use_openmp(*(_openmp or (None,) * len(openmp.NAMES)))
 
     def check(self, rc: int, what: str) -> None:
         """Raise KernelError naming `what` (and the library's own message)

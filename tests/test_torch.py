@@ -3,7 +3,9 @@ dict: outputs, final states and every gradient, over the layer options
 (pairwise: each pair of options appears together in some case), plus
 training, torch.compile, determinism and errors."""
 import copy
+import functools
 import io
+import os
 import warnings
 
 import numpy as np
@@ -251,12 +253,11 @@ def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, reque
     two threads or more), the CPU kernels run on their team, with results
     bitwise those of their own threads; else (or HALSTM_TORCH_THREADS=own)
     on their own; a runtime that cannot be found warns once."""
-    import warnings
-
     from halstm import openmp, runtime
     request.addfinalizer(lambda: runtime.share_openmp(None))
     monkeypatch.delenv("HALSTM_TORCH_THREADS", raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+    torch.set_num_threads(4)
     m, x = hnn.LSTM(I, H), torch.randn(80, 27, I)
     monkeypatch.setenv("HL_NUM_THREADS", "3")
     with warnings.catch_warnings():
@@ -271,6 +272,11 @@ def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, reque
                      and k[0].startswith(f"lstm|{I}|{H}|")]
         assert lib.step_threads() == 3 and lib.steps_shared()
         assert torch.equal(own, shared)
+        # the team is torch's whole pool (a smaller one would end its threads)
+        torch.ones(1 << 20).exp()
+        threads = len(os.listdir("/proc/self/task"))
+        m(x)
+        assert len(os.listdir("/proc/self/task")) == threads
         monkeypatch.setenv("HALSTM_TORCH_THREADS", "own")
         runtime.share_openmp(None)
         assert _threads_chosen(monkeypatch, m, x) == "own" and runtime._openmp is None

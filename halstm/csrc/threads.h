@@ -17,33 +17,40 @@ struct OpenMP {
     int (*thread_num)();    // omp_get_thread_num
     int (*num_threads)();   // omp_get_num_threads
     int (*in_parallel)();   // omp_in_parallel
+    int (*max_threads)();   // omp_get_max_threads
 };
 std::atomic<const OpenMP *> g_openmp{nullptr};
 thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
 
-// Runs job(r) for each r in [0, n) at once, on a team of n threads of the
-// shared OpenMP runtime (the calling thread runs r = 0). False where none
-// is shared, or the calling thread has its own share of the cores
-// (halstm_set_call_threads: another call runs beside it, on threads of its
-// own), or the call is inside one of the runtime's parallel regions, or it
-// gave a team of another size (nested regions, a thread limit): then
-// nothing ran.
+// Runs job(r) for each r in [0, n) at once, on threads of the shared
+// OpenMP runtime (the calling thread runs r = 0). The team has as many
+// threads as the runtime's own regions (its threads past n return at
+// once): libgomp ends the pool's threads that a smaller team leaves out
+// and starts them anew at the next full region (after torch's 8-thread
+// ops, a 2-thread region took the process from 16 threads to 10).
+// False where none is shared, or the calling thread has its own share of
+// the cores (halstm_set_call_threads: another call runs beside it, on
+// threads of its own), or the call is inside one of the runtime's parallel
+// regions, or it gave a team of another size (nested regions, a thread
+// limit): then nothing ran.
 template <class F>
 bool run_on_openmp(int n, F &job) {
     const OpenMP *omp = g_openmp.load(std::memory_order_acquire);
     if (!omp || n < 2 || t_call_threads > 0 || omp->in_parallel()) return false;
+    const int full = omp->max_threads();
     struct Team {
         const OpenMP *omp;
         F *job;
-        int n;
+        int n, size;
         std::atomic<bool> ran{false};
-    } team{omp, &job, n};
+    } team{omp, &job, n, full > n ? full : n};
     omp->parallel([](void *p) {
         Team &t = *(Team *)p;
-        if (t.omp->num_threads() != t.n) return;   // (the same answer on every thread)
-        if (t.omp->thread_num() == 0) t.ran.store(true);
-        (*t.job)(t.omp->thread_num());
-    }, &team, (unsigned)n, 0);
+        if (t.omp->num_threads() != t.size) return;   // (the same answer on every thread)
+        const int r = t.omp->thread_num();
+        if (r == 0) t.ran.store(true);
+        if (r < t.n) (*t.job)(r);
+    }, &team, (unsigned)team.size, 0);
     return team.ran.load();
 }
 
@@ -477,17 +484,19 @@ int run_steps(int T, int B, const int *batch_sizes, F part_steps) {
 extern "C" {
 
 // Share the OpenMP runtime of the process's other work (its GOMP_parallel,
-// omp_get_thread_num, omp_get_num_threads, omp_in_parallel; parallel NULL:
-// stop sharing): the steps' threads and Halide's parallel loops run on its
-// team from the next call on.
-void halstm_use_openmp(void *parallel, void *thread_num, void *num_threads, void *in_parallel) {
+// omp_get_thread_num, omp_get_num_threads, omp_in_parallel,
+// omp_get_max_threads; parallel NULL: stop sharing): the steps' threads
+// and Halide's parallel loops run on its team from the next call on.
+void halstm_use_openmp(void *parallel, void *thread_num, void *num_threads, void *in_parallel,
+                       void *max_threads) {
     static std::mutex lock;
     static std::vector<OpenMP *> kept;   // (a running call may still read the one replaced)
     std::lock_guard<std::mutex> hold(lock);
     OpenMP *omp = nullptr;
     if (parallel) {
         omp = new OpenMP{(void (*)(void (*)(void *), void *, unsigned, unsigned))parallel,
-                         (int (*)())thread_num, (int (*)())num_threads, (int (*)())in_parallel};
+                         (int (*)())thread_num, (int (*)())num_threads, (int (*)())in_parallel,
+                         (int (*)())max_threads};
         kept.push_back(omp);
         take_parallel_loops();
     }
