@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import aot, cuda, machine
-from . import memory, projected
+from . import memory, projected, runtime
 from .runtime import Library, step_batch_sizes
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
@@ -617,11 +617,14 @@ def run_directions(fn, lib) -> list:
     once where the last call of their library (lib) would have split its
     steps over half the cores or fewer (the reverse one on a thread of its
     own, each call's steps on its half of the cores: threads), else one
-    after the other (threads None: all of them). fn(1, n) must call a
+    after the other (threads None: all of them). One after the other too
+    where the kernels run on a shared OpenMP team (runtime.share_openmp:
+    a call with its own share of the cores would run on threads beside
+    that team's, which spin on the same cores). fn(1, n) must call a
     library instance of its own (a lane) when n is given."""
     cores = _cores()
     wanted = lib.step_threads_wanted()
-    if not 0 < wanted <= cores // 2:
+    if runtime.shares_openmp() or not 0 < wanted <= cores // 2:
         return [fn(0, None), fn(1, None)]
     with ThreadPoolExecutor(1) as pool:
         reverse = pool.submit(fn, 1, cores - cores // 2)

@@ -62,6 +62,11 @@ def share_openmp(functions) -> None:
         lib.use_openmp()
 
 
+def shares_openmp() -> bool:
+    """Whether CPU libraries run on a shared OpenMP runtime's team."""
+    return _openmp is not None
+
+
 class SharedLibrary:
     """A loaded libhalstm.so (a layer's, or other kernels linked with the
     driver): its C functions (.lib), where its arrays live (.mem, from

@@ -216,3 +216,29 @@ def test_calls_with_their_own_cores_keep_their_own_threads(openmp_team, monkeypa
                                 threads=3)
     assert lib.step_threads() == 3 and not lib.steps_shared()
     assert np.array_equal(states[0, 1:], y)
+
+
+def test_directions_in_turn_on_a_shared_openmp_team(openmp_team, monkeypatch):
+    """Where the kernels share an OpenMP team, a bidirectional layer whose
+    steps want half the cores or fewer runs its directions one after the
+    other on that team (at once they would run on threads of their own:
+    test_modules' test_bidirectional_directions_run_at_once), with the
+    same results."""
+    monkeypatch.setenv("HL_NUM_THREADS", "4")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, 2 * H)).astype(np.float32)
+    runs = []
+    for team in (None, openmp_team):
+        runtime.share_openmp(team)
+        m = make("gru", bidirectional=True)
+        for _ in range(2):
+            y, h_n = m(x)
+            grads = m.backward(dy)
+        runs.append((y, h_n, grads, {k[2] for k in m._libs}))
+    (y0, h0, g0, lanes0), (y1, h1, g1, lanes1) = runs
+    assert lanes0 == {0, 1} and lanes1 == {0}
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(h1, h0)
+    for k in g0:
+        np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
