@@ -209,7 +209,7 @@ def _choose_threads() -> None:
                  and torch.get_num_threads() >= 2
                  and "parallel backend: OpenMP" in torch.__config__.parallel_info())
         wanted = "openmp" if spins else "own"
-    _threads = "own"
+    functions = None
     if wanted == "openmp":
         here = os.path.dirname(torch.__file__)
         functions = openmp.loaded(prefer=(here, here + ".libs"))
@@ -217,12 +217,11 @@ def _choose_threads() -> None:
             warnings.warn("halstm.torch on the CPU: torch's OpenMP runtime was not found, so "
                           "halstm's kernels run on threads of their own, beside torch's, "
                           "which spin after each torch op (forward+backward measured up to "
-                          "2x slower; docs/torch.md). Start Python with "
+                          "2.5x slower on a 16-core CPU; docs/torch.md). Start Python with "
                           "OMP_WAIT_POLICY=PASSIVE, or call torch.set_num_threads(1) if the "
                           "model's torch ops are small.", PerformanceWarning, stacklevel=3)
-        else:
-            runtime.share_openmp(functions)
-            _threads = "openmp"
+    runtime.share_openmp(functions)
+    _threads = "own" if functions is None else "openmp"
 
 
 def _to(a: Tensor, device) -> Tensor:

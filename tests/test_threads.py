@@ -3,7 +3,9 @@ follows its own forward) and one loaded library (its workspaces are shared
 between calls, and ctypes releases the GIL while it runs) give exactly the
 results of the same calls made one after another."""
 import ctypes.util
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -242,3 +244,36 @@ def test_directions_in_turn_on_a_shared_openmp_team(openmp_team, monkeypatch):
     np.testing.assert_array_equal(h1, h0)
     for k in g0:
         np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
+
+
+def test_a_forked_child_runs_on_its_own_threads(openmp_team, monkeypatch):
+    """A fork's child (a DataLoader's worker, say) of a process whose
+    kernels ran on the shared team runs its steps on the driver's own
+    threads: libgomp's team in a child waits for its parent's threads
+    forever (the child hung before)."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, 37, seed=3)
+    x = np.random.default_rng(13).standard_normal((80, 27, I)).astype(np.float32)
+    runtime.share_openmp(openmp_team)
+    y, _ = call(m, "lstm", x)
+    (lib,) = m._libs.values()
+    assert lib.steps_shared()
+    pid = os.fork()
+    if pid == 0:   # the child: exit code 0 if right
+        code = 1
+        try:
+            y2, _ = call(m, "lstm", x)
+            code = 0 if np.array_equal(y, y2) and lib.step_threads() == 3 \
+                and not lib.steps_shared() else 2
+        finally:
+            os._exit(code)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0

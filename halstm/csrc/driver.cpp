@@ -22,24 +22,23 @@
 #include <HalideRuntimeCuda.h>
 #endif
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <initializer_list>
 #include <mutex>
-#include <vector>
-#include <atomic>
-#include <sched.h>
 #include <string>
 #include <thread>
+#include <vector>
+#include <sched.h>
+#include <unistd.h>
 #if HALSTM_AMX_TILES
 #include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #ifdef HALSTM_CUDA
 #include <dlfcn.h>
-#include <thread>
 #endif
 
 #if HALSTM_CUBLAS && (!defined(HALSTM_CUDA) || HALSTM_XP_PANELS || HALSTM_ONEHOT)

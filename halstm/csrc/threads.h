@@ -18,6 +18,7 @@ struct OpenMP {
     int (*num_threads)();   // omp_get_num_threads
     int (*in_parallel)();   // omp_in_parallel
     int (*max_threads)();   // omp_get_max_threads
+    pid_t pid;              // the process that named it (a fork's child may not use it)
 };
 std::atomic<const OpenMP *> g_openmp{nullptr};
 thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
@@ -32,11 +33,13 @@ thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
 // the cores (halstm_set_call_threads: another call runs beside it, on
 // threads of its own), or the call is inside one of the runtime's parallel
 // regions, or it gave a team of another size (nested regions, a thread
-// limit): then nothing ran.
+// limit), or the process is a fork's child (libgomp's team in a child
+// waits for its parent's threads forever): then nothing ran.
 template <class F>
 bool run_on_openmp(int n, F &job) {
     const OpenMP *omp = g_openmp.load(std::memory_order_acquire);
-    if (!omp || n < 2 || t_call_threads > 0 || omp->in_parallel()) return false;
+    if (!omp || n < 2 || t_call_threads > 0 || omp->pid != getpid() || omp->in_parallel())
+        return false;
     const int full = omp->max_threads();
     struct Team {
         const OpenMP *omp;
@@ -496,7 +499,7 @@ void halstm_use_openmp(void *parallel, void *thread_num, void *num_threads, void
     if (parallel) {
         omp = new OpenMP{(void (*)(void (*)(void *), void *, unsigned, unsigned))parallel,
                          (int (*)())thread_num, (int (*)())num_threads, (int (*)())in_parallel,
-                         (int (*)())max_threads};
+                         (int (*)())max_threads, getpid()};
         kept.push_back(omp);
         take_parallel_loops();
     }
