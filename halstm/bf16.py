@@ -12,6 +12,8 @@ is a bf16 copy of its rows, the reduction axis innermost. Sums are float32.
 """
 from __future__ import annotations
 
+import functools
+
 import halide as hl
 
 ON_AMX_TILES, AS_DOT_PRODUCTS = "on AMX tiles", "as AVX512-BF16 dot products"
@@ -29,6 +31,12 @@ def cpu_products(target: hl.Target) -> str | None:
     if target.has_feature(hl.TargetFeature.AVX512_Zen4):
         return AS_DOT_PRODUCTS
     return None
+
+
+@functools.cache
+def host_products() -> str | None:
+    """cpu_products of the host CPU's target."""
+    return cpu_products(hl.get_host_target())
 
 
 def bits(x) -> hl.Expr:

@@ -64,7 +64,7 @@ def targets():
     click.echo(f"features:     {', '.join(features) or '(none)'}")
     click.echo(f"cuda:         {_cuda_status()}")
     click.echo(f"machine:      {machine.summary()}")
-    where = bf16.cpu_products(hl.get_host_target())
+    where = bf16.host_products()
     click.echo(f"precisions:   fp32; bf16 {where or 'not on this CPU'}"
                f" (cpu targets); tf32, bf16 by cuBLAS (cuda targets)")
     click.echo("schedules:")

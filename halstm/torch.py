@@ -174,12 +174,10 @@ def _cpu_precision(cell: str, precision: str) -> str:
     return "fp32"
 
 
-@functools.cache
 def _host_bf16() -> bool:
     """Whether the host CPU has AMX or AVX512-BF16."""
-    import halide as hl
     from . import bf16
-    return bf16.cpu_products(hl.get_host_target()) is not None
+    return bf16.host_products() is not None
 
 
 @torch.compiler.assume_constant_result     # (Dynamo cannot trace halide's calls)

@@ -3,6 +3,7 @@ follows its own forward) and one loaded library (its workspaces are shared
 between calls, and ctypes releases the GIL while it runs) give exactly the
 results of the same calls made one after another."""
 import ctypes.util
+import importlib
 import os
 import threading
 import time
@@ -164,7 +165,7 @@ def openmp_team():
     where torch is installed, else the system's libgomp); CPU libraries run
     on their own threads again afterwards."""
     try:
-        import torch   # noqa: F401 - loads its OpenMP runtime
+        importlib.import_module("torch")   # (loads its OpenMP runtime)
     except ImportError:
         name = ctypes.util.find_library("gomp")
         if name is None:
