@@ -251,8 +251,9 @@ def _threads_chosen(monkeypatch, m, x) -> str:
 def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, request):
     """Where torch's OpenMP threads wait actively (no OMP_WAIT_POLICY=PASSIVE,
     two threads or more), the CPU kernels run on their team, with results
-    bitwise those of their own threads; else (or HALSTM_TORCH_THREADS=own)
-    on their own; a runtime that cannot be found warns once."""
+    bitwise those of their own threads and as many threads as torch's ops
+    (unless HL_NUM_THREADS says); else (or HALSTM_TORCH_THREADS=own) on
+    their own; a runtime that cannot be found warns once."""
     from halstm import openmp, runtime
     request.addfinalizer(lambda: runtime.share_openmp(None))
     monkeypatch.delenv("HALSTM_TORCH_THREADS", raising=False)
@@ -277,6 +278,14 @@ def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, reque
         threads = len(os.listdir("/proc/self/task"))
         m(x)
         assert len(os.listdir("/proc/self/task")) == threads
+        # without HL_NUM_THREADS the steps take torch's thread count
+        monkeypatch.delenv("HL_NUM_THREADS")
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            m(x)
+            assert lib.step_threads() == n and lib.steps_shared()
+        torch.set_num_threads(4)
+        monkeypatch.setenv("HL_NUM_THREADS", "3")
         monkeypatch.setenv("HALSTM_TORCH_THREADS", "own")
         runtime.share_openmp(None)
         assert _threads_chosen(monkeypatch, m, x) == "own" and runtime._openmp is None

@@ -23,23 +23,29 @@ struct OpenMP {
 std::atomic<const OpenMP *> g_openmp{nullptr};
 thread_local int t_call_threads = 0;  // halstm_set_call_threads; 0: unset
 
+// The shared OpenMP runtime where this call may use it: one is shared,
+// the calling thread has no share of the cores of its own
+// (halstm_set_call_threads: another call runs beside it, on threads of its
+// own), and the process is the one that named it (libgomp's team in a
+// fork's child waits for its parent's threads forever); else NULL.
+const OpenMP *usable_openmp() {
+    const OpenMP *omp = g_openmp.load(std::memory_order_acquire);
+    return omp && t_call_threads <= 0 && omp->pid == getpid() ? omp : nullptr;
+}
+
 // Runs job(r) for each r in [0, n) at once, on threads of the shared
 // OpenMP runtime (the calling thread runs r = 0). The team has as many
 // threads as the runtime's own regions (its threads past n return at
 // once): libgomp ends the pool's threads that a smaller team leaves out
 // and starts them anew at the next full region (after torch's 8-thread
 // ops, a 2-thread region took the process from 16 threads to 10).
-// False where none is shared, or the calling thread has its own share of
-// the cores (halstm_set_call_threads: another call runs beside it, on
-// threads of its own), or the call is inside one of the runtime's parallel
-// regions, or it gave a team of another size (nested regions, a thread
-// limit), or the process is a fork's child (libgomp's team in a child
-// waits for its parent's threads forever): then nothing ran.
+// False where none is usable (usable_openmp), or the call is inside one
+// of the runtime's parallel regions, or it gave a team of another size
+// (nested regions, a thread limit): then nothing ran.
 template <class F>
 bool run_on_openmp(int n, F &job) {
-    const OpenMP *omp = g_openmp.load(std::memory_order_acquire);
-    if (!omp || n < 2 || t_call_threads > 0 || omp->pid != getpid() || omp->in_parallel())
-        return false;
+    const OpenMP *omp = usable_openmp();
+    if (!omp || n < 2 || omp->in_parallel()) return false;
     const int full = omp->max_threads();
     struct Team {
         const OpenMP *omp;
@@ -64,13 +70,19 @@ std::atomic<bool> g_last_shared{false};   // ... on the shared OpenMP team
 
 // Threads a call may use: as set for the calling thread
 // (halstm_set_call_threads), else by halstm_set_num_threads, else
-// HL_NUM_THREADS as for Halide's own pool, else the CPUs it may run on.
+// HL_NUM_THREADS as for Halide's own pool, else the threads of the shared
+// OpenMP runtime's regions where this call may use it (torch's
+// set_num_threads), else the CPUs it may run on.
 int threads_available() {
     int n = t_call_threads > 0 ? t_call_threads : g_threads.load();
     if (n > 0) return n;
     const char *env = getenv("HL_NUM_THREADS");
     n = env ? atoi(env) : 0;
     if (n > 0) return n;
+    if (const OpenMP *omp = usable_openmp()) {
+        n = omp->max_threads();
+        if (n > 0) return n;
+    }
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
     if (n <= 0) n = (int)std::thread::hardware_concurrency();
