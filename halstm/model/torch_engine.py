@@ -17,10 +17,11 @@ import sys
 
 import numpy as np
 
-# torch's OpenMP threads spin after each op, on the cores halstm's CPU
-# kernels want (halstm.torch warns of it; docs/torch.md has the figures):
-# this process waits passively, unless torch is loaded already (libgomp
-# reads the setting once) or the user chose otherwise.
+# torch's OpenMP threads wait passively in this process, unless torch is
+# loaded already (libgomp reads the setting once) or the user chose
+# otherwise: with torch's default, halstm.torch runs its kernels on
+# torch's team instead, and the two took the same time within the 16-core
+# Xeon's spread (bench/RESULTS.md, "On torch's OpenMP team").
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
