@@ -203,16 +203,23 @@ def test_steps_on_a_shared_openmp_team(hidden, batch, T, openmp_team, monkeypatc
         assert np.array_equal(grads[name], grads2[name]), name
 
 
-def test_calls_with_their_own_cores_keep_their_own_threads(openmp_team, monkeypatch):
-    """A call given its share of the cores (threads=: a bidirectional
-    layer's two directions at once) runs on the driver's own threads."""
+def _layer_on_the_team(team, monkeypatch, seed):
+    """An LSTM layer (H=37) whose steps split over three threads, called
+    once on the shared team: (module, x, y, its library)."""
     monkeypatch.setenv("HL_NUM_THREADS", "3")
     m = halstm.LSTM(I, 37, seed=3)
-    x = np.random.default_rng(12).standard_normal((80, 27, I)).astype(np.float32)
-    runtime.share_openmp(openmp_team)
+    x = np.random.default_rng(seed).standard_normal((80, 27, I)).astype(np.float32)
+    runtime.share_openmp(team)
     y, _ = call(m, "lstm", x)
     (lib,) = m._libs.values()
     assert lib.step_threads() == 3 and lib.steps_shared()
+    return m, x, y, lib
+
+
+def test_calls_with_their_own_cores_keep_their_own_threads(openmp_team, monkeypatch):
+    """A call given its share of the cores (threads=: a bidirectional
+    layer's two directions at once) runs on the driver's own threads."""
+    m, x, y, lib = _layer_on_the_team(openmp_team, monkeypatch, seed=12)
     sd = m.state_dict()
     states, _ = lib.forward(x, *(sd[k] for k in ("weight_ih_l0", "bias_ih_l0", "weight_hh_l0",
                                                   "bias_hh_l0")), [None, None], save=False,
@@ -252,13 +259,7 @@ def test_a_forked_child_runs_on_its_own_threads(openmp_team, monkeypatch):
     kernels ran on the shared team runs its steps on the driver's own
     threads: libgomp's team in a child waits for its parent's threads
     forever (the child hung before)."""
-    monkeypatch.setenv("HL_NUM_THREADS", "3")
-    m = halstm.LSTM(I, 37, seed=3)
-    x = np.random.default_rng(13).standard_normal((80, 27, I)).astype(np.float32)
-    runtime.share_openmp(openmp_team)
-    y, _ = call(m, "lstm", x)
-    (lib,) = m._libs.values()
-    assert lib.steps_shared()
+    m, x, y, lib = _layer_on_the_team(openmp_team, monkeypatch, seed=13)
     pid = os.fork()
     if pid == 0:   # the child: exit code 0 if right
         code = 1
