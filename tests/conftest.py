@@ -27,6 +27,17 @@ def kernel_cache(tmp_path_factory):
 
 
 @pytest.fixture
+def own_threads():
+    """CPU libraries on their own threads through the test, not on a shared
+    OpenMP team (halstm.runtime.share_openmp); as before afterwards."""
+    from halstm import runtime
+    before = runtime._openmp
+    runtime.share_openmp(None)
+    yield
+    runtime.share_openmp(before)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(1234)
 

@@ -769,7 +769,7 @@ def test_layer_feature_errors(kw, match):
         halstm.LSTM(I, H, num_layers=2, **kw)
 
 
-def test_bidirectional_directions_run_at_once(monkeypatch):
+def test_bidirectional_directions_run_at_once(monkeypatch, own_threads):
     """Where a layer's steps want half the cores or fewer (here one thread:
     H=37, B=3; four threads asked for), the second call runs the two
     directions at once on two instances of the library; its results equal

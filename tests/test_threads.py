@@ -163,7 +163,7 @@ def test_a_pack_key_reuses_the_packed_weights():
 def openmp_team():
     """The functions of an OpenMP runtime loaded in this process (torch's
     where torch is installed, else the system's libgomp); CPU libraries run
-    on their own threads again afterwards."""
+    as before afterwards."""
     try:
         importlib.import_module("torch")   # (loads its OpenMP runtime)
     except ImportError:
@@ -173,8 +173,9 @@ def openmp_team():
         ctypes.CDLL(name)
     functions = openmp.loaded()
     assert functions is not None and all(functions)
+    before = runtime._openmp
     yield functions
-    runtime.share_openmp(None)
+    runtime.share_openmp(before)
 
 
 @pytest.mark.parametrize("hidden, batch, T", [(37, 27, 80), (300, 12, 30)])

@@ -255,7 +255,7 @@ def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, reque
     (unless HL_NUM_THREADS says); else (or HALSTM_TORCH_THREADS=own) on
     their own; a runtime that cannot be found warns once."""
     from halstm import openmp, runtime
-    request.addfinalizer(lambda: runtime.share_openmp(None))
+    request.addfinalizer(functools.partial(runtime.share_openmp, runtime._openmp))
     monkeypatch.delenv("HALSTM_TORCH_THREADS", raising=False)
     request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
     torch.set_num_threads(4)
@@ -591,12 +591,14 @@ def test_gradients_of_one_output_alone(cell, layers, bidir, form, output):
         assert_close(f"result {k}", a, b)
 
 
-def test_bidirectional_directions_run_at_once(monkeypatch):
+def test_bidirectional_directions_run_at_once(monkeypatch, own_threads):
     """A CPU layer's two directions in one Function: where its steps want
     half the cores or fewer (H=37, B=5; four threads asked for), calls
     after the first run them at once on two library instances (lanes 0
     and 1), forward and backward, with results bitwise those of the first
     call (directions in turn) and as torch.nn's (packed, 2 layers)."""
+    monkeypatch.setenv("HALSTM_TORCH_THREADS", "own")   # (on torch's team: in turn)
+    monkeypatch.setattr(hnn, "_threads", None)
     monkeypatch.setenv("HL_NUM_THREADS", "4")
     m, ref = _pair("lstm", 2, True, False, seed=3)
     x = torch.randn(7, 5, I, generator=torch.Generator().manual_seed(4))
