@@ -102,7 +102,8 @@ halide_do_par_for_t g_halide_par_for = nullptr;   // Halide's own pool's
 // as many threads as iterations, at most threads_available(), each taking
 // the next iteration), else on Halide's pool. Returns the first nonzero code.
 int par_for_pool(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
-    const int n = size < threads_available() ? size : threads_available();
+    const int threads = threads_available();   // (once: getenv, getpid, the affinity)
+    const int n = size < threads ? size : threads;
     std::atomic<int> next{0}, failed{0};
     auto loop = [&](int) {
         for (int i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < size;)
@@ -380,7 +381,8 @@ int run_split(double macs, int T, int B, const int *batch_sizes, F body, bool by
     const bool by_rows = s.by_rows;
     const int least = s.least, quantum = s.quantum, panels = s.panels, units = s.units;
     const int wanted = s.wanted;
-    const int n = wanted < threads_available() ? wanted : threads_available();
+    const int threads = threads_available();
+    const int n = wanted < threads ? wanted : threads;
     g_last_threads.store(n);
     g_last_wanted.store(wanted);
     g_last_shared.store(false);
