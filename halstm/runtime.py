@@ -377,7 +377,8 @@ class Library:
         gradient enters at its own last step, and its dy past it is unread).
         Returns dict: dx, dw_ih, db_ih, dw_hh, db_hh, dvec (V, H) for a cell
         with vector parameters, and d<state>0 (B, H).
-        need_dx False: no dx in the result, and a CPU library skips its GEMM.
+        need_dx False: no dx in the result, and a CPU library, or a CUDA one
+        whose GEMMs are cuBLAS's, skips its GEMM.
         A one-hot library takes x as (T, B) int32 indices and gives no dx."""
         mem = mem or self.mem
         with self._lock:
@@ -432,7 +433,8 @@ class Library:
                 dvec_rows = self._workspace(mem, stream, "dvec_rows", (2, B, V, H))
                 mem.zero(dvec_rows)
             vec_ptr = self._vec(mem, vec)
-            skip_dx = not need_dx and self.device == "cpu"
+            skip_dx = not need_dx and (self.device == "cpu"
+                                       or self.manifest.get("gemm") == "cublas")
             # x, h_{t-1} and dx in the steps' rows
             rows_ws = (self._workspace(mem, stream, "rows", (
                 N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))

@@ -75,8 +75,10 @@ int halstm_grads_ids_argv(void **);
 //     int32 indices, h_{t-1} (N, H) and dx (N, KP) in that order
 // out: dx (T, B, KP) (K used); dw_ih (G*H, K); db_ih (G*H); dw_hh (G*H, H); db_hh (G*H);
 //   dvec (NV, H)
-// dx NULL (CPU builds): the input gradient is not wanted and not computed
-// (a first layer fed one-hot characters); the grads pipeline gets a dx of 0 rows.
+// dx NULL: the input gradient is not wanted and not computed (a first layer
+// fed one-hot characters, an input that needs no gradient): CPU builds give
+// the grads pipeline a dx of 0 rows, CUDA builds with cuBLAS GEMMs skip their
+// dx GEMM; other CUDA builds need dx.
 // HALSTM_ONEHOT: x is (T, B) int32 class indices, and dx is not computed.
 // batch_sizes (T) int32, or NULL (B every step): step t runs rows [0,
 // batch_sizes[t]) only, as in halstm_forward. Then the caller zeroes dxp,
@@ -431,8 +433,9 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
     rc = halstm_grads_argv(args);
     const float *dhg_rows = DXP_IS_DHG ? dxp : dhg;   // (N, G*H)
     // dx (N, KP) = dxp (N, G*H) W_ih (G*H, K), its first K columns
-    if (!rc) rc = gemm_rows("dx = dxp W_ih", false, false, N, K, G * H, dxp, G * H, w_ih, K, 0.0f,
-                            dx, KP);
+    if (!rc && dx)
+        rc = gemm_rows("dx = dxp W_ih", false, false, N, K, G * H, dxp, G * H, w_ih, K, 0.0f,
+                       dx, KP);
     // dW_ih (G*H, K) = dxp^T x (N, K); dW_hh (G*H, H) = dhg^T h (N, H): h_{t-1} of each row
     if (!rc) rc = gemm_rows("dW_ih = dxp^T x", true, false, G * H, K, N, dxp, G * H,
                             (const float *)x, K, 0.0f, dw_ih, K);

@@ -214,3 +214,33 @@ def test_threads_calling_one_library_at_once(precision, gpu_target, monkeypatch)
     for i in range(4):
         for results in got[i]:
             assert all(torch.equal(a, b) for a, b in zip(results, want[i])), i
+
+
+def test_backward_without_input_gradient_skips_dx(gpu_target):
+    """A CUDA layer whose input needs no gradient skips the dx GEMM: the
+    weights' gradients bitwise as with it, no input gradient, fewer
+    kernels in backward."""
+    torch = pytest.importorskip("torch")
+    import halstm.torch as ht
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    m = ht.LSTM(13, 37, num_layers=2).cuda()
+    x = torch.randn(9, 5, 13, device="cuda")
+
+    def grads(need_dx):
+        m.zero_grad()
+        xi = x.clone().requires_grad_(need_dx)
+        y, _ = m(xi)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            y.sum().backward()
+            torch.cuda.synchronize()
+        kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return [q.grad.clone() for q in m.parameters()], xi.grad, len(kernels)
+
+    with_dx, dx, n_with = grads(True)
+    without, no_dx, n_without = grads(False)
+    assert dx is not None and no_dx is None
+    for a, b in zip(with_dx, without):
+        assert torch.equal(a, b)
+    assert n_without < n_with, (n_without, n_with)
