@@ -108,12 +108,15 @@ def test_cuda_schedules_compile_without_gpu(tmp_path):
 
 
 def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
-    """Trainer with the kernels path (as on a CUDA target, here on the CPU):
-    the numpy run's losses; a checkpoint saved mid-run resumes exactly."""
+    """Trainer with the head's pipeline (as on a CUDA target, here on the
+    CPU): the numpy head's losses; a checkpoint saved mid-run resumes
+    exactly. The optimizer is the adam pipeline either way (the default
+    on every target)."""
     from halstm.model import Trainer, checkpoint
     config = Config(**TINY, steps=6, eval_every=3, clip=0.5)
     corpus = make_corpus(config)
     plain = Trainer(config, corpus)
+    assert plain.model.kernels is None and type(plain.optimizer).__name__ == "KernelAdam"
     plain.run(progress=False, handle_sigint=False)
 
     def with_kernels(cfg, vocab_size):

@@ -9,8 +9,9 @@ and measured 6 ms of a 520 ms step (bench/train_vs_torch.py prints the
 breakdown). On a CUDA target ("host-cuda") every parameter, activation and
 gradient stays on the GPU (halstm.cuda.DeviceArray): the head runs as the
 Halide pipeline of model/kernels.py (model/library.py compiles it), the
-one-hot rows are built there by its onehot pipeline, and the optimizer runs
-as its adam / sgd pipelines (optim.KernelAdam, KernelSGD).
+one-hot rows are built there by its onehot pipeline. The optimizer runs as
+its adam / sgd pipelines on every target (optim.KernelAdam, KernelSGD;
+model/train.py).
 
 Parameter names follow a PyTorch module with attributes `rnn` (a torch.nn
 recurrent module) and `head` (nn.Linear): rnn.weight_ih_l0, ...,
@@ -45,10 +46,10 @@ class CharLM:
     units, a linear head over the vocabulary. Initialised as PyTorch does
     (every matrix and its bias uniform in +-1/sqrt(hidden_size)) from
     `seed`; a cell's vector parameters start at their declared values.
-    kernels: run the head (and, through Trainer, the optimizer) as Halide
-    pipelines (model/kernels.py) rather than numpy; always on a CUDA
-    target, off by default on a CPU target (numpy's BLAS head is faster
-    there; on, it tests the pipelines' CPU schedule)."""
+    kernels: run the head as a Halide pipeline (model/kernels.py) rather
+    than numpy; always on a CUDA target, off by default on a CPU target
+    (numpy's BLAS head is faster there; on, it tests the pipeline's CPU
+    schedule)."""
 
     def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
                  layers: int = 2, target: str = "host", schedule: str | None = None,

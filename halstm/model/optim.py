@@ -1,9 +1,10 @@
 """Optimizers (Adam, SGD with momentum, both with PyTorch's update rules),
 global gradient-norm clipping and the learning-rate schedule. All updates
 are in place on the parameter arrays, in float32, with preallocated scratch,
-so that a step allocates nothing. Adam and SGD run in numpy (CPU training);
-KernelAdam and KernelSGD run the same rules as Halide pipelines
-(model/kernels.py) on a target's arrays: DeviceArrays for CUDA training.
+so that a step allocates nothing. Adam and SGD run in numpy; KernelAdam
+and KernelSGD run the same rules as Halide pipelines (model/kernels.py) on
+a target's arrays (numpy arrays on a CPU, DeviceArrays on a GPU): the char
+LM's trainer uses those on every target.
 
 Every optimizer refuses a non-finite gradient: clip_and_step raises
 NonFiniteError, naming the parameters whose gradients hold NaN or Inf,

@@ -31,7 +31,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from . import checkpoint as ckpt_mod
-from . import optim, signals
+from . import library, optim, signals
 from .charlm import CharLM
 from .config import RESUMABLE, Config
 from .data import Corpus, Streams
@@ -83,7 +83,11 @@ class Trainer:
         else:
             self.model = CharLM.from_config(config, len(self.vocab))
             self.params = self.model.parameters()
-            self.optimizer = optim.make(config, self.params, self.model.kernels)
+            # the optimizer as Halide pipelines on every target: on a CPU they
+            # use every core where numpy's update runs on one (bench/RESULTS.md,
+            # "The char LM's engines"); the model's own where it has them (GPU)
+            self.optimizer = optim.make(config, self.params,
+                                        self.model.kernels or library.kernels(config.target))
         self.streams = Streams(corpus.train, config.seq_len, config.batch_size,
                                np.random.default_rng([config.seed, 1]))
         self.state = self.model.zero_state(config.batch_size)
