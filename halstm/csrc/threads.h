@@ -99,10 +99,11 @@ thread_local int t_pool_parts = 0;   // 0: no limit
 halide_do_par_for_t g_halide_par_for = nullptr;   // Halide's own pool's
 
 // A parallel loop on the shared OpenMP runtime's team (halstm_use_openmp;
-// as many threads as iterations, at most threads_available(), each taking
-// the next iteration), else on Halide's pool. Returns the first nonzero code.
-int par_for_pool(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
-    const int threads = threads_available();   // (once: getenv, getpid, the affinity)
+// as many threads as iterations, at most `threads` (threads_available()),
+// each taking the next iteration), else on Halide's pool. Returns the first
+// nonzero code.
+int par_for_pool(void *uc, halide_task_t task, int min, int size, uint8_t *closure,
+                 int threads) {
     const int n = size < threads ? size : threads;
     std::atomic<int> next{0}, failed{0};
     auto loop = [&](int) {
@@ -133,11 +134,12 @@ int run_chunk(void *uc, int i, uint8_t *closure) {
 
 int par_for_in_parts(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
     const int parts = t_pool_parts;   // (as many as the pool has or more: the pool's way)
-    if (parts <= 0 || parts >= size || parts >= threads_available())
-        return par_for_pool(uc, task, min, size, closure);
+    const int threads = threads_available();   // (once a loop: getenv, getpid, the affinity)
+    if (parts <= 0 || parts >= size || parts >= threads)
+        return par_for_pool(uc, task, min, size, closure, threads);
     Chunks c = {task, closure, min, size, parts};
     if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
-    return par_for_pool(uc, run_chunk, 0, parts, (uint8_t *)&c);
+    return par_for_pool(uc, run_chunk, 0, parts, (uint8_t *)&c, threads);
 }
 
 // Halide's parallel loops through par_for_in_parts from now (once).
