@@ -841,6 +841,12 @@ def _bias(out, acc, j, gate, rn, vw, H):
 def head(p, target):
     L = panel(target)
     v, n, k = p.vars["v"], p.vars["n"], p.vars["k"]
+    # The NaN / Inf tests stay scalar: a vector's predicated tail loads its
+    # floats through phis that carry LLVM's no-NaN / no-Inf flags, and LLVM
+    # then folds the test (found with V = 5, 16 lanes).
+    p.stage("bad_w").compute_root()
+    no = hl.Var("bad_row_no")
+    p.stage("bad_row").compute_root().split(n, no, n, 64, GUARD).parallel(no)
     p.stage("wt").compute_root().parallel(k).vectorize(v, L, GUARD)
     for name in ("logits", "dlogits"):
         p.stage(name).compute_root().parallel(n).vectorize(v, L, GUARD)

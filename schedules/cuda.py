@@ -1123,6 +1123,18 @@ def _model_tile1(f, x, threads=128):
 
 def head(p, target):
     v, n, k = p.vars["v"], p.vars["n"], p.vars["k"]
+    # The NaN / Inf scans, a warp per row of W (bad_w) and of y (bad_row): the
+    # warp's lanes read 32 consecutive k (rfactor), a thread then takes the
+    # max of its row's 32 lanes.
+    for name, scan, x, rows in (("bad_w", "w_scan", v, 1), ("bad_row", "y_scan", n, 4)):
+        out, f = p.stage(name), p.stage(scan)
+        xo, xi = hl.Var(f"{out.name()}_xo"), hl.Var(f"{out.name()}_xi")
+        out.compute_root().gpu_tile(x, xo, xi, rows, GUARD)
+        ro, ri, u = hl.RVar(f"{f.name()}_ro"), hl.RVar(f"{f.name()}_ri"), hl.Var(f"{f.name()}_u")
+        lanes = f.update().split(f.rvars(0)[0], ro, ri, 32, GUARD).rfactor(ri, u)
+        f.compute_at(out, xi)
+        lanes.compute_at(out, xo).gpu_threads(u, x)
+        lanes.update().gpu_threads(u, x)
     _model_tile2(p.stage("wt").compute_root(), v, k)
     for name in ("logits", "dlogits"):
         _model_tile2(p.stage(name).compute_root(), v, n)

@@ -360,3 +360,41 @@ def host_has_bf16() -> bool:
 
 needs_bf16 = pytest.mark.skipif(not host_has_bf16(),
                                 reason="this CPU has neither AMX nor AVX512-BF16")
+
+
+HEAD_FAULTS = ("b", "w", "y", "y_inf", "w_inf")    # which input holds NaN or Inf
+
+
+def head_fault_case(N, H, V, where):
+    """The char LM head's inputs y (N, H), w (V, H), b (V,), targets (N,)
+    with one NaN or Inf (HEAD_FAULTS); no target is class 3, which a NaN
+    bias holds."""
+    rng = np.random.default_rng(N + V)
+    y = rng.standard_normal((N, H)).astype(np.float32)
+    w = rng.standard_normal((V, H)).astype(np.float32)
+    b = rng.standard_normal(V).astype(np.float32)
+    t = rng.integers(0, V - 1, N)
+    t[t == 3] = V - 1
+    array, at, value = {"b": (b, 3, np.nan), "w": (w, (3, 1), np.nan),
+                        "y": (y, (N - 2, 1), np.nan), "y_inf": (y, (N // 2, H - 1), -np.inf),
+                        "w_inf": (w, (V - 1, 0), np.inf)}[where]
+    array[at] = value
+    return y, w, b, t
+
+
+def check_head_faults(where, got, y, w, b, t):
+    """got (loss, dw, db, dy) of the head at scale 1/N: a NaN input makes the
+    same elements non-finite as numpy's head, an Inf input at least those
+    (numpy's softmax takes a -Inf logit as 0; the pipeline makes the row NaN)."""
+    from halstm.model.charlm import _log_softmax_nll
+    with np.errstate(invalid="ignore", over="ignore"):
+        dlogits = y @ w.T + b
+        nll = _log_softmax_nll(dlogits, t, grad=1.0 / len(y))
+        want = dict(loss=nll, dw=dlogits.T @ y, db=dlogits.sum(0), dy=dlogits @ w)
+    for name, out in zip(want, got):
+        finite, want_finite = np.isfinite(np.asarray(out)), np.isfinite(want[name])
+        assert not want_finite.all(), name            # the input reaches every output
+        if where.endswith("_inf"):
+            assert not finite[~want_finite].any(), name
+        else:
+            np.testing.assert_array_equal(finite, want_finite, err_msg=name)

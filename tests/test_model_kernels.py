@@ -7,7 +7,8 @@ import pytest
 
 from halstm.model import CharLM, Config, optim
 from halstm.model.charlm import _log_softmax_nll
-from helpers import CUDA_TARGET, TINY, assert_close, make_corpus
+from helpers import (CUDA_TARGET, HEAD_FAULTS, TINY, assert_close, check_head_faults,
+                     head_fault_case, make_corpus)
 
 
 @pytest.fixture
@@ -29,6 +30,14 @@ def test_head_matches_numpy(k, N, H, V):
     assert_close("dw", dw, dlogits.T @ y, rtol=1e-4, atol=1e-6, per_element=True)
     assert_close("db", db, dlogits.sum(0), rtol=1e-4, atol=1e-6, per_element=True)
     assert_close("dy", dy, dlogits @ w, rtol=1e-4, atol=1e-6, per_element=True)
+
+
+@pytest.mark.parametrize("where", HEAD_FAULTS)
+@pytest.mark.parametrize("N,H,V", [(37, 19, 11), (8, 4, 5), (64, 16, 16)])
+def test_head_keeps_nan_and_inf_where_numpy_does(k, N, H, V, where):
+    """Sizes off the vector width too: Halide's max and exp on CPUs drop NaN."""
+    y, w, b, t = head_fault_case(N, H, V, where)
+    check_head_faults(where, k.head(y, w, b, k.targets(t), 1.0 / N), y, w, b, t)
 
 
 def test_head_wrong_shape_names_the_argument(k):

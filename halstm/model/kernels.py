@@ -64,6 +64,21 @@ def build(kind: str) -> Pipe:
     return globals()[f"_{kind}"]()
 
 
+def _nonfinite(x: hl.Expr) -> hl.Expr:
+    """1 (UInt(8)) where float x is NaN or +-Inf: exponent bits all ones. An
+    integer test of a loaded value: LLVM's no-NaN flags, under which Halide
+    compiles float arithmetic, fold float NaN tests and let max and exp
+    drop a NaN (hl.exp(NaN) is 0 on CPUs)."""
+    exp_bits = hl.reinterpret(hl.UInt(32), x) & 0x7F800000
+    return hl.select(exp_bits == 0x7F800000, hl.u8(1), hl.u8(0))
+
+
+def _nan_where(bad: hl.Expr, x: hl.Expr) -> hl.Expr:
+    """x, or a quiet NaN where bad != 0, selected on the bits."""
+    bits = hl.select(bad != 0, hl.u32(0x7FC00000), hl.reinterpret(hl.UInt(32), x))
+    return hl.reinterpret(hl.Float(32), bits)
+
+
 def _head() -> Pipe:
     y, w, b = _f32("y", 2), _f32("w", 2), _f32("b", 1)         # y(k, n), w(k, v), b(v)
     targets = _dense(hl.ImageParam(hl.Int(32), 1, "targets"))  # targets(n)
@@ -71,6 +86,18 @@ def _head() -> Pipe:
     H, N, V = y.dim(0).extent(), y.dim(1).extent(), w.dim(1).extent()
     k, v, n = hl.Var("k"), hl.Var("v"), hl.Var("n")
     rk, rv, rn = hl.RDom([(0, H)], "rk"), hl.RDom([(0, V)], "rv"), hl.RDom([(0, N)], "rn")
+    # A row whose logits meet a NaN or Inf input (its y row, any of W, b)
+    # gets NaN loss and NaN dlogits, so NaN reaches loss, dW, db and that
+    # row of dy as numpy's head gives it, whatever max and exp make of it.
+    w_scan, y_scan = hl.Func("w_scan"), hl.Func("y_scan")   # w_scan(v), y_scan(n):
+    w_scan[v] = hl.u8(0)                                    # any of W's row v, y's row n
+    w_scan[v] = hl.max(w_scan[v], _nonfinite(w[rk, v]))    # not finite
+    y_scan[n] = hl.u8(0)
+    y_scan[n] = hl.max(y_scan[n], _nonfinite(y[rk, n]))
+    bad_w = hl.Func("bad_w")               # bad_w(v): W's row v or b(v) not finite
+    bad_w[v] = hl.max(_nonfinite(b[v]), w_scan[v])
+    bad_row = hl.Func("bad_row")           # bad_row(n): row n's logits meet one
+    bad_row[n] = hl.max(hl.maximum(bad_w[rv]), y_scan[n])
     wt = hl.Func("wt")                     # W^T: v innermost, for products over v
     wt[v, k] = w[k, v]
     logits = hl.Func("logits")
@@ -82,17 +109,18 @@ def _head() -> Pipe:
     t = hl.Func("t")
     t[n] = hl.clamp(targets[n], 0, V - 1)
     loss = hl.Func("loss")
-    loss[n] = hl.log(total[n]) - (logits[t[n], n] - mx[n])
+    loss[n] = _nan_where(bad_row[n], hl.log(total[n]) - (logits[t[n], n] - mx[n]))
     dlogits = hl.Func("dlogits")           # d(scale * sum loss) / d logits
-    dlogits[v, n] = scale * (hl.exp(logits[v, n] - mx[n]) / total[n]
-                             - hl.select(v == t[n], hl.f32(1), hl.f32(0)))
+    dlogits[v, n] = _nan_where(bad_row[n],
+                               scale * (hl.exp(logits[v, n] - mx[n]) / total[n]
+                                        - hl.select(v == t[n], hl.f32(1), hl.f32(0))))
     dw, db, dy = hl.Func("dw"), hl.Func("db"), hl.Func("dy")
     dw[k, v] = hl.sum(dlogits[v, rn] * y[k, rn])
     db[v] = hl.sum(dlogits[v, rn])
     dy[k, n] = hl.sum(dlogits[rv, n] * w[k, rv])
     # by the names given (Halide renames a Func whose name a process already used)
-    stages = dict(wt=wt, logits=logits, mx=mx, total=total, t=t, loss=loss, dlogits=dlogits,
-                  dw=dw, db=db, dy=dy)
+    stages = dict(w_scan=w_scan, y_scan=y_scan, bad_w=bad_w, bad_row=bad_row, wt=wt, logits=logits, mx=mx, total=total, t=t,
+                  loss=loss, dlogits=dlogits, dw=dw, db=db, dy=dy)
     return Pipe("head", [y, w, b, targets, scale], [loss, dw, db, dy], stages,
                 {"k": k, "v": v, "n": n})
 

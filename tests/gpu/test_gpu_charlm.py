@@ -6,7 +6,8 @@ import pytest
 from halstm import cuda
 from halstm.model import CharLM, Config, Trainer, checkpoint, optim
 from halstm.model.charlm import _log_softmax_nll
-from helpers import TINY, assert_close, make_corpus
+from helpers import (HEAD_FAULTS, TINY, assert_close, check_head_faults, head_fault_case,
+                     make_corpus)
 
 
 def test_head_kernel_matches_numpy(gpu_model_kernels):
@@ -24,6 +25,13 @@ def test_head_kernel_matches_numpy(gpu_model_kernels):
     assert_close("dw", dw.numpy(), dl.T @ y, rtol=1e-4, atol=1e-6, per_element=True)
     assert_close("db", db.numpy(), dl.sum(0), rtol=1e-4, atol=1e-6, per_element=True)
     assert_close("dy", dy.numpy(), dl @ w, rtol=1e-4, atol=1e-6, per_element=True)
+
+
+@pytest.mark.parametrize("where", HEAD_FAULTS)
+def test_head_kernel_keeps_nan_and_inf_where_numpy_does(gpu_model_kernels, where):
+    k, put = gpu_model_kernels, cuda.DeviceArray.from_numpy
+    y, w, b, t = head_fault_case(37, 19, 11, where)
+    check_head_faults(where, k.head(put(y), put(w), put(b), k.targets(t), 1.0 / 37), y, w, b, t)
 
 
 def test_onehot_kernel_on_the_device(gpu_model_kernels):
