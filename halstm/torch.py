@@ -29,6 +29,7 @@ import warnings
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.nn.utils import rnn as rnn_utils
 
 from . import aot, cells, memory, nn, openmp, runtime
@@ -487,6 +488,7 @@ class _Layer(torch.autograd.Function):
         return (states[0, 1:], saved, *_finals(states, batch_sizes))
 
     @staticmethod
+    @once_differentiable          # the kernels' backward has no backward
     def backward(ctx, dy, dsaved, *dfinal):
         _check_saved(ctx)
         x, w_ih, w_hh, vec, saved, states, batch_sizes = ctx.saved_tensors
@@ -541,6 +543,7 @@ class _Rows(torch.autograd.Function):
         return _move_rows(a, src, dst, n)
 
     @staticmethod
+    @once_differentiable          # the kernels' backward has no backward
     def backward(ctx, d):
         return _move_rows(d, ctx.dst, ctx.src, ctx.rows), None, None, None
 
@@ -606,6 +609,7 @@ class _Directions(torch.autograd.Function):
                 *_finals(states0, batch_sizes), *_finals(states1, batch_sizes))
 
     @staticmethod
+    @once_differentiable          # the kernels' backward has no backward
     def backward(ctx, dy0, dy1, ds0, ds1, *dfinal):
         _check_saved(ctx)
         x, x_rev, batch_sizes, states0, saved0, states1, saved1, *w = ctx.saved_tensors

@@ -442,6 +442,17 @@ def test_errors_name_the_argument():
         cell(x, (torch.zeros(2, H, dtype=torch.float64), torch.zeros(2, H)))
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_double_backward_is_refused_by_name(bidirectional):
+    """A gradient of a gradient (a penalty on dL/dx, say) raises torch's
+    once-differentiable error at the second backward, not a vague one."""
+    m = hnn.LSTM(I, H, bidirectional=bidirectional)
+    x = torch.randn(4, 2, I, requires_grad=True)
+    (dx,) = torch.autograd.grad(m(x)[0].square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+
+
 @pytest.mark.parametrize("cell, kw", [("lstm", dict(num_layers=2, bidirectional=True,
                                                      proj_size=5)), ("gru", {})])
 def test_an_empty_batch_gives_empty_outputs(cell, kw):
