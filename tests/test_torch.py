@@ -177,6 +177,18 @@ def test_compile_fullgraph_matches_eager(cell, hidden, proj, bidir):
         assert_close(f"compiled d {k}", grads2[k], grads[k])
 
 
+def test_export_runs_the_custom_operator_as_eager():
+    """torch.export traces the layers to halstm::layer; the exported program
+    gives eager's outputs on another input of the traced shape."""
+    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True).eval()
+    program = torch.export.export(m, (torch.randn(7, 3, I),))
+    assert "halstm.layer" in str(program.graph)
+    x = torch.randn(7, 3, I)
+    (y, (h, c)), (y_ref, (h_ref, c_ref)) = program.module()(x), m(x)
+    for name, got, want in (("y", y, y_ref), ("h_n", h, h_ref), ("c_n", c, c_ref)):
+        assert torch.equal(got, want), name
+
+
 def test_compile_runs_a_packed_batch_eagerly():
     """A PackedSequence under torch.compile: a graph break, eager results
     (fullgraph=True refuses it)."""
