@@ -838,24 +838,65 @@ def _bias(out, acc, j, gate, rn, vw, H):
 # (BLAS, a small part of a step); these serve tests and `CharLM(..., head=)`
 # comparisons. Every product: rows parallel, the contiguous axis vectorized.
 
+def _head_product(out, acc, vec, row, reduce, target, rows, out_tail):
+    """out(vec, row) = acc, a sum over `reduce`: register tiles of C vectors
+    of vec by R rows (R = step_rows, C*R = three quarters of the vector
+    registers; one row where rows < R), acc computed per tile over all C
+    vectors (bound_extent; the algorithm reads zeros past the edge), the
+    reduction outside the tile, the row tiles in parallel."""
+    L, R = panel(target), step_rows(target)
+    C = registers(target) * 3 // 4 // R
+    name = out.name()
+    vo, vi = hl.Var(f"{name}_vo"), hl.Var(f"{name}_vi")
+    ro, ri = hl.Var(f"{name}_ro"), hl.Var(f"{name}_ri")
+    for stage, r in ((out.specialize(rows >= R), R), (out, 1)):
+        stage.split(vec, vo, vi, C * L, out_tail).split(row, ro, ri, r, SHIFT) \
+            .reorder(vi, ri, vo, ro).vectorize(vi, L, GUARD).unroll(ri).parallel(ro)
+    acc.compute_at(out, vo).bound_extent(vec, C * L).reorder_storage(vec, row)
+    vp, vv = hl.Var(f"{name}_vp"), hl.Var(f"{name}_vv")
+    for stage in (acc, acc.update()):
+        stage.split(vec, vp, vv, L).vectorize(vv).unroll(vp).unroll(row)
+    acc.update().reorder(vv, vp, row, *reduce)
+
+
+def _rows_parallel(f, n, rows, L):
+    """A stage over rows n: chunks of `rows` rows a task, n vectorized."""
+    no, ni = hl.Var(f"{f.name()}_no"), hl.Var(f"{f.name()}_ni")
+    f.split(n, no, ni, rows, GUARD).parallel(no).vectorize(ni, L, GUARD)
+
+
 def head(p, target):
+    """The three products as register tiles (_head_product); the softmax's
+    row stages in chunks of 64 rows a task."""
     L = panel(target)
     v, n, k = p.vars["v"], p.vars["n"], p.vars["k"]
-    # The NaN / Inf tests stay scalar: a vector's predicated tail loads its
+    y = p.args[0]
+    H, N = y.dim(0).extent(), y.dim(1).extent()
+    # The NaN / Inf tests take no vector tail: a predicated tail loads its
     # floats through phis that carry LLVM's no-NaN / no-Inf flags, and LLVM
-    # then folds the test (found with V = 5, 16 lanes).
+    # then folds the test (found with V = 5, 16 lanes). y's rows are scanned
+    # in whole vectors where H is a multiple of the vector, else one by one.
     p.stage("bad_w").compute_root()
     no = hl.Var("bad_row_no")
     p.stage("bad_row").compute_root().split(n, no, n, 64, GUARD).parallel(no)
-    p.stage("wt").compute_root().parallel(k).vectorize(v, L, GUARD)
-    for name in ("logits", "dlogits"):
-        p.stage(name).compute_root().parallel(n).vectorize(v, L, GUARD)
+    y_scan = p.stage("y_scan")
+    rk, ko, ki = y_scan.rvars(0)[0], hl.RVar("y_scan_ko"), hl.RVar("y_scan_ki")
+    y_scan.update().specialize(H % L == 0).split(rk, ko, ki, L, GUARD).atomic().vectorize(ki)
+    p.stage("wt").compute_root().vectorize(v, L, ROUND)
+    p.stage("w_pad").compute_root().vectorize(k, L, ROUND)
+    _head_product(p.stage("logits").compute_root(), p.stage("logits_acc"), v, n,
+                  p.stage("logits_acc").rvars(0), target, N, ROUND)
     for name in ("mx", "total"):
-        p.stage(name).compute_root().vectorize(n, L, GUARD)
-    p.stage("loss").vectorize(n, L, GUARD)
-    p.stage("dw").parallel(v).vectorize(k, L, GUARD)
+        _rows_parallel(p.stage(name).compute_root(), n, 64, L)
+    _rows_parallel(p.stage("loss"), n, 64, L)
+    dno = hl.Var("dlogits_no")
+    p.stage("dlogits").compute_root().split(n, dno, n, 8, GUARD).parallel(dno) \
+        .vectorize(v, L, ROUND)
+    _head_product(p.stage("dw"), p.stage("dw_acc"), v, k, p.stage("dw_acc").rvars(0), target,
+                  H, GUARD)
     p.stage("db").vectorize(v, L, GUARD)
-    p.stage("dy").parallel(n).vectorize(k, L, GUARD)
+    _head_product(p.stage("dy"), p.stage("dy_acc"), k, n, p.stage("dy_acc").rvars(0), target,
+                  N, GUARD)
 
 
 def sumsq(p, target):

@@ -16,7 +16,8 @@ def k(model_kernels):
     return model_kernels
 
 
-@pytest.mark.parametrize("N,H,V", [(37, 19, 11), (64, 16, 65), (1, 3, 1)])
+@pytest.mark.parametrize("N,H,V", [(37, 19, 11), (64, 16, 65), (1, 3, 1), (45, 96, 100),
+                                   (2, 200, 3)])
 def test_head_matches_numpy(k, N, H, V):
     rng = np.random.default_rng(N)
     y = rng.standard_normal((N, H)).astype(np.float32)
@@ -33,7 +34,7 @@ def test_head_matches_numpy(k, N, H, V):
 
 
 @pytest.mark.parametrize("where", HEAD_FAULTS)
-@pytest.mark.parametrize("N,H,V", [(37, 19, 11), (8, 4, 5), (64, 16, 16)])
+@pytest.mark.parametrize("N,H,V", [(37, 19, 11), (8, 4, 5), (64, 16, 16), (45, 96, 100)])
 def test_head_keeps_nan_and_inf_where_numpy_does(k, N, H, V, where):
     """Sizes off the vector width too: Halide's max and exp on CPUs drop NaN."""
     y, w, b, t = head_fault_case(N, H, V, where)
@@ -91,10 +92,11 @@ def test_optimizer_steps_match_numpy(k, name, clip):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_charlm_with_kernels_matches_numpy_head(cell):
-    """The model's kernels path (the one a CUDA target takes) on the CPU."""
-    a = CharLM(16, cell, hidden_size=16, layers=2, seed=3)
-    b = CharLM(16, cell, hidden_size=16, layers=2, seed=3, kernels=True)
+def test_charlm_head_pipeline_matches_numpy_head(cell):
+    """The head pipeline (the default on every target) against numpy's."""
+    a = CharLM(16, cell, hidden_size=16, layers=2, seed=3, kernels=False)
+    b = CharLM(16, cell, hidden_size=16, layers=2, seed=3)
+    assert a.kernels is None and b.kernels is not None
     rng = np.random.default_rng(0)
     ids, targets = (rng.integers(0, 16, (6, 3)).astype(np.int32) for _ in range(2))
     state = a.zero_state(3)
@@ -116,26 +118,24 @@ def test_cuda_schedules_compile_without_gpu(tmp_path):
                                                              "rows", "add", "mul")]
 
 
-def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
-    """Trainer with the head's pipeline (as on a CUDA target, here on the
-    CPU): the numpy head's losses; a checkpoint saved mid-run resumes
-    exactly. The optimizer is the adam pipeline either way (the default
-    on every target)."""
+def test_trainer_with_the_head_pipeline_matches_numpy_and_resumes(monkeypatch, tmp_path):
+    """Trainer with the head's pipeline (the default): numpy's head's losses
+    (CharLM(kernels=False)); a checkpoint saved mid-run resumes exactly.
+    The optimizer is the adam pipeline either way."""
     from halstm.model import Trainer, checkpoint
     config = Config(**TINY, steps=6, eval_every=3, clip=0.5)
     corpus = make_corpus(config)
-    plain = Trainer(config, corpus)
-    assert plain.model.kernels is None and type(plain.optimizer).__name__ == "KernelAdam"
-    plain.run(progress=False, handle_sigint=False)
 
-    def with_kernels(cfg, vocab_size):
-        m = CharLM(vocab_size, cfg.cell, cfg.hidden_size, cfg.layers, cfg.target, cfg.schedule,
-                   cfg.seed, kernels=True)
-        assert m.kernels is not None
-        return m
-    monkeypatch.setattr(CharLM, "from_config", staticmethod(with_kernels))
+    def numpy_head(cfg, vocab_size):
+        return CharLM(vocab_size, cfg.cell, cfg.hidden_size, cfg.layers, cfg.target,
+                      cfg.schedule, cfg.seed, kernels=False)
+    with monkeypatch.context() as m:
+        m.setattr(CharLM, "from_config", staticmethod(numpy_head))
+        plain = Trainer(config, corpus)
+        assert plain.model.kernels is None and type(plain.optimizer).__name__ == "KernelAdam"
+        plain.run(progress=False, handle_sigint=False)
     fused = Trainer(config, corpus)
-    assert type(fused.optimizer).__name__ == "KernelAdam"
+    assert fused.model.kernels is not None and type(fused.optimizer).__name__ == "KernelAdam"
     fused.run(until=3, progress=False, handle_sigint=False)
     fused.save(tmp_path / "c.npz")
     fused.run(progress=False, handle_sigint=False)
@@ -148,8 +148,9 @@ def test_trainer_with_kernels_matches_numpy_and_resumes(monkeypatch, tmp_path):
                  rtol=1e-6, atol=0, per_element=True)
 
 
-def test_kernels_model_checks_targets():
-    m = CharLM(16, "lstm", hidden_size=16, layers=1, seed=0, kernels=True)
+@pytest.mark.parametrize("kernels", [None, False])
+def test_model_checks_targets(kernels):
+    m = CharLM(16, "lstm", hidden_size=16, layers=1, seed=0, kernels=kernels)
     ids = np.zeros((4, 2), np.int32)
     with pytest.raises(ValueError, match=r"targets: class indices must lie in \[0, 16\)"):
         m.loss_and_grads(ids, np.full((4, 2), 16), m.zero_state(2))

@@ -2,15 +2,14 @@
 recurrent layers (any cell, LSTM by default) -> linear -> softmax
 cross-entropy.
 
-The recurrent layers run in halstm's compiled kernels (halstm.Recurrent). On
-a CPU target the head (a (T*B, H) x (H, V) product, the softmax and their
-gradients) runs in numpy: at the default size it is 2.5% of a step's FLOPs
-and measured 6 ms of a 520 ms step (bench/train_vs_torch.py prints the
-breakdown). On a CUDA target ("host-cuda") every parameter, activation and
-gradient stays on the GPU (halstm.cuda.DeviceArray): the head runs as the
-Halide pipeline of model/kernels.py (model/library.py compiles it), the
-one-hot rows are built there by its onehot pipeline. The optimizer runs as
-its adam / sgd pipelines on every target (optim.KernelAdam, KernelSGD;
+The recurrent layers run in halstm's compiled kernels (halstm.Recurrent).
+The head (a (T*B, H) x (H, V) product, the softmax and their gradients)
+runs as the Halide pipeline of model/kernels.py (model/library.py compiles
+it), on every target; CharLM(kernels=False) runs it in numpy on a CPU
+target instead. On a CUDA target ("host-cuda") every parameter, activation
+and gradient stays on the GPU (halstm.cuda.DeviceArray), and the one-hot
+rows are built there by the onehot pipeline. The optimizer runs as the
+adam / sgd pipelines on every target (optim.KernelAdam, KernelSGD;
 model/train.py).
 
 Parameter names follow a PyTorch module with attributes `rnn` (a torch.nn
@@ -46,10 +45,9 @@ class CharLM:
     units, a linear head over the vocabulary. Initialised as PyTorch does
     (every matrix and its bias uniform in +-1/sqrt(hidden_size)) from
     `seed`; a cell's vector parameters start at their declared values.
-    kernels: run the head as a Halide pipeline (model/kernels.py) rather
-    than numpy; always on a CUDA target, off by default on a CPU target
-    (numpy's BLAS head is faster there; on, it tests the pipeline's CPU
-    schedule)."""
+    kernels: run the head as a Halide pipeline (model/kernels.py), on
+    every core; the default on every target. False: numpy's head (BLAS),
+    CPU targets only."""
 
     def __init__(self, vocab_size: int, cell: str = "lstm", hidden_size: int = 256,
                  layers: int = 2, target: str = "host", schedule: str | None = None,
@@ -78,7 +76,7 @@ class CharLM:
 
         self.head = {"weight": uniform((self.V, self.H)), "bias": uniform((self.V,))}
         self.kernels = None
-        if self.on_gpu or kernels:
+        if kernels is not False:
             from . import library
             self.kernels = library.kernels(target)
         if self.on_gpu:
@@ -180,22 +178,27 @@ class CharLM:
         backward (halstm.no_grad)."""
         with no_grad():
             y, state = self.hidden(ids, state)
-        if self.kernels is not None:
+        targets = self._check_targets(targets, *y.shape[:2])
+        if self.on_gpu:
             nll = np.asarray(self._head(y, targets, 0.0)[0])
-        else:
+        else:               # numpy: the logits alone (the pipeline makes gradients too)
             nll = _log_softmax_nll(self.logits(y), targets.ravel())
         return float(nll.sum(dtype=np.float64)), state
 
-    def _head(self, y, targets, scale):
-        """The head pipeline: loss rows (N,), dW, db, dy (T, B, H)."""
-        T, B, H = y.shape
-        k = self.kernels
+    def _check_targets(self, targets, T: int, B: int) -> np.ndarray:
         targets = np.asarray(targets)
         if targets.shape != (T, B):
             raise ValueError(f"targets: expected shape {(T, B)}, got {targets.shape}")
         if targets.min() < 0 or targets.max() >= self.V:
             raise ValueError(f"targets: class indices must lie in [0, {self.V}), got values "
                              f"from {targets.min()} to {targets.max()}")
+        return targets
+
+    def _head(self, y, targets, scale):
+        """The head pipeline: loss rows (N,), dW, db, dy (T, B, H); targets
+        checked (_check_targets)."""
+        T, B, H = y.shape
+        k = self.kernels
         loss, dw, db, dy = k.head(y.reshape(T * B, H), self.head["weight"], self.head["bias"],
                                   k.targets(targets), scale)
         return loss, dw, db, dy.reshape(T, B, H)
@@ -206,6 +209,7 @@ class CharLM:
         the next batch; truncated BPTT: no gradient flows into it)."""
         timer = timer or _no_timer
         y, state = self.hidden(ids, state, timer)
+        targets = self._check_targets(targets, *y.shape[:2])
         if self.kernels is not None:
             with timer("head"):
                 rows, dw, db, dy = self._head(y, targets, 1.0 / (y.shape[0] * y.shape[1]))

@@ -98,10 +98,16 @@ def _head() -> Pipe:
     bad_w[v] = hl.max(_nonfinite(b[v]), w_scan[v])
     bad_row = hl.Func("bad_row")           # bad_row(n): row n's logits meet one
     bad_row[n] = hl.max(hl.maximum(bad_w[rv]), y_scan[n])
-    wt = hl.Func("wt")                     # W^T: v innermost, for products over v
-    wt[v, k] = w[k, v]
+    # W^T and W read past V and H as zeros: a product's register tile may
+    # compute whole vectors past the edge (schedules/cpu.py head)
+    wt, w_pad = hl.Func("wt"), hl.Func("w_pad")    # wt(v, k) = w_pad(k, v) = W(v, k)
+    wt[v, k] = hl.select(v < V, w[k, hl.min(v, V - 1)], hl.f32(0))
+    w_pad[k, v] = hl.select(k < H, w[hl.min(k, H - 1), v], hl.f32(0))
+    logits_acc = hl.Func("logits_acc")    # logits(v, n) = b(v) + sum_k y(k, n) W(v, k)
+    logits_acc[v, n] = hl.select(v < V, b[hl.min(v, V - 1)], hl.f32(0))
+    logits_acc[v, n] += y[rk, n] * wt[v, rk]
     logits = hl.Func("logits")
-    logits[v, n] = b[v] + hl.sum(y[rk, n] * wt[v, rk])
+    logits[v, n] = logits_acc[v, n]
     mx = hl.Func("mx")
     mx[n] = hl.maximum(logits[rv, n])
     total = hl.Func("total")
@@ -114,13 +120,19 @@ def _head() -> Pipe:
     dlogits[v, n] = _nan_where(bad_row[n],
                                scale * (hl.exp(logits[v, n] - mx[n]) / total[n]
                                         - hl.select(v == t[n], hl.f32(1), hl.f32(0))))
+    dw_acc, dy_acc = hl.Func("dw_acc"), hl.Func("dy_acc")
+    dw_acc[k, v] = hl.f32(0)               # dW(v, k) = sum_n dlogits(v, n) y(k, n)
+    dw_acc[k, v] += dlogits[v, rn] * y[k, rn]
+    dy_acc[k, n] = hl.f32(0)               # dy(k, n) = sum_v dlogits(v, n) W(v, k)
+    dy_acc[k, n] += dlogits[rv, n] * w_pad[k, rv]
     dw, db, dy = hl.Func("dw"), hl.Func("db"), hl.Func("dy")
-    dw[k, v] = hl.sum(dlogits[v, rn] * y[k, rn])
+    dw[k, v] = dw_acc[k, v]
     db[v] = hl.sum(dlogits[v, rn])
-    dy[k, n] = hl.sum(dlogits[rv, n] * w[k, rv])
+    dy[k, n] = dy_acc[k, n]
     # by the names given (Halide renames a Func whose name a process already used)
-    stages = dict(w_scan=w_scan, y_scan=y_scan, bad_w=bad_w, bad_row=bad_row, wt=wt, logits=logits, mx=mx, total=total, t=t,
-                  loss=loss, dlogits=dlogits, dw=dw, db=db, dy=dy)
+    stages = dict(w_scan=w_scan, y_scan=y_scan, bad_w=bad_w, bad_row=bad_row, wt=wt,
+                  w_pad=w_pad, logits_acc=logits_acc, logits=logits, mx=mx, total=total, t=t,
+                  loss=loss, dlogits=dlogits, dw_acc=dw_acc, dw=dw, db=db, dy_acc=dy_acc, dy=dy)
     return Pipe("head", [y, w, b, targets, scale], [loss, dw, db, dy], stages,
                 {"k": k, "v": v, "n": n})
 
