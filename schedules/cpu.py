@@ -834,9 +834,9 @@ def _bias(out, acc, j, gate, rn, vw, H):
 
 
 # ---- the char LM's head and optimizer (halstm/model/kernels.py) -----------
-# Correctness first: CPU training runs its head and optimizer in numpy
-# (BLAS, a small part of a step); these serve tests and `CharLM(..., head=)`
-# comparisons. Every product: rows parallel, the contiguous axis vectorized.
+# CPU training runs both as these pipelines, on every core (the head took
+# 0.59x-0.64x of numpy's BLAS head on one thread: bench/RESULTS.md, "The
+# char LM's engines").
 
 def _head_product(out, acc, vec, row, reduce, target, rows, out_tail):
     """out(vec, row) = acc, a sum over `reduce`: register tiles of C vectors
