@@ -661,9 +661,18 @@ def _check_input(module, x: Tensor) -> Tensor:
     return x
 
 
+def _not_scriptable(module):
+    """torch.jit.script asks each module for a scriptable version first."""
+    raise TypeError(f"{type(module).__name__}: halstm.torch layers call their kernels from "
+                    f"Python, which TorchScript (torch.jit.script) cannot compile; use "
+                    f"torch.compile or torch.export")
+
+
 class _Recurrent(torch.nn.Module):
     """A stack of layers of one cell with torch.nn.RNNBase's constructor,
     parameters and call."""
+
+    __prepare_scriptable__ = _not_scriptable
 
     def __init__(self, cell: str, input_size: int, hidden_size: int, num_layers: int = 1,
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
@@ -1097,6 +1106,8 @@ class Recurrent(_Recurrent):
 class _Cell(torch.nn.Module):
     """One step of a cell, torch.nn.LSTMCell-style: parameters weight_ih,
     weight_hh, bias_ih, bias_hh; input (B, I) or unbatched (I,)."""
+
+    __prepare_scriptable__ = _not_scriptable
 
     def __init__(self, cell, input_size, hidden_size, bias=True, device=None, dtype=None):
         super().__init__()

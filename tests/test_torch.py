@@ -177,6 +177,14 @@ def test_compile_fullgraph_matches_eager(cell, hidden, proj, bidir):
         assert_close(f"compiled d {k}", grads2[k], grads[k])
 
 
+def test_torchscript_is_refused_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(I, I), hnn.LSTM(I, H))
+    with pytest.raises(TypeError, match="LSTM: halstm.torch layers .* TorchScript"):
+        torch.jit.script(model)
+    with pytest.raises(TypeError, match="GRUCell: halstm.torch layers"):
+        torch.jit.script(hnn.GRUCell(I, H))
+
+
 def test_export_runs_the_custom_operator_as_eager():
     """torch.export traces the layers to halstm::layer; the exported program
     gives eager's outputs on another input of the traced shape."""
