@@ -514,6 +514,18 @@ def test_sample_rejects_a_prime_outside_the_vocabulary(trained):
     assert_one_line_error(run_cli("sample", trained, "--prime", "", ok=False), "--prime is empty")
 
 
+def test_sample_needs_no_head_or_optimizer_library(trained, monkeypatch):
+    """Sampling runs the layers and numpy's logits: a machine that only
+    samples never builds the char LM's head and optimizer pipelines."""
+    from halstm.model import library
+
+    def refuse(target):
+        raise AssertionError("sampling loaded the head and optimizer library")
+    monkeypatch.setattr(library, "kernels", refuse)
+    out = run_cli("sample", trained, "--length", 20, "--seed", 1)
+    assert len(out.output.strip()) > 0
+
+
 def test_sample_runs_on_cpu_targets_only(trained):
     assert_one_line_error(run_cli("sample", trained, "--target", "host-cuda", ok=False),
                           "sampling runs on CPU targets")

@@ -83,9 +83,10 @@ class CharLM:
             self.head = {k: cuda.DeviceArray.from_numpy(v) for k, v in self.head.items()}
 
     @classmethod
-    def from_config(cls, config, vocab_size: int) -> "CharLM":
+    def from_config(cls, config, vocab_size: int, kernels: bool | None = None) -> "CharLM":
         return cls(vocab_size, config.cell, config.hidden_size, config.layers,
-                   config.target, config.schedule, config.seed, precision=config.precision)
+                   config.target, config.schedule, config.seed, kernels=kernels,
+                   precision=config.precision)
 
     # ---- parameters --------------------------------------------------------
     def parameters(self) -> dict[str, np.ndarray]:

@@ -322,7 +322,7 @@ def sample(checkpoint, prime, length, temperature, seed, target, schedule):
                                        f"(a checkpoint trained on the GPU samples on the CPU)")
         # float32 whatever the run trained in: a checkpoint samples on any CPU
         config = ckpt.config.replace(target=target, schedule=schedule, precision="fp32")
-        model = CharLM.from_config(config, len(vocab))
+        model = CharLM.from_config(config, len(vocab), kernels=False)   # no head gradients
         try:
             model.load_parameters(ckpt.params)
         except (KeyError, ValueError) as e:
