@@ -17,15 +17,7 @@ from threadpoolctl import threadpool_limits
 
 from halstm import cuda, machine
 from halstm.model import library
-from halstm.model.charlm import _log_softmax_nll
-
-
-def numpy_head(y, w, b, t):
-    """CharLM.loss_and_grads' numpy head: loss, dW, db, dy."""
-    logits = y @ w.T
-    logits += b
-    loss = float(_log_softmax_nll(logits, t, grad=1.0 / len(y)).mean(dtype=np.float64))
-    return loss, logits.T @ y, logits.sum(axis=0), logits @ w
+from halstm.model.charlm import numpy_head
 
 
 def main() -> None:

@@ -224,21 +224,26 @@ class CharLM:
                 grads[f"rnn.{k}"] = g[k]
             return loss, {k: grads[k] for k in self.parameters()}, state
         with timer("head"):
-            n = y.shape[0] * y.shape[1]
-            y2 = y.reshape(n, self.H)
-            w = self.head["weight"]
-            logits = y2 @ w.T
-            logits += self.head["bias"]
-            t = targets.ravel()
-            loss = float(_log_softmax_nll(logits, t, grad=1.0 / n).mean(dtype=np.float64))
-            dlogits = logits                       # overwritten with d(mean loss)/d logits
-            grads = {"head.weight": dlogits.T @ y2, "head.bias": dlogits.sum(axis=0)}
-            dy = (dlogits @ w).reshape(y.shape)
+            loss, dw, db, dy = numpy_head(y.reshape(-1, self.H), self.head["weight"],
+                                          self.head["bias"], targets.ravel())
+            grads = {"head.weight": dw, "head.bias": db}
+            dy = dy.reshape(y.shape)
         with timer("rnn backward"):
             g = self.rnn.backward(dy, input_grad=False)   # one-hot input: no gradient wanted
         for k in self.rnn.state_dict():
             grads[f"rnn.{k}"] = g[k]
         return loss, {k: grads[k] for k in self.parameters()}, state
+
+
+def numpy_head(y: np.ndarray, w: np.ndarray, b: np.ndarray, targets: np.ndarray):
+    """The head in numpy (BLAS), CharLM(kernels=False)'s: y (N, H), w (V, H),
+    b (V,), targets (N,) -> the mean loss, dW (V, H), db (V,), dy (N, H)."""
+    logits = y @ w.T
+    logits += b
+    loss = float(_log_softmax_nll(logits, targets, grad=1.0 / len(targets))
+                 .mean(dtype=np.float64))
+    dlogits = logits                       # overwritten with d(mean loss)/d logits
+    return loss, dlogits.T @ y, dlogits.sum(axis=0), dlogits @ w
 
 
 def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray, grad: float | None = None) -> np.ndarray:
