@@ -28,9 +28,8 @@ def one_run(text: str, target: str, steps: int, variant: str) -> None:
         make = optim.make
         train_mod.optim.make = lambda config, params, kernels=None: make(config, params, None)
     if variant == "numpy-head":
-        CharLM.from_config = staticmethod(lambda c, vocab: CharLM(
-            vocab, c.cell, c.hidden_size, c.layers, c.target, c.schedule, c.seed,
-            kernels=False, precision=c.precision))
+        pipeline_head = CharLM.from_config
+        CharLM.from_config = staticmethod(lambda c, vocab: pipeline_head(c, vocab, kernels=False))
     config = Config(target=target)
     with open(text) as f:
         corpus = Corpus.from_text(f.read(), text, config.seq_len, config.batch_size)

@@ -222,10 +222,9 @@ def test_nan_in_the_head_propagates_to_the_loss_and_stops_the_run(tmp_path, monk
     """The head's Halide pipeline (the default) and numpy's head
     (CharLM(kernels=False)): the class of the NaN bias is a target or not."""
     if head == "numpy":
-        def numpy_head(cfg, vocab_size):
-            return CharLM(vocab_size, cfg.cell, cfg.hidden_size, cfg.layers, cfg.target,
-                          cfg.schedule, cfg.seed, kernels=False)
-        monkeypatch.setattr(CharLM, "from_config", staticmethod(numpy_head))
+        pipeline_head = CharLM.from_config
+        monkeypatch.setattr(CharLM, "from_config", staticmethod(
+            lambda cfg, vocab_size: pipeline_head(cfg, vocab_size, kernels=False)))
     config = Config(**TINY, steps=10, eval_every=0, save_minutes=0)
     trainer = Trainer(config, make_corpus(config))
     assert (trainer.model.kernels is not None) == (head == "pipeline")

@@ -125,12 +125,10 @@ def test_trainer_with_the_head_pipeline_matches_numpy_and_resumes(monkeypatch, t
     from halstm.model import Trainer, checkpoint
     config = Config(**TINY, steps=6, eval_every=3, clip=0.5)
     corpus = make_corpus(config)
-
-    def numpy_head(cfg, vocab_size):
-        return CharLM(vocab_size, cfg.cell, cfg.hidden_size, cfg.layers, cfg.target,
-                      cfg.schedule, cfg.seed, kernels=False)
+    pipeline_head = CharLM.from_config
     with monkeypatch.context() as m:
-        m.setattr(CharLM, "from_config", staticmethod(numpy_head))
+        m.setattr(CharLM, "from_config", staticmethod(
+            lambda cfg, vocab_size: pipeline_head(cfg, vocab_size, kernels=False)))
         plain = Trainer(config, corpus)
         assert plain.model.kernels is None and type(plain.optimizer).__name__ == "KernelAdam"
         plain.run(progress=False, handle_sigint=False)
