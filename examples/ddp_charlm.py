@@ -1,6 +1,6 @@
 """A char-level language model built from halstm.torch layers, trained
-data-parallel with torch's DistributedDataParallel (NCCL on GPUs, gloo on
-CPUs), launched by torchrun:
+data-parallel with torch's DistributedDataParallel (NCCL on GPUs, process
+r on cuda:r of its machine; gloo on CPUs), launched by torchrun:
 
     torchrun --standalone --nproc_per_node=2 examples/ddp_charlm.py --steps 200
     python examples/ddp_charlm.py --steps 200          # one process, no torchrun
@@ -58,8 +58,16 @@ def main():
 
     distributed = "WORLD_SIZE" in os.environ
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":                    # a GPU a process: torchrun's LOCAL_RANK
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise SystemExit(f"LOCAL_RANK {local}: this machine has "
+                             f"{torch.cuda.device_count()} GPU(s); expected at most one "
+                             f"process a GPU (--nproc_per_node)")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
     if distributed:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        dist.init_process_group("gloo" if device == "cpu" else "nccl")
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1

@@ -460,7 +460,9 @@ def _manifest(spec: Spec, plan: _Plan, layer: driver.Layer, pipes, out: Path, em
         "halide_version": cache.halide_version(), "halstm_code": code_hash(),
         "entry_points": _entry_points(spec) | (
             {"halstm_cuda_init": ["void *context: the CUcontext to run in; call first. "
-                                  "Every array argument is then a device pointer"]}
+                                  "Every array argument is then a device pointer"],
+             "halstm_cuda_set_context": ["void *context: the CUcontext of the calling "
+                                         "thread's next calls (NULL: halstm_cuda_init's)"]}
             if plan.cuda else {}) | (
             {"halstm_cublas_init": ["const char *library: cuBLAS's shared library (a path or "
                                     "soname); call after halstm_cuda_init"]}

@@ -5,9 +5,12 @@ ctypes, and DeviceArray, a float32 array that lives on the GPU.
     y = a.numpy()                                 # copy back when asked
     b = halstm.cuda.asarray(torch_cuda_tensor)    # DLPack: no host round trip
 
-Everything runs on device 0 in its primary context (the one PyTorch and
-CuPy use), on the legacy default stream, so that halstm's kernels, these
-copies and a peer library's work are ordered with one another. Errors from
+DeviceArrays live on device 0 and run in its primary context (the one
+PyTorch and CuPy use), on the legacy default stream, so that halstm's
+kernels, these copies and a peer library's work are ordered with one
+another; halstm.torch runs a CUDA tensor's layer in the primary context of
+the tensor's device (context_of), on torch's current stream. A device's
+context is retained at its first use, never before. Errors from
 the driver raise CudaError with the driver's own name and message. No
 halide import: a process that only runs cached libraries stays light.
 """
@@ -30,7 +33,8 @@ class CudaError(KernelError):
 
 
 class _Driver:
-    """libcuda loaded once; device 0's primary context retained."""
+    """libcuda loaded once; each device's primary context retained at its
+    first use (context_of)."""
 
     def __init__(self):
         try:
@@ -42,11 +46,11 @@ class _Driver:
         self.check(self.lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
         if count.value < 1:
             raise CudaError("the CUDA driver sees no GPU")
+        self.count = count.value
         self.device = _I()
         self.check(self.lib.cuDeviceGet(ctypes.byref(self.device), 0), "cuDeviceGet")
-        self.context = _P()
-        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), self.device),
-                   "cuDevicePrimaryCtxRetain")
+        self._contexts: dict[int, int] = {}
+        self._contexts_lock = threading.Lock()
         name = ctypes.create_string_buffer(256)
         self.check(self.lib.cuDeviceGetName(name, 256, self.device), "cuDeviceGetName")
         self.name = name.value.decode()
@@ -67,6 +71,36 @@ class _Driver:
             self.lib.cuGetErrorString(rc, ctypes.byref(text))
             raise CudaError(f"{what} failed: {(name.value or b'?').decode()} "
                             f"({(text.value or b'unknown error').decode()}, code {rc})")
+
+    @property
+    def context(self) -> int:
+        """Device 0's primary context (DeviceArrays')."""
+        return self.context_of(0)
+
+    def context_of(self, index: int) -> int:
+        """The primary context of device `index` (a CUcontext as an int),
+        retained at the first call for that device."""
+        ctx = self._contexts.get(index)
+        if ctx is not None:
+            return ctx
+        with self._contexts_lock:
+            if index not in self._contexts:
+                if not 0 <= index < self.count:
+                    raise CudaError(f"device: expected a CUDA device index in [0, {self.count}), "
+                                    f"got {index}")
+                dev, ctx = _I(), _P()
+                self.check(self.lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+                self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                           "cuDevicePrimaryCtxRetain")
+                self._contexts[index] = ctx.value
+            return self._contexts[index]
+
+    def attribute(self, number: int) -> int:
+        """CUdevice_attribute `number` of device 0 (no context needed)."""
+        value = _I()
+        self.check(self.lib.cuDeviceGetAttribute(ctypes.byref(value), number, self.device),
+                   "cuDeviceGetAttribute")
+        return value.value
 
     def call(self, fn: str, *args) -> None:
         """Call a driver function with device 0's primary context current."""
@@ -107,11 +141,11 @@ def available() -> bool:
 
 
 def capability() -> tuple[int, int]:
-    """Device 0's compute capability, e.g. (9, 0) for an H100."""
-    d, major, minor = driver(), _I(), _I()
-    d.call("cuDeviceGetAttribute", ctypes.byref(major), 75, d.device)   # ..._MAJOR
-    d.call("cuDeviceGetAttribute", ctypes.byref(minor), 76, d.device)   # ..._MINOR
-    return major.value, minor.value
+    """Device 0's compute capability, e.g. (9, 0) for an H100 (the
+    libraries' target: every device of a machine is taken to be of one
+    kind)."""
+    d = driver()
+    return d.attribute(75), d.attribute(76)   # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, _MINOR
 
 
 # Halide's CUDA capability features (target strings say cuda_capability_NN)

@@ -74,11 +74,7 @@ def _gpu() -> dict:
     if not cuda.available():
         return {}
     d = cuda.driver()
-    value = ctypes.c_int()
-
-    def attribute(number: int) -> int:
-        d.call("cuDeviceGetAttribute", ctypes.byref(value), number, d.device)
-        return value.value
+    attribute = d.attribute
 
     version = ctypes.c_int()
     d.check(d.lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")

@@ -196,6 +196,11 @@ class Device:
         self.cuda = cuda
         self.empty, self.zeros = cuda.empty, cuda.zeros
 
+    @property
+    def context(self) -> int:
+        """The CUcontext the arrays live in: device 0's primary."""
+        return self.cuda.driver().context
+
     @staticmethod
     def zero(a):
         a.zero_()

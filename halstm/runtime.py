@@ -72,7 +72,7 @@ class SharedLibrary:
     driver): its C functions (.lib), where its arrays live (.mem, from
     halstm.memory) and its error reporting (.check)."""
 
-    def __init__(self, path, device: str = "cpu"):
+    def __init__(self, path, device: str = "cpu", context: int | None = None):
         self.path, self.device = Path(path), device
         self.lib = ctypes.CDLL(str(path))
         self.lib.halstm_last_error.restype = ctypes.c_char_p
@@ -80,7 +80,9 @@ class SharedLibrary:
         if device == "cuda":   # arguments are device pointers in the caller's context
             self.lib.halstm_cuda_init.argtypes = [_P]
             self.lib.halstm_cuda_set_stream.argtypes = [_P]
-            rc = self.lib.halstm_cuda_init(self.mem.cuda.driver().context)
+            # (calls that name no context of their own run in this one:
+            # device 0's primary unless given)
+            rc = self.lib.halstm_cuda_init(self.mem.context if context is None else context)
             if rc:
                 raise KernelError(f"halstm_cuda_init failed with code {rc}")
         else:
@@ -103,7 +105,9 @@ class SharedLibrary:
 class Library:
     """One compiled library (one cell, sizes, direction, target, schedule)."""
 
-    def __init__(self, path, manifest: dict | None = None):
+    def __init__(self, path, manifest: dict | None = None, context: int | None = None):
+        """context: a CUDA library's default CUcontext (None: device 0's
+        primary); each call runs in its memory's (`mem.context`)."""
         path = Path(path)
         if manifest is None:              # a folder written by `halstm compile`
             manifest = manifest_schema.read(path)
@@ -125,8 +129,10 @@ class Library:
         P = self.P = manifest["panel"]
         self.Hp, self.Kp = -(-self.H // P) * P, -(-self.K // P) * P
         self.device = manifest.get("device", "cpu")
-        self._shared = SharedLibrary(path, self.device)
+        self._shared = SharedLibrary(path, self.device, context)
         self._lib, self.mem = self._shared.lib, self._shared.mem
+        if self.device == "cuda":
+            self._lib.halstm_cuda_set_context.argtypes = [_P]
         self.precision = manifest.get("precision", "fp32")
         if manifest.get("gemm", "halide") == "cublas":
             found = cublas.library()
@@ -241,8 +247,9 @@ class Library:
         CPU been free (their work and parts decide); 0 as step_threads."""
         return self._lib.halstm_step_threads_wanted()
 
-    def _call(self, stream, *args, threads=None, reuse_pack=False) -> None:
-        if self.device == "cuda":
+    def _call(self, mem, stream, *args, threads=None, reuse_pack=False) -> None:
+        if self.device == "cuda":   # (the stream is one of mem's device)
+            self._lib.halstm_cuda_set_context(mem.context)
             self._lib.halstm_cuda_set_stream(stream)
         if threads:
             self._lib.halstm_set_call_threads(int(threads))
@@ -359,7 +366,7 @@ class Library:
                    if packed else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
                    if self._folds else None)]
             reuse = self._pack_reused(mem, stream, ws[:2], pack_key)
-            self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
+            self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
@@ -442,7 +449,7 @@ class Library:
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
-            self._call(stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
+            self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, w_hh)), vec_ptr, mem.ptr(saved),
                        self._ptrs(mem, states, len(self.states)), mem.ptr(dy),
                        self._ptrs(mem, dstates, len(dfinal)),

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.utils import rnn as rnn_utils
 
-from . import aot, cells, memory, nn, openmp, runtime
+from . import aot, cells, cuda, memory, nn, openmp, runtime
 from .reference import torch_ops
 from .runtime import Library, row_lengths
 
@@ -57,6 +57,7 @@ class _Tensors:
         self.device, self.kind = device, f"torch:{device}"
         self.keep_workspaces = keep_workspaces
         self._cpu = device.type == "cpu"
+        self.context = None if self._cpu else _context(device)
 
     def empty(self, shape):
         if self._cpu and (shape if isinstance(shape, int) else
@@ -101,6 +102,13 @@ class _Tensors:
             :src.shape[-1]] = src
 
 
+def _context(device: torch.device) -> int:
+    """A CUDA device's primary context (torch's own): the kernels' calls
+    for its tensors run in it."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return cuda.driver().context_of(index)
+
+
 _libs: dict = {}
 _mems: dict = {}
 _lock = threading.Lock()
@@ -139,8 +147,6 @@ def _load(spec: str, direction: str, device: torch.device,
           per_call: bool) -> tuple[Library, _Tensors]:
     cell, K, H, schedule, precision = _unspec(spec)
     if device.type == "cuda":
-        if (device.index or 0) != 0:
-            raise ValueError(f"input: halstm runs CUDA tensors on cuda:0 only, got {device}")
         target = "host-cuda"
     elif device.type == "cpu":
         target = "host"
@@ -152,7 +158,8 @@ def _load(spec: str, direction: str, device: torch.device,
             if target == "host":
                 precision = _cpu_precision(cell, precision)
             spec = aot.Spec(cell, K, H, direction, target, schedule, precision=precision)
-            _libs[key] = Library(*aot.library(spec))
+            _libs[key] = Library(*aot.library(spec),
+                                 context=None if target == "host" else _context(device))
         kept = not (per_call and device.type == "cuda")
         if (device, kept) not in _mems:
             _mems[device, kept] = _Tensors(device, kept)

@@ -1,4 +1,5 @@
-"""examples/ddp_charlm.py under torchrun with 2 CPU processes (gloo): the
+"""examples/ddp_charlm.py under torchrun with 2 CPU processes (gloo), and
+on GPUs a process a GPU (NCCL; one where the machine has one): the
 gradients after one step equal one process's over the combined batch."""
 import os
 import signal
@@ -34,20 +35,24 @@ def run(cmd, env):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_processes_match_one(device, tmp_path):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    n = 2 if device == "cpu" else min(2, torch.cuda.device_count())
     text = tmp_path / "text.txt"
     text.write_text(make_text(3000))
     args = ["--text", str(text), "--steps", "1", "--batch", "4", "--seq", "9", "--embed",
-            str(I), "--hidden", str(H), "--layers", "2", "--device", "cpu"]
+            str(I), "--hidden", str(H), "--layers", "2", "--device", device]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one = run([sys.executable, str(SCRIPT), *args, "--dump-grads", str(tmp_path / "one.npz")],
               env)
     assert one.returncode == 0, one.stderr[-3000:]
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(SCRIPT), *args, "--dump-grads",
+               f"--nproc_per_node={n}", str(SCRIPT), *args, "--dump-grads",
                str(tmp_path / "two.npz")], env)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    assert "over 2 processes" in two.stdout
+    assert f"over {n} process" in two.stdout
     want, got = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert sorted(got.files) == sorted(want.files) and "rnn.weight_hh_l1" in got.files
     for k in want.files:

@@ -25,7 +25,7 @@ enum { GEMM_DEFAULT = -1 };   // cublasGemmAlgo_t
 enum { BUF_HG, BUF_A, BUF_B, BUF_STEP_W, BUF_STEP_ACT, BUFFERS };
 
 struct Cublas {
-    void *handle = nullptr;
+    bool loaded = false;
     int (*create)(void **) = nullptr;
     int (*set_stream)(void *, void *) = nullptr;
     int (*gemm_ex)(void *, int, int, int, int, int, const void *, const void *, int, int,
@@ -35,8 +35,18 @@ struct Cublas {
     int (*pop)(void **) = nullptr;
     int (*mem_alloc)(uint64_t *, size_t) = nullptr;   // libcuda's cuMemAlloc
     std::mutex lock;
-    // Device memory of the calls of one thread on one stream (g_stream), so
-    // that calls on two streams (halstm.torch's directions side by side), or
+    // A cuBLAS handle per CUDA context the library is called in (one a
+    // device), made at the context's first GEMM
+    static constexpr int CONTEXTS = 64;
+    struct Handle {
+        void *context = nullptr;
+        void *handle = nullptr;
+    };
+    Handle handles[CONTEXTS];
+    int nhandles = 0;
+    // Device memory of the calls of one thread on one stream (g_stream) in
+    // one context (the legacy stream, NULL, is every context's), so that
+    // calls on two streams (halstm.torch's directions side by side), or
     // from two threads on one stream (whose direct calls may interleave
     // between an operand's copy and the GEMM reading it), never share it:
     // cuBLAS's workspace, ours so that nothing is allocated while a time
@@ -47,6 +57,7 @@ struct Cublas {
     static constexpr size_t WORKSPACE = size_t(32) << 20;
     static constexpr int STREAMS = 32;
     struct Scratch {
+        void *context = nullptr;
         void *stream = nullptr;
         std::thread::id thread;
         uint64_t workspace = 0;
@@ -76,7 +87,7 @@ struct Cublas {
 
     int init(const char *path) {
         std::lock_guard<std::mutex> guard(lock);
-        if (handle) return 0;
+        if (loaded) return 0;
         void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
         if (!lib) {
             char msg[768];
@@ -98,43 +109,64 @@ struct Cublas {
         const char *env = getenv("HALSTM_VENDOR_STEP_ROWS");
         if (env && *env) step_rows = atoi(env);
 #endif
-        void *prev;
-        if (push(g_context)) return fail("cuCtxPushCurrent", -1);
-        int st = create(&handle);
-        pop(&prev);
-        if (st) {
-            handle = nullptr;
-            return fail("cublasCreate", st);
-        }
+        loaded = true;
         return 0;
     }
 
-    // Device memory, in the library's context (0 where it fails).
+    // The handle of the calling thread's context (under lock), made at
+    // its first use; nullptr where that fails.
+    void *handle() {
+        void *context = call_context();
+        for (int i = 0; i < nhandles; i++)
+            if (handles[i].context == context) return handles[i].handle;
+        if (nhandles == CONTEXTS) {
+            halide_error(nullptr, "cuBLAS: a library called in more than 64 CUDA contexts");
+            return nullptr;
+        }
+        void *h = nullptr, *prev;
+        if (push(context)) {
+            fail("cuCtxPushCurrent", -1);
+            return nullptr;
+        }
+        int st = create(&h);
+        pop(&prev);
+        if (st) {
+            fail("cublasCreate", st);
+            return nullptr;
+        }
+        handles[nhandles++] = {context, h};
+        return h;
+    }
+
+    // Device memory, in the calling thread's context (0 where it fails).
     uint64_t alloc(size_t bytes, const char *what) {
         void *prev;
         uint64_t p = 0;
-        if (push(g_context)) return 0;
+        if (push(call_context())) return 0;
         int st = mem_alloc(&p, bytes);
         pop(&prev);
         if (st) fail(what, st);
         return st ? 0 : p;
     }
 
-    // The memory of this thread's calls on g_stream (under lock); nullptr
-    // where none can be had.
+    // The memory of this thread's calls on g_stream in its context (under
+    // lock); nullptr where none can be had.
     Scratch *for_stream() {
         const std::thread::id me = std::this_thread::get_id();
+        void *context = call_context();
         for (int i = 0; i < streams; i++)
-            if (scratch[i].stream == g_stream && scratch[i].thread == me) return &scratch[i];
+            if (scratch[i].stream == g_stream && scratch[i].thread == me &&
+                scratch[i].context == context)
+                return &scratch[i];
         if (streams == STREAMS) {
-            halide_error(nullptr, "cuBLAS: a library called on more than 32 (thread, stream) "
-                                  "pairs");
+            halide_error(nullptr, "cuBLAS: a library called on more than 32 (thread, stream, "
+                                  "context) triples");
             return nullptr;
         }
         uint64_t ws = alloc(WORKSPACE, "cuMemAlloc of cuBLAS's workspace");
         if (!ws) return nullptr;
         Scratch &s = scratch[streams++];
-        s.stream = g_stream, s.thread = me, s.workspace = ws;
+        s.context = context, s.stream = g_stream, s.thread = me, s.workspace = ws;
         return &s;
     }
 
@@ -153,22 +185,24 @@ struct Cublas {
         return s ? (void *)(uintptr_t)s->buffer[which] : nullptr;
     }
 
-    // Run f(handle) in the library's context, on the stream its kernels use.
+    // Run f(handle) in the calling thread's context, on the stream its
+    // kernels use.
     template <class F>
     int run(const char *what, F f) {
-        if (!handle) {
+        if (!loaded) {
             halide_error(nullptr, "cuBLAS: halstm_cublas_init was not called");
             return -1;
         }
         std::lock_guard<std::mutex> guard(lock);
         Scratch *s = for_stream();
-        if (!s) return -1;
+        void *h = s ? handle() : nullptr;
+        if (!h) return -1;
         void *prev;
-        if (push(g_context)) return fail("cuCtxPushCurrent", -1);
+        if (push(call_context())) return fail("cuCtxPushCurrent", -1);
         // (the stream Halide's kernels run on: get_stream in cuda_graphs.h)
-        int st = set_stream(handle, g_graphs.capturing ? g_graphs.capture_stream : g_stream);
-        if (st == 0) st = set_workspace(handle, (void *)(uintptr_t)s->workspace, WORKSPACE);
-        if (st == 0) st = f(handle);
+        int st = set_stream(h, call_stream());
+        if (st == 0) st = set_workspace(h, (void *)(uintptr_t)s->workspace, WORKSPACE);
+        if (st == 0) st = f(h);
         pop(&prev);
         return st ? fail(what, st) : 0;
     }
@@ -283,8 +317,8 @@ struct StepGemm {
 }  // namespace
 
 extern "C" {
-// Load cuBLAS from `library` (a path or soname) and make this library's
-// handle, in the context halstm_cuda_init was given.
+// Load cuBLAS from `library` (a path or soname); a handle is made per
+// CUDA context at its first GEMM.
 int halstm_cublas_init(const char *library) {
     g_error[0] = 0;
     return g_cublas.init(library);

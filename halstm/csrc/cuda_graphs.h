@@ -17,7 +17,12 @@ uint64_t u64(const void *p) { return (uint64_t)(uintptr_t)p; }
 // are compiled in; the step pipelines allocate nothing), so a graph is
 // cached under exactly those and replayed while they recur, as they do
 // when the same workspaces come back from the allocator's pool.
-void *g_context = nullptr;  // the CUcontext every kernel runs in
+// The CUcontext of the calling thread's calls (halstm_cuda_set_context:
+// the primary context of the device its arrays are on), else g_context
+// (halstm_cuda_init's). Per thread, as g_stream below.
+void *g_context = nullptr;
+thread_local void *t_context = nullptr;
+void *call_context() { return t_context ? t_context : g_context; }
 // The CUstream the calling thread's calls run on (halstm_cuda_set_stream;
 // NULL: legacy). Per thread, so that threads calling one library at once
 // (the GIL is released in ctypes calls) each keep their own stream.
@@ -31,8 +36,20 @@ struct Graphs {
     struct Slot {
         int n = 0;
         uint64_t key[KEY];
+        void *context = nullptr;
         void *exec = nullptr;
         uint64_t used = 0;
+    };
+    // What a library keeps per CUDA context it is called in (one a device
+    // of the process): the stream its loops are captured on, whether a
+    // loop has run there directly (Halide loads its kernels into a context
+    // at its first call there), and the device's multiprocessors
+    static constexpr int CONTEXTS = 64;
+    struct Context {
+        void *context = nullptr;
+        void *capture = nullptr;
+        bool warmed = false;
+        int multiprocessors = 0;
     };
     // CUDA driver entry points (libcuda is already loaded by the caller)
     int (*stream_create)(void **, unsigned) = nullptr;
@@ -47,14 +64,18 @@ struct Graphs {
     int (*pop)(void **) = nullptr;
     int (*error_name)(int, const char **) = nullptr;
     int (*is_capturing)(void *, int *) = nullptr;
+    int (*ctx_device)(int *) = nullptr;
+    int (*attribute)(int *, int, int) = nullptr;
 
     Slot slots[SLOTS];
+    Context contexts[CONTEXTS];
+    int ncontexts = 0;
     uint64_t clock = 0;
-    void *capture_stream = nullptr;
-    bool enabled = false, warmed = false;
-    // this thread is capturing a time loop (under lock): its kernels go to
-    // capture_stream; another thread's calls meanwhile keep their stream
-    static thread_local bool capturing;
+    bool basic = false, loaded = false, enabled = false;   // (setup)
+    // the stream this thread is capturing a time loop on (under lock), or
+    // NULL: its kernels go there; another thread's calls meanwhile keep
+    // their stream
+    static thread_local void *capturing;
     long long replays = 0, captures = 0, direct = 0;
     std::mutex lock;
 
@@ -64,33 +85,58 @@ struct Graphs {
         return fn != nullptr;
     }
 
-    void init(void *context, bool want) {
+    void init(bool want) {
         std::lock_guard<std::mutex> guard(lock);
-        if (!capture_stream) setup(context);
-        enabled = want && capture_stream;
+        if (!basic) setup();
+        enabled = want && loaded;
     }
 
-    void setup(void *context) {
+    // basic: the contexts' entry points; loaded: the graphs' too (a driver
+    // without graphs: direct launches)
+    void setup() {
         void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-        if (!lib || !sym(lib, "cuStreamCreate", stream_create) ||
-            !sym(lib, "cuStreamBeginCapture_v2", begin_capture) ||
-            !sym(lib, "cuStreamEndCapture", end_capture) ||
-            !sym(lib, "cuGraphInstantiateWithFlags", instantiate) ||
-            !sym(lib, "cuGraphExecUpdate_v2", exec_update) ||
-            !sym(lib, "cuGraphLaunch", launch) || !sym(lib, "cuGraphDestroy", graph_destroy) ||
-            !sym(lib, "cuGraphExecDestroy", exec_destroy) ||
-            !sym(lib, "cuCtxPushCurrent_v2", push) || !sym(lib, "cuCtxPopCurrent_v2", pop) ||
-            !sym(lib, "cuGetErrorName", error_name) ||
-            !sym(lib, "cuStreamIsCapturing", is_capturing)) {
-            return;  // a driver without graphs: direct launches
-        }
+        basic = lib && sym(lib, "cuCtxPushCurrent_v2", push) &&
+                sym(lib, "cuCtxPopCurrent_v2", pop) && sym(lib, "cuCtxGetDevice", ctx_device) &&
+                sym(lib, "cuDeviceGetAttribute", attribute) &&
+                sym(lib, "cuGetErrorName", error_name);
+        loaded = basic && sym(lib, "cuStreamCreate", stream_create) &&
+                 sym(lib, "cuStreamBeginCapture_v2", begin_capture) &&
+                 sym(lib, "cuStreamEndCapture", end_capture) &&
+                 sym(lib, "cuGraphInstantiateWithFlags", instantiate) &&
+                 sym(lib, "cuGraphExecUpdate_v2", exec_update) &&
+                 sym(lib, "cuGraphLaunch", launch) && sym(lib, "cuGraphDestroy", graph_destroy) &&
+                 sym(lib, "cuGraphExecDestroy", exec_destroy) &&
+                 sym(lib, "cuStreamIsCapturing", is_capturing);
+    }
+
+    // The entry of `context` (under lock), made at its first use; nullptr
+    // past CONTEXTS contexts.
+    Context *entry(void *context) {
+        for (int i = 0; i < ncontexts; i++)
+            if (contexts[i].context == context) return &contexts[i];
+        if (ncontexts == CONTEXTS || !basic) return nullptr;
+        Context &c = contexts[ncontexts++];
+        c.context = context;
         void *prev;
-        if (push(context) != 0) return;
+        if (push(context) != 0) return &c;
         // capture only: nothing ever runs on this stream, and it does not
         // synchronize with the legacy stream (which would end a capture)
         const unsigned non_blocking = 1;
-        if (stream_create(&capture_stream, non_blocking) != 0) capture_stream = nullptr;
+        if (loaded && stream_create(&c.capture, non_blocking) != 0) c.capture = nullptr;
+        int dev = 0, n = 0;
+        const int MULTIPROCESSOR_COUNT = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        if (ctx_device(&dev) == 0 && attribute(&n, MULTIPROCESSOR_COUNT, dev) == 0)
+            c.multiprocessors = n;
         pop(&prev);
+        return &c;
+    }
+
+    // The multiprocessors of the calling thread's context's device, or 0
+    // where they cannot be read
+    int multiprocessors() {
+        std::lock_guard<std::mutex> guard(lock);
+        Context *c = entry(call_context());
+        return c ? c->multiprocessors : 0;
     }
 
     int fail(int rc, const char *what) {
@@ -102,9 +148,11 @@ struct Graphs {
         return rc;
     }
 
-    Slot *find(const uint64_t *key, int n) {
+    Slot *find(const uint64_t *key, int n, void *context) {
         for (Slot &s : slots)
-            if (s.exec && s.n == n && std::memcmp(s.key, key, n * sizeof(uint64_t)) == 0) return &s;
+            if (s.exec && s.n == n && s.context == context &&
+                std::memcmp(s.key, key, n * sizeof(uint64_t)) == 0)
+                return &s;
         return nullptr;
     }
 
@@ -124,24 +172,27 @@ struct Graphs {
     template <class F>
     int run(const uint64_t *key, int n, F steps) {
         std::lock_guard<std::mutex> guard(lock);
-        if (!enabled || !warmed || n > KEY || caller_capturing()) {
-            // the first call runs directly: Halide loads its kernels then
+        void *context = call_context();
+        Context *c = enabled ? entry(context) : nullptr;
+        if (!c || !c->capture || !c->warmed || n > KEY || caller_capturing()) {
+            // the first call in a context runs directly: Halide loads its
+            // kernels then
             int rc = steps();
-            warmed = rc == 0;
+            if (c) c->warmed = rc == 0;
             direct++;
             return rc;
         }
         void *prev;
-        int rc = push(g_context);
+        int rc = push(context);
         if (rc) return fail(rc, "cuCtxPushCurrent");
-        rc = replay_or_capture(key, n, steps);
+        rc = replay_or_capture(key, n, context, c->capture, steps);
         pop(&prev);
         return rc;
     }
 
     template <class F>
-    int replay_or_capture(const uint64_t *key, int n, F steps) {
-        Slot *hit = find(key, n);
+    int replay_or_capture(const uint64_t *key, int n, void *context, void *stream, F steps) {
+        Slot *hit = find(key, n, context);
         if (hit) {
             hit->used = ++clock;
             replays++;
@@ -149,27 +200,28 @@ struct Graphs {
             return rc ? fail(rc, "cuGraphLaunch") : 0;
         }
         const int relaxed = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
-        int rc = begin_capture(capture_stream, relaxed);
+        int rc = begin_capture(stream, relaxed);
         if (rc) return fail(rc, "cuStreamBeginCapture");
-        capturing = true;
+        capturing = stream;
         int krc = steps();
-        capturing = false;
+        capturing = nullptr;
         void *graph = nullptr;
-        rc = end_capture(capture_stream, &graph);
+        rc = end_capture(stream, &graph);
         if (krc || rc) {
             if (graph) graph_destroy(graph);
             return krc ? krc : fail(rc, "cuStreamEndCapture");
         }
         captures++;
-        // the least recently used slot; a graph of the same T and B
-        // (same kernels, other pointers) is updated in place when it is
-        // the oldest, which costs less than a new instantiation
+        // the least recently used slot; a graph of the same T and B in the
+        // same context (same kernels, other pointers) is updated in place
+        // when it is the oldest, which costs less than a new instantiation
         Slot *slot = &slots[0];
         for (Slot &s : slots)
             if (s.used < slot->used) slot = &s;
         char info[64];  // CUgraphExecUpdateResultInfo
-        bool updated = slot->exec && slot->n == n && slot->key[0] == key[0] &&
-                       slot->key[1] == key[1] && exec_update(slot->exec, graph, info) == 0;
+        bool updated = slot->exec && slot->n == n && slot->context == context &&
+                       slot->key[0] == key[0] && slot->key[1] == key[1] &&
+                       exec_update(slot->exec, graph, info) == 0;
         if (!updated) {
             if (slot->exec) exec_destroy(slot->exec);
             slot->exec = nullptr;
@@ -182,6 +234,7 @@ struct Graphs {
         }
         graph_destroy(graph);
         slot->n = n;
+        slot->context = context;
         std::memcpy(slot->key, key, n * sizeof(uint64_t));
         slot->used = ++clock;
         rc = launch(slot->exec, g_stream);
@@ -189,11 +242,14 @@ struct Graphs {
     }
 };
 
-thread_local bool Graphs::capturing = false;
+thread_local void *Graphs::capturing = nullptr;
 Graphs g_graphs;
 
+// The stream the calling thread's kernels and copies go to
+void *call_stream() { return g_graphs.capturing ? g_graphs.capturing : g_stream; }
+
 // Copies and fills of device memory on the calling thread's stream
-// (libcuda's asynchronous memcpy and memset, in g_context).
+// (libcuda's asynchronous memcpy and memset, in its context).
 struct DeviceCopies {
     int (*copy)(uint64_t, uint64_t, size_t, void *) = nullptr;   // cuMemcpyDtoDAsync_v2
     int (*fill)(uint64_t, unsigned, size_t, void *) = nullptr;   // cuMemsetD32Async
@@ -214,7 +270,7 @@ struct DeviceCopies {
             halide_error(nullptr, "CUDA: halstm_cuda_init has not loaded libcuda's copies");
             return -1;
         }
-        int rc = push(g_context);
+        int rc = push(call_context());
         if (rc) return rc;
         rc = src ? copy(u64(dst), u64(src), n * sizeof(float), g_stream)
                  : fill(u64(dst), 0, n, g_stream);
@@ -226,32 +282,15 @@ struct DeviceCopies {
 };
 DeviceCopies g_copies;
 
-// The GPU's multiprocessors (halstm_cuda_init), and whether a time
-// loop's steps fold (pipeline.FOLD_FWD, FOLD_BWD): where each step's `blocks` run
-// at once, one a multiprocessor, so that the blocks that compute the same
-// batch row's rest side by side add no time. HALSTM_FOLD_STEPS=0 or 1 in
-// the environment: never or always (for measuring).
-int g_multiprocessors = 0;
+// Whether a time loop's steps fold (pipeline.FOLD_FWD, FOLD_BWD): where
+// each step's `blocks` run at once, one a multiprocessor of the calling
+// thread's device, so that the blocks that compute the same batch row's
+// rest side by side add no time. HALSTM_FOLD_STEPS=0 or 1 in the
+// environment: never or always (for measuring).
 int g_fold_steps = -1;
 
 bool fold_wanted(int64_t blocks) {
-    return g_fold_steps >= 0 ? g_fold_steps == 1 : blocks <= g_multiprocessors;
-}
-
-// context's device's multiprocessor count, or 0 where it cannot be read
-// (after g_copies.load(), whose push and pop it uses)
-int multiprocessors(void *context) {
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!lib || !g_copies.push) return 0;
-    auto device = (int (*)(int *))dlsym(lib, "cuCtxGetDevice");
-    auto attribute = (int (*)(int *, int, int))dlsym(lib, "cuDeviceGetAttribute");
-    if (!device || !attribute || g_copies.push(context)) return 0;
-    int dev = 0, n = 0;
-    const int MULTIPROCESSOR_COUNT = 16;   // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    if (device(&dev) || attribute(&n, MULTIPROCESSOR_COUNT, dev)) n = 0;
-    void *prev;
-    g_copies.pop(&prev);
-    return n;
+    return g_fold_steps >= 0 ? g_fold_steps == 1 : blocks <= g_graphs.multiprocessors();
 }
 #endif
 
@@ -273,8 +312,8 @@ extern "C" {
 
 #ifdef HALSTM_CUDA
 static int acquire_context(void *, void **ctx, bool) {
-    *ctx = g_context;
-    return g_context ? 0 : halide_error_code_device_interface_no_device;
+    *ctx = call_context();
+    return *ctx ? 0 : halide_error_code_device_interface_no_device;
 }
 static int release_context(void *) { return 0; }
 
@@ -282,13 +321,15 @@ static int release_context(void *) { return 0; }
 // default stream, as PyTorch's and CuPy's default, unless told), except
 // while a time loop is being captured into a CUDA graph (below).
 static int get_stream(void *, void *, void **stream) {
-    *stream = g_graphs.capturing ? g_graphs.capture_stream : g_stream;
+    *stream = call_stream();
     return 0;
 }
 
-// Run every kernel in `context` (the caller's: device 0's primary context,
-// shared with PyTorch and CuPy) and keep device allocations of intermediate
-// stages between calls instead of freeing them every time step.
+// Run every kernel in `context` (the primary context of the device the
+// library is loaded for, shared with PyTorch and CuPy) unless a call names
+// another (halstm_cuda_set_context), and keep device allocations of
+// intermediate stages between calls instead of freeing them every time
+// step (Halide keeps them, and its loaded kernels, per context).
 //
 // Halide's CUDA runtime JIT-compiles each pipeline's PTX with at most 64
 // registers a thread unless HL_CUDA_JIT_MAX_REGISTERS says otherwise; the
@@ -308,9 +349,8 @@ int halstm_cuda_init(void *context) {
     halide_set_cuda_release_context(release_context);
     halide_set_cuda_get_stream(get_stream);
     const char *env = getenv("HALSTM_CUDA_GRAPHS");
-    g_graphs.init(context, HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
+    g_graphs.init(HALSTM_CUDA_GRAPHS && !(env && env[0] == '0' && env[1] == 0));
     if (!g_copies.load()) return halide_error_code_device_interface_no_device;
-    g_multiprocessors = multiprocessors(context);
     const char *fold = getenv("HALSTM_FOLD_STEPS");
     g_fold_steps = fold && (fold[0] == '0' || fold[0] == '1') && !fold[1] ? fold[0] - '0' : -1;
     return halide_reuse_device_allocations(nullptr, true);
@@ -321,10 +361,15 @@ int halstm_cuda_init(void *context) {
 // streams from overlapping.
 void halstm_cuda_set_stream(void *stream) { g_stream = stream; }
 
+// The CUcontext this library's next calls from the calling thread run in
+// (NULL: halstm_cuda_init's): the primary context of the device whose
+// arrays they are given; the stream (halstm_cuda_set_stream) is one of it.
+void halstm_cuda_set_context(void *context) { t_context = context; }
+
 // Turn the time loops' graphs on (1) or off (0) for this library.
 void halstm_cuda_use_graphs(int on) {
     std::lock_guard<std::mutex> guard(g_graphs.lock);
-    g_graphs.enabled = HALSTM_CUDA_GRAPHS && on && g_graphs.capture_stream;
+    g_graphs.enabled = HALSTM_CUDA_GRAPHS && on && g_graphs.loaded;
 }
 
 // Counters of the time loops' graphs: [0] loops run from a cached graph,

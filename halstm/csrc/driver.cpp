@@ -14,9 +14,9 @@
 //   is a scatter-add; no dx). HP and KP are H and K rounded up to P.
 // Arrays are C-contiguous float32 with numpy shapes given below; a Halide view
 // lists the same axes innermost first. With -DHALSTM_CUDA every array pointer
-// is a CUDA device pointer (in the context given to halstm_cuda_init) and the
-// views carry it as their device allocation: nothing is copied to or from
-// the host.
+// is a CUDA device pointer (in the call's context: halstm_cuda_set_context)
+// and the views carry it as their device allocation: nothing is copied to or
+// from the host.
 #include <HalideRuntime.h>
 #ifdef HALSTM_CUDA
 #include <HalideRuntimeCuda.h>

@@ -73,10 +73,14 @@ def test_torch_module_in_reduced_precision(precision, gpu_target):
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         err = (p.grad.cpu() - q.grad).abs().max().item() / q.grad.abs().max().item()
         assert err < rtol, name
-    # on CPU tensors the module computes in fp32
+    # on CPU tensors the module computes in fp32, or in bf16 where this CPU
+    # runs it (AMX or AVX512-BF16)
     m = m.cpu()
     got, _ = m(x)
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    if precision == "bf16" and ht._cpu_runs_bf16("lstm"):
+        assert (got.detach() - want.detach()).abs().max().item() < rtol * scale
+    else:
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_library_says_where_cublas_is_missing(gpu_target, monkeypatch, tmp_path):

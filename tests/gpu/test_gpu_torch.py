@@ -1,6 +1,9 @@
 """halstm.torch on CUDA tensors against torch.nn on the CPU (fp32; cuDNN's
 packed path differs from fp32 by up to 4e-4 on an H100) loaded with the
 same state dict; streams; tensors stay on the device."""
+import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -85,6 +88,71 @@ def test_runs_on_the_current_stream():
             got.sum().backward()
     torch.cuda.current_stream().wait_stream(s)
     assert torch.equal(got, want)
+
+
+def _step(m, x):
+    """A forward+backward of m on x: y, the final states, x's and every
+    parameter's gradient."""
+    m.zero_grad()
+    xi = x.clone().requires_grad_()
+    y, (h, c) = m(xi)
+    w = torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)
+    ((y * w).sum() + (h * h).sum() + c.sum()).backward()
+    return [y.detach(), h.detach(), c.detach(), xi.grad] + [p.grad for p in m.parameters()]
+
+
+GPUS = list(range(torch.cuda.device_count())) or [0]
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_each_gpu_matches_torch(gpu):
+    """A layer whose tensors are on cuda:N runs there (in GPU N's context,
+    on its current stream) whatever the current device is (another GPU
+    where there is one): results as torch.nn's on the CPU, on cuda:N, and
+    bitwise the same from its captured graphs on later calls."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True)
+    device = torch.device("cuda", gpu)
+    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True).to(device)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 5, I)
+    other = (gpu + 1) % torch.cuda.device_count()
+    with torch.cuda.device(other):
+        runs = [_step(m, x.to(device)) for _ in range(3)]
+    want = _step(ref, x)
+    for k, (a, b) in enumerate(zip(runs[0], want)):
+        assert a.device == device, f"result {k} on {a.device}"
+        assert_close(f"result {k}", a.cpu(), b, rtol=2e-4)
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_in_turn_give_the_same_results():
+    """One library runs on two GPUs in turn (its graphs, cuBLAS handles and
+    Halide's loaded kernels per GPU): the same inputs give bitwise the same
+    results on both, every time."""
+    torch.manual_seed(0)
+    m0 = hnn.LSTM(64, 256, num_layers=2).to("cuda:0")
+    m1 = copy.deepcopy(m0).to("cuda:1")
+    x = torch.randn(20, 16, 64)
+    for _ in range(3):
+        a, b = _step(m0, x.to("cuda:0")), _step(m1, x.to("cuda:1"))
+        for k, (u, v) in enumerate(zip(a, b)):
+            assert v.device == torch.device("cuda:1")
+            assert torch.equal(u.cpu(), v.cpu()), f"result {k}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_process_on_gpu_1_retains_no_context_on_gpu_0():
+    code = ("import torch, halstm.torch as hnn, halstm.cuda as hc\n"
+            "m = hnn.GRU(8, 16).to('cuda:1')\n"
+            "m(torch.randn(3, 2, 8, device='cuda:1'))[0].sum().backward()\n"
+            "print(sorted(hc.driver()._contexts))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[1]"
 
 
 def test_layernorm_cell_on_cuda_matches_cpu():
