@@ -275,7 +275,7 @@ def _side_stream(device: torch.device):
     """The stream a bidirectional layer's reverse direction runs on while
     the forward direction runs on the current one: CUDA, eager only (None
     elsewhere)."""
-    if device.type != "cuda" or torch.compiler.is_compiling():
+    if device.type != "cuda" or _traced():
         return None
     with _lock:
         if device not in _side_streams:
@@ -353,7 +353,7 @@ def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, sa
     """_forward_impl, with saved None where not save; per_call as
     _library's; threads as Library.forward's."""
     lib, mem = _library(spec, "fwd", x.device, per_call)
-    bs = None if batch_sizes is None else batch_sizes.numpy()
+    bs = None if batch_sizes is None else _host(batch_sizes)
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
                                 vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
                                 threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh))
@@ -366,7 +366,7 @@ def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes
     dfinal: per state its final's gradient, or None for none; per_call as
     _library's; threads as Library.backward's."""
     lib, mem = _library(spec, "bwd", x.device, per_call)
-    bs = None if batch_sizes is None else batch_sizes.numpy()
+    bs = None if batch_sizes is None else _host(batch_sizes)
     if dy is None:                       # (a loss of the finals alone)
         dy = x.new_zeros((states.shape[1] - 1, *states.shape[2:]))
     return lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
@@ -393,6 +393,12 @@ def _state_grad_keys(spec: str) -> list[str]:
     return [f"d{s}0" for s in cells.definition(_unspec(spec)[0]).states]
 
 
+def _host(a: Tensor) -> np.ndarray:
+    """A small CPU tensor of host data (batch sizes) as numpy; under
+    torch.func transforms by its values (there torch refuses .numpy())."""
+    return np.asarray(a.tolist()) if _transformed() else a.numpy()
+
+
 def _finals(states: Tensor, batch_sizes: Tensor | None) -> list[Tensor]:
     """Each state's final (B, H) from states (NS, T+1, B, H): after the last
     step, or with batch sizes after each row's own last step. Copies, so
@@ -400,7 +406,7 @@ def _finals(states: Tensor, batch_sizes: Tensor | None) -> list[Tensor]:
     T, B = states.shape[1] - 1, states.shape[2]
     if batch_sizes is None:
         return [states[s, T].clone() for s in range(len(states))]
-    steps = _ints(row_lengths(batch_sizes.numpy(), B), states.device)
+    steps = _ints(row_lengths(_host(batch_sizes), B), states.device)
     rows = _ints(np.arange(B), states.device)
     return [states[s][steps, rows] for s in range(len(states))]
 
@@ -447,7 +453,7 @@ def _grads(ctx, dstates, backward):
     if batch_sizes is None:
         ends = [dstates[s, T] for s in range(1, len(dstates))]
     else:
-        lengths = _ints(row_lengths(batch_sizes.numpy(), B), dstates.device)
+        lengths = _ints(row_lengths(_host(batch_sizes), B), dstates.device)
         rows = _ints(np.arange(B), dstates.device)
         ends = [dstates[s][lengths, rows] for s in range(1, len(dstates))]
     dfinal = [torch.zeros_like(dstates[0, 0])] + ends
@@ -514,6 +520,82 @@ def _wanted(ctx, grads: tuple) -> tuple:
     return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
+def _transformed() -> bool:
+    """Whether torch.func transforms (grad, vmap, vjp, jacrev, ...) are
+    active: a layer then runs as _FuncLayer, the form torch.func takes."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def _traced() -> bool:
+    """Whether the layers run as traced torch ops (torch.compile's custom
+    operators, torch.func's Functions) rather than the eager paths' own
+    Functions, side streams and numpy row moves."""
+    return torch.compiler.is_compiling() or _transformed()
+
+
+def _each_slice(apply, info, in_dims, args):
+    """A vmap rule: `apply` on each slice of the vmapped dimension in turn,
+    its outputs stacked along dimension 0."""
+    outs = [apply(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
+            for i in range(info.batch_size)]
+    return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+
+
+class _FuncBackward(torch.autograd.Function):
+    """_backward_impl as a Function torch.func can vmap (per-sample
+    gradients: vmap(grad(f))); it has no backward of its own."""
+
+    @staticmethod
+    def forward(x, w_ih, w_hh, vec, saved, states, dy, batch_sizes, spec, need_dx, *dfinal):
+        return _backward_impl(x, w_ih, w_hh, vec, saved, states, dy, list(dfinal), batch_sizes,
+                              spec, need_dx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("halstm: a layer's gradient has no gradient of its own "
+                           "(torch.func: first-order transforms only)")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _each_slice(_FuncBackward.apply, info, in_dims, args)
+
+
+class _FuncLayer(torch.autograd.Function):
+    """One layer, one direction, under torch.func transforms: the custom
+    operator's outputs, states (NS, T+1, B, H) and saved, in the form
+    torch.func takes (setup_context; vmap runs the slices of the vmapped
+    dimension in turn). Reverse mode only (grad, vjp, jacrev)."""
+
+    @staticmethod
+    def forward(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
+        return _forward_impl(x, w_ih, b_ih, w_hh, b_hh, vec, list(init), batch_sizes, spec, save)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w_ih, _, w_hh, _, vec, batch_sizes, spec, save, *_ = inputs
+        ctx.spec, ctx.saved = spec, save
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(x, w_ih, w_hh, vec, output[1], output[0], batch_sizes)
+
+    @staticmethod
+    def backward(ctx, dstates, dsaved):
+        *g, dinit = _grads(ctx, dstates, _func_backward)
+        return _wanted(ctx, (*g, None, None, None, *dinit.unbind(0)))
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _each_slice(_FuncLayer.apply, info, in_dims, args)
+
+
+def _func_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx):
+    return _FuncBackward.apply(x, w_ih, w_hh, vec, saved, states, dy, batch_sizes, spec,
+                               need_dx, *dfinal)
+
+
 def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
                finals_only=False):
     """One layer over x (see _forward_impl): y (T, B, H) and each state's
@@ -523,6 +605,9 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
     if torch.compiler.is_compiling():
         init = [x.new_zeros((x.shape[1], w_hh.shape[1])) if a is None else a for a in init]
         states = _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
+        return states[0, 1:], _finals(states, batch_sizes)
+    if _transformed():
+        states = _FuncLayer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)[0]
         return states[0, 1:], _finals(states, batch_sizes)
     if not torch.is_grad_enabled():     # no graph to record: the kernels directly
         states, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
@@ -556,7 +641,7 @@ class _Rows(torch.autograd.Function):
 
 
 def _move_rows(a: Tensor, src, dst, n: int) -> Tensor:
-    if a.device.type != "cpu":
+    if a.device.type != "cpu" or _transformed():
         if src is not None:
             a = a.index_select(0, _ints(src, a.device))
         if dst is None:
@@ -575,7 +660,7 @@ def _move_rows(a: Tensor, src, dst, n: int) -> Tensor:
 def _numpy_rows(a: Tensor) -> bool:
     """Whether _reverse moves a's rows by _Rows (CPU, eager; a GPU or
     torch.compile: flip or gather)."""
-    return a.device.type == "cpu" and not torch.compiler.is_compiling()
+    return a.device.type == "cpu" and not _traced()
 
 
 def _lane(spec: str, lane: int) -> str:
@@ -919,9 +1004,10 @@ class _Recurrent(torch.nn.Module):
         bs = input.batch_sizes
         T, B = len(bs), int(bs[0])
         index = self._packed_index(bs)
-        x = _Rows.apply(rows, None, index, T * B)
+        move = _move_rows if _transformed() else _Rows.apply   # (torch ops: torch.func)
+        x = move(rows, None, index, T * B)
         y, finals = self._layers(x.view(T, B, -1), hx, False, bs, input.sorted_indices)
-        data = _Rows.apply(y.reshape(T * B, -1), index, None, len(index))
+        data = move(y.reshape(T * B, -1), index, None, len(index))
         out = rnn_utils.PackedSequence(data, input.batch_sizes, input.sorted_indices,
                                        input.unsorted_indices)
         if input.unsorted_indices is not None:
@@ -935,7 +1021,7 @@ class _Recurrent(torch.nn.Module):
         the callers have checked x's shape)."""
         T, B, _ = x.shape
         L, D, H = self.num_layers, self._directions, self.hidden_size
-        lengths = None if bs is None else row_lengths(bs.numpy(), B)
+        lengths = None if bs is None else row_lengths(_host(bs), B)
         batch_sizes = None if bs is None else bs.to(torch.int32)
         init = self._initial(hx, B, unbatched, x)
         if order is not None and hx is not None:    # hx comes in the caller's row order
@@ -953,8 +1039,7 @@ class _Recurrent(torch.nn.Module):
             # current stream (a leaf's gradient then comes back on it)
             args = [(x if d == 0 else self._reverse(x, rev), [s[layer * D + d] for s in init],
                      self._weights(layer, sfx, zero)) for d, sfx in enumerate(("", "_reverse")[:D])]
-            if D == 2 and x.device.type == "cpu" and not self.proj_size \
-                    and not torch.compiler.is_compiling():
+            if D == 2 and x.device.type == "cpu" and not self.proj_size and not _traced():
                 spec = _spec(self.cell, x.shape[-1], H, self.schedule, precision)
                 ys, fins = self._both_directions(args, batch_sizes, spec, save)
             else:
@@ -974,7 +1059,7 @@ class _Recurrent(torch.nn.Module):
         """Where each row of a packed sequence's data lies in the padded
         (T*B) rows: data[n] is padded[t, b] at t*B + b (torch's
         pad_packed_sequence copies step by step)."""
-        bs = batch_sizes.numpy()
+        bs = _host(batch_sizes)
         t = np.repeat(np.arange(len(bs)), bs)
         first = np.cumsum(bs) - bs
         return t * bs[0] + np.arange(len(t)) - first[t]

@@ -473,6 +473,78 @@ def test_double_backward_is_refused_by_name(bidirectional):
         dx.sum().backward()
 
 
+def _functional_loss(module):
+    """loss(params, x): a sum over module's outputs and finals, by
+    torch.func.functional_call (x a tensor or a PackedSequence)."""
+    def loss(params, x):
+        y, finals = torch.func.functional_call(module, params, (x,))
+        y = y.data if isinstance(y, torch.nn.utils.rnn.PackedSequence) else y
+        finals = finals if isinstance(finals, tuple) else (finals,)
+        w = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        return (y * w).sum() + sum((f * f).sum() for f in finals)
+    return loss
+
+
+@pytest.mark.parametrize("cell, kw, packed", [("lstm", dict(num_layers=2, bidirectional=True),
+                                               False),
+                                              ("gru", dict(num_layers=2), True),
+                                              ("layernorm_lstm", {}, False)])
+def test_torch_func_grad_matches_torch_nn(cell, kw, packed):
+    """torch.func.grad through halstm.torch layers (reverse mode) gives the
+    gradients torch.nn's autograd gives its own layers (layer-norm LSTM:
+    halstm's eager autograd)."""
+    torch.manual_seed(0)
+    m = hnn.Recurrent(cell, I, H, **kw) if cell == "layernorm_lstm" else PEERS[cell][0](I, H, **kw)
+    ref = copy.deepcopy(m) if cell == "layernorm_lstm" else PEERS[cell][1](I, H, **kw)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(7, 5, I)
+    if packed:
+        x = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([7, 2, 5, 1, 7]),
+                                                    enforce_sorted=False)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    got = torch.func.grad(_functional_loss(m))(params, x)
+    want = torch.autograd.grad(_functional_loss(ref)(dict(ref.named_parameters()), x),
+                               list(ref.parameters()))
+    assert sorted(got) == sorted(k for k, _ in ref.named_parameters())
+    for (k, _), w in zip(ref.named_parameters(), want):
+        assert_close(f"d {k}", got[k], w)
+
+
+def test_torch_func_vmap_and_per_sample_gradients():
+    """vmap over inputs and over stacked weights (an ensemble), and
+    vmap(grad) (per-sample gradients), each as the same calls one by one."""
+    torch.manual_seed(0)
+    m = hnn.LSTM(I, H, num_layers=2)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    xs = torch.randn(3, 6, 2, I)
+    with torch.no_grad():
+        ys = torch.func.vmap(lambda x: m(x)[0])(xs)
+        for i in range(3):
+            assert_close(f"y {i}", ys[i], m(xs[i])[0], rtol=1e-6)
+    loss = _functional_loss(m)
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, xs)
+    for i in range(3):
+        one = torch.func.grad(loss)(params, xs[i])
+        for k in params:
+            assert_close(f"d {k} of sample {i}", per_sample[k][i], one[k], rtol=1e-6)
+    models = [hnn.LSTM(I, H) for _ in range(3)]
+    stacked, _ = torch.func.stack_module_state(models)
+    with torch.no_grad():
+        ys = torch.func.vmap(lambda p: torch.func.functional_call(models[0], p, (xs[0],))[0])(
+            stacked)
+        for i, model in enumerate(models):
+            assert_close(f"ensemble y {i}", ys[i], model(xs[0])[0], rtol=1e-6)
+
+
+def test_torch_func_refuses_forward_mode_and_second_order():
+    m = hnn.GRU(I, H)
+    x = torch.randn(4, 2, I)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.jvp(lambda a: m(a)[0], (x,), (torch.ones_like(x),))
+    with pytest.raises(RuntimeError, match="first-order transforms only"):
+        torch.func.grad(lambda a: torch.func.grad(lambda b: m(b)[0].square().sum())(a).sum())(x)
+
+
 @pytest.mark.parametrize("cell, kw", [("lstm", dict(num_layers=2, bidirectional=True,
                                                      proj_size=5)), ("gru", {})])
 def test_an_empty_batch_gives_empty_outputs(cell, kw):

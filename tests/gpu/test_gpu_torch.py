@@ -155,6 +155,24 @@ def test_a_process_on_gpu_1_retains_no_context_on_gpu_0():
     assert r.stdout.strip() == "[1]"
 
 
+def test_torch_func_on_cuda_matches_eager():
+    """torch.func.grad and vmap(grad) (per-sample gradients) of a
+    bidirectional layer on CUDA tensors as eager autograd's, row by row."""
+    torch.manual_seed(0)
+    m = hnn.LSTM(I, H, num_layers=2, bidirectional=True).cuda()
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    x = torch.randn(7, 3, I, device="cuda")
+
+    def loss(p, xi):
+        return torch.func.functional_call(m, p, (xi,))[0].square().sum()
+
+    per_row = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 1))(params, x)
+    for b in range(3):
+        want = torch.autograd.grad(m(x[:, b])[0].square().sum(), list(m.parameters()))
+        for (k, _), w in zip(m.named_parameters(), want):
+            assert_close(f"d {k} of row {b}", per_row[k][b].cpu(), w.cpu(), rtol=2e-4)
+
+
 def test_layernorm_cell_on_cuda_matches_cpu():
     torch.manual_seed(0)
     m = hnn.Recurrent("layernorm_lstm", I, H, num_layers=2, bidirectional=True)
