@@ -536,9 +536,39 @@ def _traced() -> bool:
 def _each_slice(apply, info, in_dims, args):
     """A vmap rule: `apply` on each slice of the vmapped dimension in turn,
     its outputs stacked along dimension 0."""
-    outs = [apply(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)])
-            for i in range(info.batch_size)]
+    outs = [apply(*[a if d is None else a.select(d, i).contiguous()
+                    for a, d in zip(args, in_dims)]) for i in range(info.batch_size)]
     return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+
+
+def _rows_folded(a, d, V: int, lead: int):
+    """a's vmapped dimension d (None: a is the same for all V) merged into
+    its batch rows, which follow `lead` leading dimensions: (..., B, ...)
+    -> (..., V*B, ...), row v*B + b."""
+    if d is None:
+        a = a.unsqueeze(lead).expand(*a.shape[:lead], V, *a.shape[lead:])
+    else:
+        a = a.movedim(d, lead)
+    return a.reshape(*a.shape[:lead], -1, *a.shape[lead + 2:])
+
+
+def _layer_vmap(info, in_dims, *args):
+    """_FuncLayer's vmap rule. Where only the input and the initial states
+    are vmapped (not the weights) and the batch is not packed, the V
+    slices' rows run as one batch of V*B rows, one call; else each slice
+    in turn."""
+    x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init = args
+    if any(d is not None for d in in_dims[1:6]) or batch_sizes is not None:
+        return _each_slice(_FuncLayer.apply, info, in_dims, args)
+    V = info.batch_size
+    B = [n for i, n in enumerate(x.shape) if i != in_dims[0]][1]   # (x's logical (T, B, K))
+    init = [None if a is None else _rows_folded(a, d, V, 0) for a, d in zip(init, in_dims[9:])]
+    states, saved = _FuncLayer.apply(_rows_folded(x, in_dims[0], V, 1), w_ih, b_ih, w_hh, b_hh,
+                                     vec, None, spec, save, *init)
+    states = states.unflatten(2, (V, B))                     # (NS, T+1, V, B, H)
+    if not save:
+        return (states, saved), (2, None)
+    return (states, saved.unflatten(1, (V, B))), (2, 1)      # (T, V, B, S, H)
 
 
 class _FuncBackward(torch.autograd.Function):
@@ -586,9 +616,7 @@ class _FuncLayer(torch.autograd.Function):
         *g, dinit = _grads(ctx, dstates, _func_backward)
         return _wanted(ctx, (*g, None, None, None, *dinit.unbind(0)))
 
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _each_slice(_FuncLayer.apply, info, in_dims, args)
+    vmap = staticmethod(_layer_vmap)
 
 
 def _func_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec, need_dx):

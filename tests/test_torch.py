@@ -510,15 +510,21 @@ def test_torch_func_grad_matches_torch_nn(cell, kw, packed):
         assert_close(f"d {k}", got[k], w)
 
 
-def test_torch_func_vmap_and_per_sample_gradients():
-    """vmap over inputs and over stacked weights (an ensemble), and
-    vmap(grad) (per-sample gradients), each as the same calls one by one."""
+def test_torch_func_vmap_and_per_sample_gradients(monkeypatch):
+    """vmap over inputs (the slices' rows as one batch: a kernel call a
+    layer) and over stacked weights (an ensemble), and vmap(grad)
+    (per-sample gradients), each as the same calls one by one."""
     torch.manual_seed(0)
     m = hnn.LSTM(I, H, num_layers=2)
     params = {k: v.detach() for k, v in m.named_parameters()}
     xs = torch.randn(3, 6, 2, I)
+    calls = []
+    forward = halstm.runtime.Library.forward
+    monkeypatch.setattr(halstm.runtime.Library, "forward",
+                        lambda *a, **k: calls.append(1) or forward(*a, **k))
     with torch.no_grad():
         ys = torch.func.vmap(lambda x: m(x)[0])(xs)
+        assert len(calls) == 2
         for i in range(3):
             assert_close(f"y {i}", ys[i], m(xs[i])[0], rtol=1e-6)
     loss = _functional_loss(m)
