@@ -597,8 +597,8 @@ class _FuncBackward(torch.autograd.Function):
 class _FuncLayer(torch.autograd.Function):
     """One layer, one direction, under torch.func transforms: the custom
     operator's outputs, states (NS, T+1, B, H) and saved, in the form
-    torch.func takes (setup_context; vmap runs the slices of the vmapped
-    dimension in turn). Reverse mode only (grad, vjp, jacrev)."""
+    torch.func takes (setup_context; vmap: _layer_vmap). Reverse mode only
+    (grad, vjp, jacrev)."""
 
     @staticmethod
     def forward(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
