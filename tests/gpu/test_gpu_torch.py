@@ -154,6 +154,35 @@ def test_a_process_on_gpu_1_retains_no_context_on_gpu_0():
     assert r.stdout.strip() == "[1]"
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_data_parallel_matches_one_gpu():
+    """torch.nn.DataParallel over two GPUs (a thread a replica, each in its
+    GPU's context, at the same time): output and every gradient as one
+    GPU's over the whole batch (the replicas' weight gradients are summed
+    in another order: parity tolerance)."""
+    torch.manual_seed(0)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = hnn.LSTM(I, H, num_layers=2, batch_first=True, bidirectional=True)
+            self.head = torch.nn.Linear(2 * H, 3)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    m = Model().cuda(0)
+    x = torch.randn(6, 9, I, device="cuda:0")
+    runs = []
+    for model in (m, torch.nn.DataParallel(m, device_ids=[0, 1])):
+        m.zero_grad()
+        y = model(x)
+        y.square().sum().backward()
+        runs.append([y.detach()] + [p.grad.clone() for p in m.parameters()])
+    for k, (a, b) in enumerate(zip(*runs)):
+        assert_close(f"result {k}", b.cpu(), a.cpu(), rtol=1e-4)
+
+
 def test_torch_func_on_cuda_matches_eager():
     """torch.func.grad and vmap(grad) (per-sample gradients) of a
     bidirectional layer on CUDA tensors as eager autograd's, row by row."""
