@@ -24,7 +24,8 @@ def main():
              for cell in a.cells.split(",") for s in (known[n] for n in names)
              for K in {s["I"], s["H"]} if K == s["I"] or s["L"] > 1 for d in aot.DIRECTIONS}
     with ThreadPoolExecutor(a.jobs) as pool:
-        for spec, (path, _) in zip(specs, pool.map(aot.library, specs)):
+        built = pool.map(lambda s: aot.library(s, in_child=True), specs)
+        for spec, (path, _) in zip(specs, built):
             print(f"{spec.describe()}: {path}")
 
 

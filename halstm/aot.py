@@ -162,13 +162,13 @@ def schedule_knobs(schedule: str) -> dict:
 
 def _checked_knobs(spec: Spec, knobs) -> tuple:
     """knobs (a mapping or pairs) as sorted pairs: the ones that act on
-    spec's direction, cell (a knob for steps that reduce over units) and
-    precision (Knob.bf16) and differ from their defaults (so that a
+    spec's direction, cell (whether its step reduces over units),
+    precision and GEMMs (Knob.acts_on) and differ from their defaults (so that a
     default value is the same library as none); an unknown name or a
     value that is not a positive int raises ValueError."""
     have = schedule_knobs(spec.schedule)
-    reduces = cells.definition(spec.cell).reduces if any(k.reducing for k in have.values()) \
-        else False
+    reduces = (cells.definition(spec.cell).reduces
+               if any(k.reducing or k.pointwise for k in have.values()) else False)
     out = {}
     for name, value in (knobs.items() if isinstance(knobs, dict) else knobs):
         if name not in have:
@@ -177,7 +177,7 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"knobs: {name} expects a positive int, got {value!r}")
         if (have[name].direction == spec.direction and value != have[name].default
-                and have[name].acts_on(reduces, spec.precision)):
+                and have[name].acts_on(reduces, spec.precision, spec.gemm)):
             out[name] = value
     return tuple(sorted(out.items()))
 
@@ -220,11 +220,14 @@ def read_entry(folder: Path) -> dict | None:
     return cache.read_entry(folder, FORMAT, manifest_schema.check)
 
 
-def library(spec: Spec) -> tuple[Path, dict]:
-    """The cached library for spec, built first if missing or damaged.
-    Returns (path of the .so, manifest)."""
+def library(spec: Spec, in_child: bool = False) -> tuple[Path, dict]:
+    """The cached library for spec, built first if missing or damaged (in a
+    child process with in_child: Halide's compiler holds the GIL, so builds
+    on several threads run at once only so). Returns (path of the .so,
+    manifest)."""
+    make = _build_in_child if in_child else build
     return cache.entry(cache_key(spec), FORMAT,
-                       lambda folder: build(spec, folder, require_loadable=True),
+                       lambda folder: make(spec, Path(folder), (), True),
                        manifest_schema.check)
 
 
@@ -356,14 +359,14 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
                       else layout.without("split", "fused_bwd_below"))
         narrow = getattr(module, "narrow_layout", None)
         if narrow and not d.reduces and spec.direction == "fwd":   # steps of few rows
-            layout = narrow(layout, len(d.gates), spec.hidden_size)
+            layout = narrow(layout, len(d.gates), spec.hidden_size, dict(spec.knobs))
         loop = getattr(module, "loop_layout", None)
         if loop and not d.reduces and spec.direction == "fwd":     # one kernel a forward
             layout = loop(layout, len(d.gates), spec.hidden_size)
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,
-                             spec.precision) if vendor
+                             spec.precision, dict(spec.knobs)) if vendor
                       else dataclasses.replace(layout, vendor_gemm=True))
             layout = dataclasses.replace(layout, vendor_bf16=spec.precision == "bf16")
         kinds = pipeline_kinds(spec, layout)

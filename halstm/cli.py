@@ -294,9 +294,10 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
               help="Seconds for the whole search; values not reached are reported skipped.")
 @click.option("--rounds", type=int, default=11, show_default=True, callback=_positive,
               help="Alternating timing rounds per direction (the first two left out).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32",
-              show_default=True, help="Tune the layers of this precision (bf16: a CPU with "
-              "AMX or AVX512-BF16); each precision keeps its own values.")
+@click.option("--precision", type=click.Choice(["fp32", "tf32", "bf16"]), default="fp32",
+              show_default=True, help="Tune the layers of this precision (tf32: a CUDA "
+              "target; bf16: a CUDA target or a CPU with AMX or AVX512-BF16); each "
+              "precision keeps its own values.")
 @click.option("--report", is_flag=True, help="Print what was tuned on this machine and exit.")
 def tune(cell, shape, sizes, target, schedule, knob_names, budget, rounds, precision, report):
     """Measure the schedule's knobs on this machine for a model's layers

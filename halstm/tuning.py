@@ -136,6 +136,16 @@ def _close(got: dict, want: dict) -> bool:
     return True
 
 
+def build_all(specs: list) -> None:
+    """Build the libraries of specs into the cache at once, each in a child
+    process, as many at a time as there are CPUs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import aot
+    with ThreadPoolExecutor(max(1, min(len(specs), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda s: aot.library(s, in_child=True), specs))
+
+
 def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
          schedule: str | None = None, names=None, budget: float = 300.0, rounds: int = 11,
          seed: int = 0, progress: bool = True, precision: str = "fp32") -> dict:
@@ -157,9 +167,6 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                         precision=precision)
     spec0 = spec("fwd", ())
     have = aot.schedule_knobs(spec0.schedule)
-    if "cuda" in spec0.target.split("-"):
-        raise ValueError(f"target {target!r}: tune measures CPU targets (the CUDA schedules "
-                         f"have no knobs yet)")
     unknown = sorted(set(names or ()) - set(have))
     if unknown:
         raise ValueError(f"knob: schedule {spec0.schedule!r} has no knob {unknown[0]!r}; it has "
@@ -169,11 +176,23 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     for n in names or ():
         if have[n].reducing and not reduces:
             raise ValueError(f"knob: {n} acts on cells that reduce over units; {cell!r} does not")
-        if spec0.precision == "bf16" and not have[n].bf16:
-            raise ValueError(f"knob: {n} does not act on precision 'bf16' layers")
+        if have[n].pointwise and reduces:
+            raise ValueError(f"knob: {n} acts on cells that do not reduce over units; "
+                             f"{cell!r} does")
+        if not have[n].acts_on(reduces, spec0.precision, spec0.gemm):
+            why = (f"layers without {have[n].gemm} GEMMs (these: {spec0.gemm})"
+                   if have[n].gemm not in (None, spec0.gemm)
+                   else f"precision {spec0.precision!r} layers")
+            raise ValueError(f"knob: {n} does not act on {why}")
     wanted = [n for n in have if (names is None or n in names)
-              and have[n].acts_on(reduces, spec0.precision)]
+              and have[n].acts_on(reduces, spec0.precision, spec0.gemm)]
+    gpu = "cuda" in spec0.target.split("-")
     data = _layer_data(spec0, B, T, seed)
+    if gpu:         # the library's arrays on the GPU, results read back to compare
+        from .cuda import DeviceArray, synchronize
+        data = {k: DeviceArray.from_numpy(v) if isinstance(v, np.ndarray) else v
+                for k, v in data.items()}
+    sync = synchronize if gpu else (lambda: None)
     NS, vec, x = data["states"], data["vec"], data["x"]
 
     libs_made: dict = {}
@@ -187,7 +206,8 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     fwd0 = lib_for("fwd", ())
     states, saved = fwd0.forward(x, data["w_ih"], data["b_ih"], data["w_hh"], data["b_hh"],
                                  [None] * NS, vec=vec)
-    states, saved = np.array(states), np.array(saved)
+    if not gpu:       # (a CPU library's outputs are views of its workspaces)
+        states, saved = np.array(states), np.array(saved)
 
     def run(lib, direction):
         if direction == "fwd":
@@ -198,7 +218,8 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
 
     def results(lib, direction):
         out = run(lib, direction)()
-        return {"states": out[0]} if direction == "fwd" else dict(out)
+        out = {"states": out[0]} if direction == "fwd" else dict(out)
+        return {k: v.numpy() if gpu else v for k, v in out.items()}
 
     bar = tqdm(total=sum(len(have[n].candidates) - 1 for n in wanted), disable=not progress,
                unit="value", desc="tune")
@@ -215,7 +236,10 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
         for name in names_here:
             now = kept.get(name, have[name].default)
             libs, tried = {"base": base}, []
-            for value in (v for v in have[name].candidates if v != now):
+            values = [v for v in have[name].candidates if v != now]
+            if time.perf_counter() - start <= budget:
+                build_all([spec(direction, {**kept, name: v}) for v in values])
+            for value in values:
                 bar.update()
                 if time.perf_counter() - start > budget:
                     tried.append({"value": value, "skipped": "time budget spent"})
@@ -227,7 +251,7 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                 if ok:
                     libs[value] = lib
             med = alternating({k: run(lib, direction) for k, lib in libs.items()}, rounds, 2,
-                              lambda: None) if len(libs) > 1 else {}
+                              sync) if len(libs) > 1 else {}
             # ms as the report shows them; the choice is made on these, so
             # that a kept value beats the base by MIN_GAIN in the report too
             ms = {k: round(v * 1e3, 3) for k, v in med.items()}

@@ -227,11 +227,15 @@ VENDOR_STEP_MACS_TENSOR = 1 << 25
 
 
 def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
-                  precision: str = "fp32") -> Layout:
+                  precision: str = "fp32", knobs=None) -> Layout:
     """layout with the projection and gradient GEMMs by cuBLAS, and the
     steps' products too from the batch where they reach VENDOR_STEP_MACS
-    (VENDOR_STEP_MACS_TENSOR in TF32 or bf16)."""
+    (VENDOR_STEP_MACS_TENSOR in TF32 or bf16; in fp32 the knob
+    step_gemm_mmacs, step_gemm_bwd_mmacs backward, in 2^20, where tuned)."""
     macs = VENDOR_STEP_MACS if precision == "fp32" else VENDOR_STEP_MACS_TENSOR
+    name = "step_gemm_mmacs" if direction == "fwd" else "step_gemm_bwd_mmacs"
+    if precision == "fp32" and name in (knobs or {}):
+        macs = knobs[name] << 20
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))))
 
@@ -383,16 +387,18 @@ def _step_tile(p, target):
 NARROW_FROM_BYTES = 128 << 10
 
 
-def narrow_layout(layout: Layout, gates: int, H: int) -> Layout:
+def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     """layout with the forward's narrow steps (pipeline.NARROW) where a
-    one-row block of step's tiles reads NARROW_FROM_BYTES of W_hh or more,
+    one-row block of step's tiles reads NARROW_FROM_BYTES of W_hh or more
+    (the knob narrow_kib, in KiB, where tuned),
     for the batches whose blocks of narrow steps still fit the GPU's
     multiprocessors at once, one block each (machine.gpu_sms; the driver
     calls them for steps of up to narrow_rows rows). None for one gate, or
     from H = 512 (the lanes products). (The gate lanes need a reduction
     over two warps or more: _warp_slices gives 8 from H = 8, and the bytes
     rule asks for G * H >= 1024.)"""
-    if gates < 2 or H >= 512 or LANES * gates * H * 4 < NARROW_FROM_BYTES:
+    least = (knobs or {}).get("narrow_kib", NARROW_FROM_BYTES >> 10) << 10
+    if gates < 2 or H >= 512 or LANES * gates * H * 4 < least:
         return layout
     rows = machine.gpu_sms() // -(-H // _gate_lane_units(gates))
     return replace(layout, narrow_rows=rows) if rows else layout

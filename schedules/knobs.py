@@ -2,6 +2,8 @@
 per schedule name, knob name -> Knob. No halide import: aot.Spec checks
 knobs before anything is built, and loading a cached library imports no
 halide."""
+from __future__ import annotations
+
 from typing import NamedTuple
 
 
@@ -11,11 +13,18 @@ class Knob(NamedTuple):
     candidates: tuple     # the values tune tries
     reducing: bool = False    # acts only on cells whose step reduces over units
     bf16: bool = False        # acts on precision "bf16" layers too
+    pointwise: bool = False   # acts only on cells whose step does not reduce over units
+    fp32_only: bool = False   # acts on precision "fp32" layers only
+    gemm: str | None = None   # acts only on layers whose non-recurrent GEMMs are this one's
 
-    def acts_on(self, reduces: bool, precision: str) -> bool:
+    def acts_on(self, reduces: bool, precision: str, gemm: str = "halide") -> bool:
         """Whether it acts on a layer of a cell that reduces over its
-        units (or not) in `precision` (either direction)."""
-        return (reduces or not self.reducing) and (precision != "bf16" or self.bf16)
+        units (or not) in `precision` with `gemm`'s GEMMs (either
+        direction)."""
+        return ((reduces or not self.reducing) and not (reduces and self.pointwise)
+                and (precision != "bf16" or self.bf16)
+                and (precision == "fp32" or not self.fp32_only)
+                and (self.gemm is None or gemm == self.gemm))
 
 
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
@@ -33,7 +42,19 @@ class Knob(NamedTuple):
 KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64), bf16=True),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048), bf16=True),
-                 "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)}}
+                 "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)},
+# cuda (schedules/cuda.py): the W_hh bytes (KiB) a one-row block of step
+# tiles reads from which a forward's steps of few rows run the narrow steps
+# (cuda.narrow_layout; 1 << 20: never), and in fp32 layers with cuBLAS
+# GEMMs the multiply-adds (in 2^20) of a step's product from which it runs
+# as a cuBLAS GEMM, forward and backward (cuda.vendor_layout; 1 << 20:
+# never). Their defaults were measured on an H100 (bench/RESULTS.md,
+# "Schedule decisions": cuda.step_narrow, cuda.VENDOR_STEP_MACS).
+        "cuda": {"narrow_kib": Knob("fwd", 128, (64, 128, 1 << 20), pointwise=True),
+                 "step_gemm_mmacs": Knob("fwd", 96, (32, 96, 1 << 20),
+                                         fp32_only=True, gemm="cublas"),
+                 "step_gemm_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
+                                             fp32_only=True, gemm="cublas")}}
 
 
 # Per schedule and direction, the facts of the machine that compiles them

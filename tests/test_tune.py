@@ -155,3 +155,41 @@ def test_tune_keeps_bf16_values_apart(own_cache):
     tuning.store({layer: {**entry, "knobs": {"proj_chunk": 8}}}, "host")
     assert aot.Spec("lstm", I, H, "fwd", precision="bf16").knobs == (("proj_chunk", 8),)
     assert aot.Spec("lstm", I, H, "fwd").knobs == ()
+
+
+def test_cuda_knobs_shape_the_layout():
+    """The CUDA schedule's knobs (no GPU needed to plan a build): narrow_kib
+    moves the W_hh size from which a forward of few rows runs the narrow
+    steps, step_gemm_mmacs / step_gemm_bwd_mmacs the batch from which an
+    fp32 layer's step products run as cuBLAS GEMMs; each acts only where
+    it can (direction, cells without sums over units, fp32 with cuBLAS
+    GEMMs), and tune refuses it elsewhere."""
+    def layout(cell, H, direction, knobs, **kw):
+        spec = aot.Spec(cell, I, H, direction, target="host-cuda", knobs=knobs, **kw)
+        return spec.knobs, aot._plan(spec, (), False).layout
+    # an LSTM at H = 128 reads 64 KiB of W_hh a one-row block: narrow from 64 KiB, not 128
+    assert layout("lstm", 128, "fwd", {})[1].narrow_rows == 0
+    assert layout("lstm", 128, "fwd", {"narrow_kib": 64})[1].narrow_rows > 0
+    assert layout("lstm", 256, "fwd", {})[1].narrow_rows > 0
+    assert layout("lstm", 256, "fwd", {"narrow_kib": 1 << 20})[1].narrow_rows == 0
+    G, H = 4, 64
+    for direction, name in (("fwd", "step_gemm_mmacs"), ("bwd", "step_gemm_bwd_mmacs")):
+        knobs, lay = layout("lstm", H, direction, {name: 32}, gemm="cublas")
+        assert knobs == ((name, 32),) and lay.vendor_step_rows == -(-(32 << 20) // (G * H * H))
+        assert layout("lstm", H, direction, {}, gemm="cublas")[1].vendor_step_rows == \
+            -(-(96 << 20) // (G * H * H))
+    # where a knob cannot act it is dropped: the same library as the default's
+    assert layout("lstm", H, "bwd", {"step_gemm_mmacs": 32}, gemm="cublas")[0] == ()
+    assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="halide")[0] == ()
+    assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="cublas",
+                  precision="tf32")[0] == ()
+    assert layout("layernorm_lstm", H, "fwd", {"narrow_kib": 64})[0] == ()
+    with pytest.raises(ValueError, match="narrow_kib acts on cells that do not reduce"):
+        tuning.tune("layernorm_lstm", I, H, 3, 7, "host-cuda", names=["narrow_kib"],
+                    progress=False)
+    tune_gemm = aot.Spec("lstm", I, H, "fwd", "host-cuda").gemm   # (cuBLAS where installed)
+    if tune_gemm == "halide":
+        with pytest.raises(ValueError, match="step_gemm_mmacs does not act on layers without "
+                                             "cublas GEMMs"):
+            tuning.tune("lstm", I, H, 3, 7, "host-cuda", names=["step_gemm_mmacs"],
+                        progress=False)
