@@ -362,7 +362,7 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
             layout = narrow(layout, len(d.gates), spec.hidden_size, dict(spec.knobs))
         loop = getattr(module, "loop_layout", None)
         if loop and not d.reduces and spec.direction == "fwd":     # one kernel a forward
-            layout = loop(layout, len(d.gates), spec.hidden_size)
+            layout = loop(layout, len(d.gates), spec.hidden_size, dict(spec.knobs))
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,

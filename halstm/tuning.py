@@ -4,10 +4,12 @@ one layer on this machine, and keep the fastest for aot.Spec to use.
     report = tune("lstm", K=512, H=512, B=64, T=100, budget=300)
 
 One knob after another, starting from what is kept for the layer (the
-defaults at first): every candidate value is compiled, its results
+defaults at first): every candidate value is compiled (a knob's values
+at once, each in a child process), its results
 checked against the default library's on the same inputs (1e-4 of the
 largest value), then timed against the current choice in alternating
-rounds (forward for a forward knob, backward for a backward one). A value
+rounds (forward for a forward knob, without its tape for one that acts
+only there, Knob.infer; backward for a backward one). A value
 replaces the current one only where its median beats it by MIN_GAIN, so
 a tuning never leaves a slower library in use than the one before. Winners are stored in the kernel cache's tuning.json per machine
 (CPU model and count, GPU name for CUDA targets, Halide version) and per
@@ -209,15 +211,16 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     if not gpu:       # (a CPU library's outputs are views of its workspaces)
         states, saved = np.array(states), np.array(saved)
 
-    def run(lib, direction):
+    def run(lib, direction, infer=False):
+        """A call of lib (infer: a forward without a tape)."""
         if direction == "fwd":
             return lambda: lib.forward(x, data["w_ih"], data["b_ih"], data["w_hh"],
-                                       data["b_hh"], [None] * NS, vec=vec)
+                                       data["b_hh"], [None] * NS, vec=vec, save=not infer)
         return lambda: lib.backward(x, data["w_ih"], data["w_hh"], saved, states, data["dy"],
                                     [None] * NS, vec=vec)
 
-    def results(lib, direction):
-        out = run(lib, direction)()
+    def results(lib, direction, infer=False):
+        out = run(lib, direction, infer)()
         out = {"states": out[0]} if direction == "fwd" else dict(out)
         return {k: v.numpy() if gpu else v for k, v in out.items()}
 
@@ -231,9 +234,12 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
         layer = layer_key(spec(direction, ()))
         kept = stored(spec(direction, ()))
         base = lib_for(direction, kept)
-        want = results(lib_for(direction, ()), direction)    # the defaults' results
+        wants = {}      # the defaults' results, with the tape and without (Knob.infer)
         by_knob = []
         for name in names_here:
+            infer = have[name].infer
+            if infer not in wants:
+                wants[infer] = results(lib_for(direction, ()), direction, infer)
             now = kept.get(name, have[name].default)
             libs, tried = {"base": base}, []
             values = [v for v in have[name].candidates if v != now]
@@ -246,12 +252,12 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                     continue
                 bar.set_postfix_str(f"{direction} {name}={value}")
                 lib = lib_for(direction, {**kept, name: value})
-                ok = _close(results(lib, direction), want)
+                ok = _close(results(lib, direction, infer), wants[infer])
                 tried.append({"value": value, "correct": ok})
                 if ok:
                     libs[value] = lib
-            med = alternating({k: run(lib, direction) for k, lib in libs.items()}, rounds, 2,
-                              sync) if len(libs) > 1 else {}
+            med = alternating({k: run(lib, direction, infer) for k, lib in libs.items()},
+                              rounds, 2, sync) if len(libs) > 1 else {}
             # ms as the report shows them; the choice is made on these, so
             # that a kept value beats the base by MIN_GAIN in the report too
             ms = {k: round(v * 1e3, 3) for k, v in med.items()}
@@ -259,7 +265,7 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                 if t["value"] in ms:
                     t["ms"] = ms[t["value"]]
             step = {"knob": name, "base": dict(kept), "tried": tried,
-                    "base_ms": ms.get("base")}
+                    "base_ms": ms.get("base"), "infer": infer}
             best = min(ms, key=ms.get) if ms else "base"
             if best != "base" and ms[best] < (1 - MIN_GAIN) * ms["base"]:
                 kept = {**kept, name: best}
@@ -286,8 +292,9 @@ def report_lines(target: str = "host") -> list[str]:
     for layer, e in sorted(entries.items()):
         lines.append(f"{layer}: {_knobs_text(e['knobs'])} (B={e['B']} T={e['T']}, {e['when']})")
         for step in e["by_knob"]:
+            timed = " without a tape" if step.get("infer") else ""
             lines.append(f"    {step['knob']}, from {_knobs_text(step['base'])} "
-                         f"({step['base_ms']} ms): kept {step['kept']}")
+                         f"({step['base_ms']} ms{timed}): kept {step['kept']}")
             for t in step["tried"]:
                 how = (t.get("skipped") or ("wrong results" if not t.get("correct")
                                             else f"{t.get('ms')} ms"))

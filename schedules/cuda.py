@@ -26,6 +26,9 @@ import halide as hl
 
 from .. import machine
 from ..layout import Layout
+from .knobs import KNOBS as _KNOBS
+
+KNOBS = _KNOBS["cuda"]      # what `halstm tune` searches; tuned values come in a spec's knobs
 
 LANES = 32                      # a warp; also the weight panel width
 MAX_THREADS = 1024              # a CUDA block's threads at most
@@ -218,12 +221,18 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
 # faster than a GEMM launch plus a pointwise kernel. 1.5 * 2^26: the fused
 # step won at 2^26 (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512,
 # B=128) (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
-VENDOR_STEP_MACS = 3 << 25
+VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 3 << 25
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
 # times faster than fp32's, and from H = fused_bwd_below the Halide
 # backward step is two kernels anyway, so the GEMM replaces one of them
 # rather than adding a launch.
 VENDOR_STEP_MACS_TENSOR = 1 << 25
+
+
+def _knob(knobs, name: str) -> int:
+    """A knob's value among a spec's knobs: tuned (halstm tune), else its
+    default."""
+    return (knobs or {}).get(name, KNOBS[name].default)
 
 
 def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
@@ -232,10 +241,8 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     steps' products too from the batch where they reach VENDOR_STEP_MACS
     (VENDOR_STEP_MACS_TENSOR in TF32 or bf16; in fp32 the knob
     step_gemm_mmacs, step_gemm_bwd_mmacs backward, in 2^20, where tuned)."""
-    macs = VENDOR_STEP_MACS if precision == "fp32" else VENDOR_STEP_MACS_TENSOR
     name = "step_gemm_mmacs" if direction == "fwd" else "step_gemm_bwd_mmacs"
-    if precision == "fp32" and name in (knobs or {}):
-        macs = knobs[name] << 20
+    macs = _knob(knobs, name) << 20 if precision == "fp32" else VENDOR_STEP_MACS_TENSOR
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))))
 
@@ -384,7 +391,7 @@ def _step_tile(p, target):
 # gates) pays: 128 KiB at G * H = 1024 took 0.84x-0.88x of the step's
 # time forward, 64 and 96 KiB 1.0x-1.12x (bench/RESULTS.md, "Schedule
 # decisions": cuda.step_narrow).
-NARROW_FROM_BYTES = 128 << 10
+NARROW_FROM_BYTES = KNOBS["narrow_kib"].default << 10            # 128 KiB
 
 
 def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
@@ -397,8 +404,7 @@ def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     from H = 512 (the lanes products). (The gate lanes need a reduction
     over two warps or more: _warp_slices gives 8 from H = 8, and the bytes
     rule asks for G * H >= 1024.)"""
-    least = (knobs or {}).get("narrow_kib", NARROW_FROM_BYTES >> 10) << 10
-    if gates < 2 or H >= 512 or LANES * gates * H * 4 < least:
+    if gates < 2 or H >= 512 or LANES * gates * H * 4 < _knob(knobs, "narrow_kib") << 10:
         return layout
     rows = machine.gpu_sms() // -(-H // _gate_lane_units(gates))
     return replace(layout, narrow_rows=rows) if rows else layout
@@ -429,10 +435,10 @@ def step_narrow(p, target):
 step_narrow_infer = step_narrow
 
 
-def loop_layout(layout: Layout, gates: int, H: int) -> Layout:
+def loop_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     """layout with loop_infer (pipeline.LOOP) where W_hh takes at most half
     the shared memory of a multiprocessor (machine.gpu_sm_shared_bytes;
-    228 KiB on an H100): each block, a batch row, reads all of W_hh every
+    228 KiB on an H100; the knob loop_shared_pct, in percent, where tuned): each block, a batch row, reads all of W_hh every
     step from its multiprocessor's L1, so its step time grows with W_hh
     (on an H100 about W_hh's bytes over 65 GB/s plus 0.3 us), while the
     one-kernel-a-step loop's hardly moves at small sizes. The driver calls
@@ -441,7 +447,8 @@ def loop_layout(layout: Layout, gates: int, H: int) -> Layout:
     KiB of W_hh, 0.999x there for the RNN (H = 170); past it 0.92x at 144
     KiB (LSTM, H = 96) but 1.31x (RNN, H = 192), 1.29x at 192 KiB (GRU, H
     = 128) (bench/RESULTS.md, "Schedule decisions": cuda.loop)."""
-    if gates * H * H * 4 > machine.gpu_sm_shared_bytes() // 2 or H > MAX_THREADS:
+    most = machine.gpu_sm_shared_bytes() * _knob(knobs, "loop_shared_pct") // 100
+    if gates * H * H * 4 > most or H > MAX_THREADS:
         return layout
     return replace(layout, loop_rows=machine.gpu_sms())
 

@@ -16,6 +16,7 @@ class Knob(NamedTuple):
     pointwise: bool = False   # acts only on cells whose step does not reduce over units
     fp32_only: bool = False   # acts on precision "fp32" layers only
     gemm: str | None = None   # acts only on layers whose non-recurrent GEMMs are this one's
+    infer: bool = False       # acts on forwards without a tape only: tune times those
 
     def acts_on(self, reduces: bool, precision: str, gemm: str = "halide") -> bool:
         """Whether it acts on a layer of a cell that reduces over its
@@ -45,16 +46,20 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)},
 # cuda (schedules/cuda.py): the W_hh bytes (KiB) a one-row block of step
 # tiles reads from which a forward's steps of few rows run the narrow steps
-# (cuda.narrow_layout; 1 << 20: never), and in fp32 layers with cuBLAS
-# GEMMs the multiply-adds (in 2^20) of a step's product from which it runs
-# as a cuBLAS GEMM, forward and backward (cuda.vendor_layout; 1 << 20:
-# never). Their defaults were measured on an H100 (bench/RESULTS.md,
-# "Schedule decisions": cuda.step_narrow, cuda.VENDOR_STEP_MACS).
+# (cuda.narrow_layout; 1 << 20: never); in fp32 layers with cuBLAS GEMMs
+# the multiply-adds (in 2^20) of a step's product from which it runs as a
+# cuBLAS GEMM, forward and backward (cuda.vendor_layout; 1 << 20: never);
+# the W_hh size, in percent of a multiprocessor's shared memory, up to
+# which a forward without a tape runs every step in one kernel
+# (cuda.loop_layout; 1: a W_hh of 2 KiB on an H100, about never). Their
+# defaults were measured on an H100 (bench/RESULTS.md, "Schedule
+# decisions": cuda.step_narrow, cuda.VENDOR_STEP_MACS, cuda.loop).
         "cuda": {"narrow_kib": Knob("fwd", 128, (64, 128, 1 << 20), pointwise=True),
                  "step_gemm_mmacs": Knob("fwd", 96, (32, 96, 1 << 20),
                                          fp32_only=True, gemm="cublas"),
                  "step_gemm_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
-                                             fp32_only=True, gemm="cublas")}}
+                                             fp32_only=True, gemm="cublas"),
+                 "loop_shared_pct": Knob("fwd", 50, (1, 50, 100), pointwise=True, infer=True)}}
 
 
 # Per schedule and direction, the facts of the machine that compiles them

@@ -178,6 +178,12 @@ def test_cuda_knobs_shape_the_layout():
         assert knobs == ((name, 32),) and lay.vendor_step_rows == -(-(32 << 20) // (G * H * H))
         assert layout("lstm", H, direction, {}, gemm="cublas")[1].vendor_step_rows == \
             -(-(96 << 20) // (G * H * H))
+    # loop_shared_pct: one kernel a forward without a tape up to half the shared memory
+    # by default; 1%: practically never; 100%: the LSTM at H = 96 too (144 KiB)
+    loops = [layout(cell, h, "fwd", knobs)[1].loop_rows > 0
+             for cell, h, knobs in (("rnn_tanh", 64, {}), ("rnn_tanh", 64, {"loop_shared_pct": 1}),
+                                    ("lstm", 96, {}), ("lstm", 96, {"loop_shared_pct": 100}))]
+    assert loops == [True, False, False, True]
     # where a knob cannot act it is dropped: the same library as the default's
     assert layout("lstm", H, "bwd", {"step_gemm_mmacs": 32}, gemm="cublas")[0] == ()
     assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="halide")[0] == ()

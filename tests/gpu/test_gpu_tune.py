@@ -31,3 +31,16 @@ def test_tune_measures_the_cuda_knobs(own_cache, gpu_target):
             (("narrow_kib", step["kept"]),)
     assert tuning.machine_key(gpu_target) != tuning.machine_key("host")   # (the GPU's name)
     assert tuning.load()[tuning.machine_key(gpu_target)][layer]["knobs"] == entry["knobs"]
+
+
+def test_tune_times_a_forward_without_tape_for_the_loop_knob(own_cache, gpu_target):
+    """loop_shared_pct acts on forwards without a tape (Knob.infer): tune
+    checks and times those. An RNN at H = 64 (16 KiB of W_hh) runs every
+    step in one kernel by default; at 1% it runs the steps."""
+    report = tuning.tune("rnn_tanh", 32, 64, 4, 20, gpu_target, names=["loop_shared_pct"],
+                         rounds=3, progress=False)
+    (step,) = report[tuning.layer_key(aot.Spec("rnn_tanh", 32, 64, "fwd", gpu_target))]["by_knob"]
+    assert step["infer"] and [t["value"] for t in step["tried"]] == [1, 100]
+    assert all(t["correct"] and t["ms"] > 0 for t in step["tried"])
+    assert any("loop_shared_pct, from defaults (" in line and "without a tape" in line
+               for line in tuning.report_lines(gpu_target))
