@@ -191,7 +191,12 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     gpu = "cuda" in spec0.target.split("-")
     data = _layer_data(spec0, B, T, seed)
     if gpu:         # the library's arrays on the GPU, results read back to compare
-        from .cuda import DeviceArray, synchronize
+        from .cuda import CudaError, DeviceArray, driver, synchronize
+        try:
+            driver()
+        except CudaError as e:
+            raise ValueError(f"target {target!r}: tune times the layers on this machine's "
+                             f"GPU, and there is none usable ({e})") from None
         data = {k: DeviceArray.from_numpy(v) if isinstance(v, np.ndarray) else v
                 for k, v in data.items()}
     sync = synchronize if gpu else (lambda: None)

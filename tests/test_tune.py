@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import halstm
-from halstm import aot, tuning
+from halstm import aot, cuda, tuning
 from halstm.cli import main
 from helpers import H, I, assert_close, needs_bf16
 
@@ -193,6 +193,9 @@ def test_cuda_knobs_shape_the_layout():
     with pytest.raises(ValueError, match="narrow_kib acts on cells that do not reduce"):
         tuning.tune("layernorm_lstm", I, H, 3, 7, "host-cuda", names=["narrow_kib"],
                     progress=False)
+    if not cuda.available():
+        with pytest.raises(ValueError, match="tune times the layers on this machine's GPU"):
+            tuning.tune("lstm", I, H, 3, 7, "host-cuda", names=["narrow_kib"], progress=False)
     tune_gemm = aot.Spec("lstm", I, H, "fwd", "host-cuda").gemm   # (cuBLAS where installed)
     if tune_gemm == "halide":
         with pytest.raises(ValueError, match="step_gemm_mmacs does not act on layers without "
