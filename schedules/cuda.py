@@ -226,7 +226,7 @@ VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 3 << 25
 # times faster than fp32's, and from H = fused_bwd_below the Halide
 # backward step is two kernels anyway, so the GEMM replaces one of them
 # rather than adding a launch.
-VENDOR_STEP_MACS_TENSOR = 1 << 25
+VENDOR_STEP_MACS_TENSOR = KNOBS["step_gemm_tensor_mmacs"].default << 20    # 1 << 25
 
 
 def _knob(knobs, name: str) -> int:
@@ -239,10 +239,11 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
                   precision: str = "fp32", knobs=None) -> Layout:
     """layout with the projection and gradient GEMMs by cuBLAS, and the
     steps' products too from the batch where they reach VENDOR_STEP_MACS
-    (VENDOR_STEP_MACS_TENSOR in TF32 or bf16; in fp32 the knob
-    step_gemm_mmacs, step_gemm_bwd_mmacs backward, in 2^20, where tuned)."""
-    name = "step_gemm_mmacs" if direction == "fwd" else "step_gemm_bwd_mmacs"
-    macs = _knob(knobs, name) << 20 if precision == "fp32" else VENDOR_STEP_MACS_TENSOR
+    (VENDOR_STEP_MACS_TENSOR in TF32 or bf16; where tuned, the knobs
+    step_gemm_mmacs, step_gemm_tensor_mmacs, with _bwd_ backward, in 2^20)."""
+    name = ("step_gemm" + ("" if precision == "fp32" else "_tensor")
+            + ("" if direction == "fwd" else "_bwd") + "_mmacs")
+    macs = _knob(knobs, name) << 20
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))))
 

@@ -15,6 +15,7 @@ class Knob(NamedTuple):
     bf16: bool = False        # acts on precision "bf16" layers too
     pointwise: bool = False   # acts only on cells whose step does not reduce over units
     fp32_only: bool = False   # acts on precision "fp32" layers only
+    tensor_only: bool = False  # acts on the tensor-core precisions ("tf32", "bf16") only
     gemm: str | None = None   # acts only on layers whose non-recurrent GEMMs are this one's
     infer: bool = False       # acts on forwards without a tape only: tune times those
 
@@ -25,6 +26,7 @@ class Knob(NamedTuple):
         return ((reduces or not self.reducing) and not (reduces and self.pointwise)
                 and (precision != "bf16" or self.bf16)
                 and (precision == "fp32" or not self.fp32_only)
+                and (precision != "fp32" or not self.tensor_only)
                 and (self.gemm is None or gemm == self.gemm))
 
 
@@ -46,9 +48,10 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)},
 # cuda (schedules/cuda.py): the W_hh bytes (KiB) a one-row block of step
 # tiles reads from which a forward's steps of few rows run the narrow steps
-# (cuda.narrow_layout; 1 << 20: never); in fp32 layers with cuBLAS GEMMs
-# the multiply-adds (in 2^20) of a step's product from which it runs as a
-# cuBLAS GEMM, forward and backward (cuda.vendor_layout; 1 << 20: never);
+# (cuda.narrow_layout; 1 << 20: never); in layers with cuBLAS GEMMs the
+# multiply-adds (in 2^20) of a step's product from which it runs as a
+# cuBLAS GEMM, forward and backward, in fp32 and in the tensor-core
+# precisions apart (cuda.vendor_layout; 1 << 20: never);
 # the W_hh size, in percent of a multiprocessor's shared memory, up to
 # which a forward without a tape runs every step in one kernel
 # (cuda.loop_layout; 1: a W_hh of 2 KiB on an H100, about never). Their
@@ -59,6 +62,10 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                                          fp32_only=True, gemm="cublas"),
                  "step_gemm_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
                                              fp32_only=True, gemm="cublas"),
+                 "step_gemm_tensor_mmacs": Knob("fwd", 32, (8, 32, 1 << 20), bf16=True,
+                                                tensor_only=True, gemm="cublas"),
+                 "step_gemm_tensor_bwd_mmacs": Knob("bwd", 32, (8, 32, 1 << 20), bf16=True,
+                                                    tensor_only=True, gemm="cublas"),
                  "loop_shared_pct": Knob("fwd", 50, (1, 50, 100), pointwise=True, infer=True)}}
 
 

@@ -184,12 +184,23 @@ def test_cuda_knobs_shape_the_layout():
              for cell, h, knobs in (("rnn_tanh", 64, {}), ("rnn_tanh", 64, {"loop_shared_pct": 1}),
                                     ("lstm", 96, {}), ("lstm", 96, {"loop_shared_pct": 100}))]
     assert loops == [True, False, False, True]
+    # the tensor-core precisions' own threshold (default 32)
+    for precision in ("tf32", "bf16"):
+        knobs, lay = layout("lstm", H, "bwd", {"step_gemm_tensor_bwd_mmacs": 8}, gemm="cublas",
+                            precision=precision)
+        assert knobs == (("step_gemm_tensor_bwd_mmacs", 8),)
+        assert lay.vendor_step_rows == -(-(8 << 20) // (G * H * H))
+    assert layout("lstm", H, "fwd", {"step_gemm_tensor_mmacs": 8}, gemm="cublas")[0] == ()
     # where a knob cannot act it is dropped: the same library as the default's
     assert layout("lstm", H, "bwd", {"step_gemm_mmacs": 32}, gemm="cublas")[0] == ()
     assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="halide")[0] == ()
     assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="cublas",
                   precision="tf32")[0] == ()
     assert layout("layernorm_lstm", H, "fwd", {"narrow_kib": 64})[0] == ()
+    with pytest.raises(ValueError, match="step_gemm_tensor_mmacs does not act on "
+                                         "(precision 'fp32'|layers without cublas)"):
+        tuning.tune("lstm", I, H, 3, 7, "host-cuda", names=["step_gemm_tensor_mmacs"],
+                    progress=False)
     with pytest.raises(ValueError, match="narrow_kib acts on cells that do not reduce"):
         tuning.tune("layernorm_lstm", I, H, 3, 7, "host-cuda", names=["narrow_kib"],
                     progress=False)
