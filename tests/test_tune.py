@@ -32,11 +32,33 @@ def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
     if step["kept"] != 256:                             # (256: the default)
         won = next(t for t in step["tried"] if t["value"] == step["kept"])
         assert won["ms"] < (1 - tuning.MIN_GAIN) * step["base_ms"]
+        again = step["again"]                           # (and won its own rounds)
+        assert again["value"] == step["kept"]
+        assert again["ms"] < (1 - tuning.MIN_GAIN) * again["base_ms"]
     stored = json.loads((own_cache / tuning.FILE).read_text())
     assert stored[tuning.machine_key("host")][layer]["knobs"] == entry["knobs"]
     lines = tuning.report_lines()
     assert lines[0] == f"machine: {tuning.machine_key('host')}"
     assert any("dw_block_kib=1024: " in line and " ms" in line for line in lines)
+
+
+def test_a_win_is_timed_again_before_it_is_kept(own_cache, monkeypatch):
+    """A value whose median beats the base among all values is timed again
+    against the base alone, and kept only if it wins there too (timings
+    scripted: the first rounds crown 512, the second see no gain)."""
+    from halstm import benchmark
+    rounds = []
+
+    def scripted(calls, n, warmup, sync):
+        rounds.append(sorted(map(str, calls)))
+        return {k: (0.9e-3 if k == 512 and len(rounds) == 1 else 1e-3) for k in calls}
+    monkeypatch.setattr(benchmark, "alternating", scripted)
+    report = tuning.tune("lstm", I, H, 3, 7, names=["dw_block_kib"], rounds=3, progress=False)
+    (step,) = report[tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))]["by_knob"]
+    assert rounds == [["1024", "128", "512", "base"], ["512", "base"]]
+    assert step["again"] == {"value": 512, "ms": 1.0, "base_ms": 1.0} and step["kept"] == 256
+    assert any("dw_block_kib=512 again: 1.0 ms against 1.0): kept 256" in line
+               for line in tuning.report_lines())
 
 
 def test_tune_starts_from_what_is_kept(own_cache):
