@@ -261,6 +261,7 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
             libs, tried = {"base": base}, []
             values = [v for v in have[name].candidates if v != now]
             if time.perf_counter() - start <= budget:
+                bar.set_postfix_str(f"{direction} {name}: building {len(values)} libraries")
                 build_all([spec(direction, {**kept, name: v}) for v in values])
             for value in values:
                 bar.update()
