@@ -163,8 +163,8 @@ def schedule_knobs(schedule: str) -> dict:
 def _checked_knobs(spec: Spec, knobs) -> tuple:
     """knobs (a mapping or pairs) as sorted pairs: the ones that act on
     spec's direction, cell (whether its step reduces over units),
-    precision and GEMMs (Knob.acts_on) and differ from their defaults (so that a
-    default value is the same library as none); an unknown name or a
+    precision and GEMMs (Knob.acts_on) and differ from their defaults (so
+    that a default value is the same library as none); an unknown name or a
     value that is not a positive int raises ValueError."""
     have = schedule_knobs(spec.schedule)
     reduces = (cells.definition(spec.cell).reduces

@@ -439,7 +439,8 @@ step_narrow_infer = step_narrow
 def loop_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     """layout with loop_infer (pipeline.LOOP) where W_hh takes at most half
     the shared memory of a multiprocessor (machine.gpu_sm_shared_bytes;
-    228 KiB on an H100; the knob loop_shared_pct, in percent, where tuned): each block, a batch row, reads all of W_hh every
+    228 KiB on an H100; the knob loop_shared_pct, in percent, where
+    tuned): each block, a batch row, reads all of W_hh every
     step from its multiprocessor's L1, so its step time grows with W_hh
     (on an H100 about W_hh's bytes over 65 GB/s plus 0.3 us), while the
     one-kernel-a-step loop's hardly moves at small sizes. The driver calls
