@@ -200,6 +200,10 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
             raise ValueError(f"knob: {n} does not act on {why}")
     wanted = [n for n in have if (names is None or n in names)
               and have[n].acts_on(reduces, spec0.precision, spec0.gemm)]
+    if not wanted:
+        raise ValueError(f"schedule {spec0.schedule!r} has no knobs" if not have else
+                         f"none of schedule {spec0.schedule!r}'s knobs ({', '.join(have)}) act "
+                         f"on {cell!r} layers in {spec0.precision} with {spec0.gemm} GEMMs")
     gpu = "cuda" in spec0.target.split("-")
     data = _layer_data(spec0, B, T, seed)
     if gpu:         # the library's arrays on the GPU, results read back to compare

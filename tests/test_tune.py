@@ -129,6 +129,8 @@ def test_knob_errors(own_cache):
     assert r.exit_code == 2 and "--sizes" in r.output and "4 or 5 positive ints" in r.output
     r = CliRunner().invoke(main, ["tune", "--sizes", "13,37,3,7", "--knob", "tile"])
     assert r.exit_code == 2 and "has no knob 'tile'" in r.output
+    r = CliRunner().invoke(main, ["tune", "--sizes", "13,37,3,7", "--schedule", "naive"])
+    assert r.exit_code == 2 and "schedule 'naive' has no knobs" in r.output
     r = CliRunner().invoke(main, ["tune", "--report"])
     assert r.exit_code == 0 and "nothing tuned for" in r.output
 
