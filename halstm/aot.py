@@ -222,10 +222,10 @@ def read_entry(folder: Path) -> dict | None:
 
 def library(spec: Spec, in_child: bool = False) -> tuple[Path, dict]:
     """The cached library for spec, built first if missing or damaged (in a
-    child process with in_child: Halide's compiler holds the GIL, so builds
-    on several threads run at once only so). Returns (path of the .so,
-    manifest)."""
-    make = _build_in_child if in_child else build
+    child process with in_child where one can build it, _child_can_build:
+    Halide's compiler holds the GIL, so builds on several threads run at
+    once only so). Returns (path of the .so, manifest)."""
+    make = _build_in_child if in_child and _child_can_build(spec) else build
     return cache.entry(cache_key(spec), FORMAT,
                        lambda folder: make(spec, Path(folder), (), True),
                        manifest_schema.check)
@@ -252,19 +252,28 @@ def loadable_here(target) -> bool:
 
 def build(spec: Spec, out: Path, emit=(), require_loadable: bool = False) -> dict:
     """Compile spec's pipelines into `out` (see _build). An autoscheduled
-    build runs in a child process: Halide's autoscheduler plugins can crash
-    the process (auto:Anderson2021 died of SIGFPE on a projection), and a
+    build runs in a child process where one can build it
+    (_child_can_build): Halide's autoscheduler plugins can crash the
+    process (auto:Anderson2021 died of SIGFPE on a projection), and a
     crash must become a CompileError, not the end of the caller."""
-    if spec.schedule and spec.schedule.startswith("auto:"):
+    if spec.schedule and spec.schedule.startswith("auto:") and _child_can_build(spec):
         return _build_in_child(spec, Path(out), tuple(emit), require_loadable)
     return _build(spec, Path(out), emit, require_loadable)
+
+
+def _child_can_build(spec: Spec) -> bool:
+    """Whether a child process can build spec: its cell is a built-in, or
+    cells.load_file registered it (the child loads that file again). A cell
+    a program defined itself is built in this process: a child would have
+    to run that program again."""
+    return spec.cell in cells.NAMES or cells.definition(spec.cell).cell_file is not None
 
 
 def _build_in_child(spec: Spec, out: Path, emit, require_loadable) -> dict:
     import signal
     import sys
     d = None if spec.cell in cells.NAMES else cells.definition(spec.cell)
-    files = [d.file] if d is not None and d.file else []
+    files = [d.cell_file] if d is not None else []
     args = json.dumps([asdict(spec), str(out), list(emit), require_loadable, files])
     code = ("import json, sys; from halstm import aot, cells; s, o, e, r, f = "
             "json.loads(sys.argv[1]); [cells.load_file(p) for p in f]; "

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import halstm
-from halstm import aot, cuda, machine, tuning
+from halstm import aot, cells, cuda, machine, tuning
 from halstm.cli import main
 from helpers import H, I, assert_close, needs_bf16
 
@@ -240,3 +240,42 @@ def test_cuda_knobs_shape_the_layout():
                                              "cublas GEMMs"):
             tuning.tune("lstm", I, H, 3, 7, "host-cuda", names=["step_gemm_mmacs"],
                         progress=False)
+
+
+_FILE_CELL = """
+from halstm.cells import define, sigmoid, tanh
+
+
+def step(x, r, s):
+    z = sigmoid(x.z + r.z)
+    return {"h": (1 - z) * tanh(x.n + r.n) + z * s.h}
+
+
+FILE_MGU = define("file_mgu", gates="zn", states="h", step=step)
+"""
+
+
+def _mgu(x, r, s):
+    z = cells.sigmoid(x.z + r.z)
+    return {"h": (1 - z) * cells.tanh(x.n + r.n) + z * s.h}
+
+
+def test_builds_in_children_only_where_a_child_can_build(own_cache, monkeypatch, tmp_path):
+    """tune's (and precompile's) builds run in child processes for built-in
+    cells and cell files' cells, which a child loads again; a cell that a
+    program defined itself is built in the calling process, since a child
+    would have to run that program again."""
+    cells.register(cells.define("inline_mgu", gates="zn", states="h", step=_mgu))
+    path = tmp_path / "filecell.py"
+    path.write_text(_FILE_CELL)
+    cells.load_file(path)
+    children, in_child = [], aot._build_in_child
+
+    def counted(spec, *args):
+        children.append(spec.cell)
+        return in_child(spec, *args)
+    monkeypatch.setattr(aot, "_build_in_child", counted)
+    tuning.build_all([aot.Spec(c, I, H, "fwd") for c in ("inline_mgu", "file_mgu", "rnn_tanh")])
+    assert sorted(children) == ["file_mgu", "rnn_tanh"]
+    for c in ("inline_mgu", "file_mgu", "rnn_tanh"):
+        assert aot.read_entry(aot.cache_dir() / aot.cache_key(aot.Spec(c, I, H, "fwd")))

@@ -94,4 +94,6 @@ def load_file(path) -> list[str]:
     if not found:
         raise CellError(f"{path}: defines no cell (expected NAME = halstm.cells.define(...) "
                         f"at the top level)")
+    for d in found:
+        d.cell_file = str(path)
     return [register(d) for d in found]

@@ -315,6 +315,7 @@ class Definition:
             raise CellError(f"cell name: expected an identifier, got {name!r}")
         self.name, self.doc = name, doc or (step.__doc__ or "").strip()
         self.file = getattr(getattr(step, "__code__", None), "co_filename", None)
+        self.cell_file = None   # the cell file cells.load_file registered it from, if any
         self.gates = _names(name, "gates", gates)
         self.states = _names(name, "states", states)
         self.matrix_bias = bool(matrix_bias)
