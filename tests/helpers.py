@@ -398,3 +398,18 @@ def check_head_faults(where, got, y, w, b, t):
             assert not finite[~want_finite].any(), name
         else:
             np.testing.assert_array_equal(finite, want_finite, err_msg=name)
+
+
+# A user's cell file (tests/test_cells.py, test_tune.py): a minimal GRU
+USER_CELL = '''
+from halstm.cells import define, sigmoid, tanh
+
+
+def step(x, r, s):
+    """Minimal GRU: one update gate."""
+    z = sigmoid(x.z + r.z)
+    return {"h": (1 - z) * tanh(x.n + r.n) + z * s.h}
+
+
+MINIMAL_GRU = define("minimal_gru", gates="zn", states="h", step=step)
+'''

@@ -9,7 +9,7 @@ import pytest
 import halstm
 from halstm import cells, reference
 from halstm.cells import CellError, define, mean, relu, sigmoid, sqrt, tanh, vector
-from helpers import assert_close, check_lengths_against_alone
+from helpers import USER_CELL, assert_close, check_lengths_against_alone
 
 I, H = 5, 7            # odd sizes; every kernel here is built once per run
 SIZES = {"base": dict(T=4, B=3, L=2), "T1": dict(T=1, B=3, L=2), "B1": dict(T=4, B=1, L=2),
@@ -333,20 +333,6 @@ def test_register_refuses_a_builtin_name_and_a_different_cell_of_a_known_name():
     cells.register(define("mine_once", "a", "h", _ok))        # the same math: fine
     with pytest.raises(CellError, match="a different cell"):
         cells.register(define("mine_once", "a", "h", lambda x, r, s: {"h": relu(x.a + r.a)}))
-
-
-USER_CELL = '''
-from halstm.cells import define, sigmoid, tanh
-
-
-def step(x, r, s):
-    """Minimal GRU: one update gate."""
-    z = sigmoid(x.z + r.z)
-    return {"h": (1 - z) * tanh(x.n + r.n) + z * s.h}
-
-
-MINIMAL_GRU = define("minimal_gru", gates="zn", states="h", step=step)
-'''
 
 
 def _minimal_gru(xg, hg, s):

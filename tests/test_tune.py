@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import halstm
 from halstm import aot, cells, cuda, machine, tuning
 from halstm.cli import main
-from helpers import H, I, assert_close, needs_bf16
+from helpers import USER_CELL, H, I, assert_close, needs_bf16
 
 
 @pytest.fixture
@@ -242,19 +242,6 @@ def test_cuda_knobs_shape_the_layout():
                         progress=False)
 
 
-_FILE_CELL = """
-from halstm.cells import define, sigmoid, tanh
-
-
-def step(x, r, s):
-    z = sigmoid(x.z + r.z)
-    return {"h": (1 - z) * tanh(x.n + r.n) + z * s.h}
-
-
-FILE_MGU = define("file_mgu", gates="zn", states="h", step=step)
-"""
-
-
 def _mgu(x, r, s):
     z = cells.sigmoid(x.z + r.z)
     return {"h": (1 - z) * cells.tanh(x.n + r.n) + z * s.h}
@@ -267,7 +254,7 @@ def test_builds_in_children_only_where_a_child_can_build(own_cache, monkeypatch,
     would have to run that program again."""
     cells.register(cells.define("inline_mgu", gates="zn", states="h", step=_mgu))
     path = tmp_path / "filecell.py"
-    path.write_text(_FILE_CELL)
+    path.write_text(USER_CELL)
     cells.load_file(path)
     children, in_child = [], aot._build_in_child
 
@@ -275,7 +262,7 @@ def test_builds_in_children_only_where_a_child_can_build(own_cache, monkeypatch,
         children.append(spec.cell)
         return in_child(spec, *args)
     monkeypatch.setattr(aot, "_build_in_child", counted)
-    tuning.build_all([aot.Spec(c, I, H, "fwd") for c in ("inline_mgu", "file_mgu", "rnn_tanh")])
-    assert sorted(children) == ["file_mgu", "rnn_tanh"]
-    for c in ("inline_mgu", "file_mgu", "rnn_tanh"):
+    tuning.build_all([aot.Spec(c, I, H, "fwd") for c in ("inline_mgu", "minimal_gru", "rnn_tanh")])
+    assert sorted(children) == ["minimal_gru", "rnn_tanh"]
+    for c in ("inline_mgu", "minimal_gru", "rnn_tanh"):
         assert aot.read_entry(aot.cache_dir() / aot.cache_key(aot.Spec(c, I, H, "fwd")))
