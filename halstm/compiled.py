@@ -54,8 +54,8 @@ def compile_model(cell, input_size, hidden_size, layers, target, schedule, out, 
                "loadable_here": m["library"] is not None, "parts": parts}
         d = cells.definition(cell)
         top["cell_definition"] = d.signature()
-        if cell not in cells.NAMES:
-            top["cell_file"] = d.file
+        if cell not in cells.NAMES:     # (a program's own cell: the file that defines it)
+            top["cell_file"] = d.cell_file or d.file
         (tmp / MANIFEST).write_text(json.dumps(top, indent=2))
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -147,9 +147,10 @@ def load(path, seed=None):
         raise ValueError(f"{path}: compiled for {top['target']}, which cannot run here")
     cell = top["cell"]
     if cell not in cells.names():
-        raise LibraryError(f"{path / MANIFEST}: 'cell': {cell!r} is no cell known here; load "
-                           f"its definition first: halstm.cells.load_file("
-                           f"{top.get('cell_file', 'FILE')!r})")
+        raise LibraryError(f"{path / MANIFEST}: 'cell': {cell!r} is no cell known here; "
+                           f"register its definition first (halstm.cells.load_file of its "
+                           f"cell file, or halstm.cells.register; it was defined in "
+                           f"{top.get('cell_file', 'an unnamed file')!r})")
     kw = dict(num_layers=top["num_layers"], target=top["target_requested"],
               schedule=top["schedule"], seed=seed, precision=top.get("precision", "fp32"),
               gemm=top.get("gemm"))

@@ -3,6 +3,9 @@ cells (forward and every gradient) against numpy steps written apart from
 halstm.cells, with gradients by central differences in float64. (LSTM
 and GRU, cells of the language too, are checked against the hand-written
 BPTT of halstm.reference in test_modules.py.)"""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -394,6 +397,10 @@ def test_cli_lists_and_compiles_a_users_cell(tmp_path):
     out = tmp_path / "built"
     run_cli("compile", "--cell-file", path, "--cell", "minimal_gru", "-i", I, "-H", H,
             "--layers", 2, "--out", out)
+    # a process that has not registered the cell is told which file defines it
+    r = subprocess.run([sys.executable, "-c", f"import halstm; halstm.load({str(out)!r})"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "no cell known here" in r.stderr and str(path) in r.stderr
     m = halstm.load(out, seed=0)
     assert isinstance(m, halstm.Recurrent) and m.cell == "minimal_gru"
     x = np.random.default_rng(0).standard_normal((3, 2, I)).astype(np.float32)
