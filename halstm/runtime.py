@@ -366,7 +366,8 @@ class Library:
                    if packed else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
                    if self._folds else None)]
             reuse = self._pack_reused(mem, stream, ws[:2], pack_key)
-            self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
+            self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data,
+                       self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
                        *[None if a is None else mem.ptr(a) for a in ws],
                        None if saved is None else mem.ptr(saved),
@@ -449,7 +450,8 @@ class Library:
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
-            self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data, self._x_ptr(mem, x),
+            self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data,
+                       self._x_ptr(mem, x),
                        *map(mem.ptr, (w_ih, w_hh)), vec_ptr, mem.ptr(saved),
                        self._ptrs(mem, states, len(self.states)), mem.ptr(dy),
                        self._ptrs(mem, dstates, len(dfinal)),

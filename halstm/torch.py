@@ -403,12 +403,18 @@ def _finals(states: Tensor, batch_sizes: Tensor | None) -> list[Tensor]:
     """Each state's final (B, H) from states (NS, T+1, B, H): after the last
     step, or with batch sizes after each row's own last step. Copies, so
     that a caller may change them in place (as torch.nn's h_n, c_n)."""
-    T, B = states.shape[1] - 1, states.shape[2]
+    T = states.shape[1] - 1
     if batch_sizes is None:
         return [states[s, T].clone() for s in range(len(states))]
-    steps = _ints(row_lengths(_host(batch_sizes), B), states.device)
-    rows = _ints(np.arange(B), states.device)
+    steps, rows = _row_ends(batch_sizes, states.shape[2], states.device)
     return [states[s][steps, rows] for s in range(len(states))]
+
+
+def _row_ends(batch_sizes: Tensor, B: int, device) -> tuple[Tensor, Tensor]:
+    """Indices (step, row) on `device` of each of the B rows' state after
+    its own last step, into arrays over (T+1, B, ...): a packed batch's
+    finals (_finals) and their gradients (_grads)."""
+    return _ints(row_lengths(_host(batch_sizes), B), device), _ints(np.arange(B), device)
 
 
 _layer = torch.library.custom_op("halstm::layer", _forward_impl, mutates_args=())
@@ -453,9 +459,8 @@ def _grads(ctx, dstates, backward):
     if batch_sizes is None:
         ends = [dstates[s, T] for s in range(1, len(dstates))]
     else:
-        lengths = _ints(row_lengths(_host(batch_sizes), B), dstates.device)
-        rows = _ints(np.arange(B), dstates.device)
-        ends = [dstates[s][lengths, rows] for s in range(1, len(dstates))]
+        steps, rows = _row_ends(batch_sizes, B, dstates.device)
+        ends = [dstates[s][steps, rows] for s in range(1, len(dstates))]
     dfinal = [torch.zeros_like(dstates[0, 0])] + ends
     need_dx = ctx.needs_input_grad[0]
     dx, dw_ih, db_ih, dw_hh, db_hh, dvec, dinit = backward(
@@ -635,7 +640,8 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
         states = _layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save)[0]
         return states[0, 1:], _finals(states, batch_sizes)
     if _transformed():
-        states = _FuncLayer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)[0]
+        states = _FuncLayer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save,
+                                  *init)[0]
         return states[0, 1:], _finals(states, batch_sizes)
     if not torch.is_grad_enabled():     # no graph to record: the kernels directly
         states, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
