@@ -150,7 +150,9 @@ class NumpyOps:
     sigmoid = staticmethod(_sigmoid)
     tanh = staticmethod(np.tanh)
     relu = staticmethod(lambda a: np.maximum(a, 0.0))
-    sqrt = staticmethod(np.sqrt)
+    exp, sqrt, log = staticmethod(np.exp), staticmethod(np.sqrt), staticmethod(np.log)
+    softplus = staticmethod(lambda a: np.logaddexp(0.0, a))
+    maximum, minimum = staticmethod(np.maximum), staticmethod(np.minimum)
     mean_units = staticmethod(lambda a: a.mean(axis=1, keepdims=True))
 
 
@@ -158,6 +160,8 @@ def torch_ops(torch):
     """The operations of halstm.cells.language for torch tensors."""
     class TorchOps:
         sigmoid, tanh, relu, sqrt = torch.sigmoid, torch.tanh, torch.relu, torch.sqrt
+        exp, log, maximum, minimum = torch.exp, torch.log, torch.maximum, torch.minimum
+        softplus = staticmethod(torch.nn.functional.softplus)   # (x itself past 20)
         mean_units = staticmethod(lambda a: a.mean(dim=1, keepdim=True))
     return TorchOps
 
@@ -275,11 +279,23 @@ def _layernorm_lstm(xg, hg, s, v):
     return h, c
 
 
+def _slstm(xg, hg, s):
+    H = s[0].shape[1]
+    a = xg + hg                                   # (B, 4H): i, f, z, o
+    i, f, z, o = (a[:, k * H:(k + 1) * H] for k in range(4))
+    log_f = -np.logaddexp(0.0, -f)                # log(sigmoid(f))
+    m = np.maximum(log_f + s[3], i)
+    i_gate, f_gate = np.exp(i - m), np.exp(log_f + s[3] - m)
+    c = f_gate * s[1] + i_gate * np.tanh(z)
+    n = f_gate * s[2] + i_gate
+    return _sigmoid(o) * c / n, c, n, m
+
+
 # cell -> step(xg (B, G*H) = x W_ih^T + b_ih, hg (B, G*H) = h W_hh^T + b_hh,
 # states (h, ...) each (B, H)[, v: the layer's vector parameters by name,
 # for a cell that has them]) -> new states; written apart from halstm.cells
 STEPS = {"rnn_tanh": _rnn_tanh, "rnn_relu": _rnn_relu, "cifg_lstm": _cifg_lstm,
-         "peephole_lstm": _peephole_lstm, "layernorm_lstm": _layernorm_lstm}
+         "peephole_lstm": _peephole_lstm, "layernorm_lstm": _layernorm_lstm, "slstm": _slstm}
 # the cells with a hand-written BPTT above (forward / backward)
 BPTT = ("lstm", "gru")
 # cell -> (torch.nn class name, keyword arguments): PyTorch's own module

@@ -11,7 +11,8 @@ import pytest
 
 import halstm
 from halstm import cells, reference
-from halstm.cells import CellError, define, mean, relu, sigmoid, sqrt, tanh, vector
+from halstm.cells import (CellError, define, exp, log, mean, minimum, relu, sigmoid, softplus,
+                          sqrt, tanh, vector)
 from helpers import USER_CELL, assert_close, check_lengths_against_alone
 
 I, H = 5, 7            # odd sizes; every kernel here is built once per run
@@ -28,9 +29,11 @@ def _problem(m, names, T, B, L, rng):
     return x, hx, dy, dfinal
 
 
-def check_against_step(cell, step, size="base", seed=0, random_vectors=False, hidden=H, **kw):
+def check_against_step(cell, step, size="base", seed=0, random_vectors=False, hidden=H,
+                       positive=(), **kw):
     """Module of `cell` against the numpy `step` at SIZES[size] and `hidden`
-    units (random_vectors: its vector parameters random, see _randomized)."""
+    units (random_vectors: its vector parameters random, see _randomized;
+    positive: states whose initial values are drawn above 0.5)."""
     T, B, L = (SIZES[size][k] for k in "TBL")
     rng = np.random.default_rng(seed)
     m = halstm.Recurrent(cell, I, hidden, num_layers=L, seed=seed, **kw)
@@ -38,6 +41,7 @@ def check_against_step(cell, step, size="base", seed=0, random_vectors=False, hi
         _randomized(m, seed + 1)
     names = m._state_names
     x, hx, dy, dfinal = _problem(m, names, T, B, L, rng)
+    hx = [np.abs(a) + np.float32(0.5) if s in positive else a for s, a in zip(names, hx)]
     y, finals = m(x, hx[0] if len(names) == 1 else tuple(hx))
     finals = [finals] if len(names) == 1 else list(finals)
     grads = m.backward(dy, *dfinal)
@@ -55,13 +59,14 @@ def check_against_step(cell, step, size="base", seed=0, random_vectors=False, hi
     return m
 
 
-STEP_CELLS = ["rnn_tanh", "rnn_relu", "cifg_lstm", "peephole_lstm", "layernorm_lstm"]
+STEP_CELLS = ["rnn_tanh", "rnn_relu", "cifg_lstm", "peephole_lstm", "layernorm_lstm", "slstm"]
 
 
 @pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("cell", STEP_CELLS)
 def test_builtin_language_cell_matches_its_numpy_step(cell, size):
-    check_against_step(cell, reference.STEPS[cell], size)
+    # (slstm: the normaliser n starts positive, as it is after any step)
+    check_against_step(cell, reference.STEPS[cell], size, positive=("n",))
 
 
 def test_staged_values_are_the_costly_ones_read_by_a_sum_and_elsewhere():
@@ -449,3 +454,57 @@ def test_a_definition_evaluated_on_arrays_is_the_numpy_step(cell):
         {k: torch.from_numpy(a) for k, a in vectors.items()})
     for s, got, w in zip(d.states, got_states, want):
         assert_close(s, got.numpy(), w, rtol=1e-12)
+
+
+def test_the_operations_keep_nan_and_give_the_limits_of_infinities():
+    """exp, log, softplus, maximum and minimum as lowered to Halide: NaN
+    stays NaN, infinities and zeros give numpy's values, and elsewhere
+    numpy's within 2e-6 (the polynomials), softplus of a very negative
+    value (its log1p of a tiny number) included."""
+    import halide as hl
+    from halstm.cells import lowering
+    specials = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, 1e-38, -1.0, 1.0, 0.3, 20.0, -20.0,
+                -7.0, 5e-3, 88.0, 89.0, -87.0, -90.0, 1e30, -1e30]
+    a = np.array(specials, np.float32)
+    b = np.roll(a, 3)
+    ea, eb = (hl.Buffer(v) for v in (a, b))
+    k = hl.Var("k")
+    unary = {"exp": np.exp, "log": np.log, "softplus": lambda v: np.logaddexp(0.0, v)}
+    binary = {"max": np.maximum, "min": np.minimum}
+    with np.errstate(all="ignore"):
+        for op, fn in [*unary.items(), *binary.items()]:
+            f = hl.Func(op)
+            f[k] = lowering._UNARY[op](ea[k]) if op in unary else \
+                lowering._BINARY[op](ea[k], eb[k])
+            f.vectorize(k, 8, hl.TailStrategy.GuardWithIf)
+            got = np.asarray(f.realize([len(a)])).astype(np.float64)
+            want = fn(a.astype(np.float64)) if op in unary else \
+                fn(a.astype(np.float64), b.astype(np.float64))
+            want = want.astype(np.float32).astype(np.float64)   # (float32's range)
+            assert np.array_equal(np.isnan(got), np.isnan(want)), (op, a, got, want)
+            finite = np.isfinite(want)
+            assert np.array_equal(got[~finite & ~np.isnan(want)],
+                                  want[~finite & ~np.isnan(want)]), (op, a, got, want)
+            assert np.allclose(got[finite], want[finite], rtol=2e-6, atol=1e-37), \
+                (op, a, got, want)
+
+
+def _min_log_step(x, r, s):
+    """A cell of log, minimum, exp and softplus (made up, not a known one)."""
+    g = sigmoid(x.g + r.g)
+    a = minimum(softplus(x.a + r.a), 1.0 + s.h * s.h)
+    return {"h": g * tanh(log(1.0 + exp(-a)) + s.h)}
+
+
+def _min_log_np(xg, hg, s):
+    H = s[0].shape[1]
+    pre = xg + hg
+    a = np.minimum(np.logaddexp(0.0, pre[:, :H]), 1.0 + s[0] * s[0])
+    g = 1 / (1 + np.exp(-pre[:, H:]))
+    return (g * np.tanh(np.log(1.0 + np.exp(-a)) + s[0]),)
+
+
+def test_a_users_cell_of_log_minimum_exp_and_softplus():
+    d = define("min_log", gates="ag", states="h", step=_min_log_step)
+    cells.register(d)
+    check_against_step("min_log", _min_log_np, "base", seed=8)

@@ -13,14 +13,14 @@ import importlib.util
 import threading
 from pathlib import Path
 
-from .language import (CellError, Definition, define, layer_norm, mean,  # noqa: F401
-                       relu, sigmoid, sqrt, tanh, vector)
+from .language import (CellError, Definition, define, exp, layer_norm, log,  # noqa: F401
+                       maximum, mean, minimum, relu, sigmoid, softplus, sqrt, tanh, vector)
 
 # name -> (module, attribute): its language Definition
 _BUILTIN = {"lstm": ("lstm", "CELL"), "gru": ("gru", "CELL"),
             "rnn_tanh": ("rnn", "TANH"), "rnn_relu": ("rnn", "RELU"),
             "cifg_lstm": ("cifg_lstm", "CELL"), "peephole_lstm": ("peephole_lstm", "CELL"),
-            "layernorm_lstm": ("layernorm_lstm", "CELL")}
+            "layernorm_lstm": ("layernorm_lstm", "CELL"), "slstm": ("slstm", "CELL")}
 NAMES = tuple(_BUILTIN)
 _user: dict[str, Definition] = {}
 _lock = threading.Lock()

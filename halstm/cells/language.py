@@ -35,8 +35,9 @@ import numbers
 
 from dataclasses import dataclass
 
-ACTIVATIONS = ("sigmoid", "tanh", "relu")
-UNARY = ACTIVATIONS + ("sqrt",)
+ACTIVATIONS = ("sigmoid", "tanh", "relu", "exp")   # their values saved, not their operands'
+UNARY = ACTIVATIONS + ("sqrt", "log", "softplus")
+BINARY_FUNCS = {"max": "maximum", "min": "minimum"}   # op -> its name in step_function's ops
 LEAVES = ("x", "r", "s", "v")
 REDUCTIONS = ("mean", "usum")     # usum: backward's sum over the units
 
@@ -49,8 +50,9 @@ class Sym:
     """A node of a step's expression graph. op: "x" / "r" (a gate's input
     projection / recurrent product, arg = gate), "s" (a previous state),
     "v" (a vector parameter, arg = "name" or "name.gate"), "const" (arg =
-    the value), "units" (H), "+", "-", "*", "/", "neg", "sqrt", an
-    activation, "mean" (over the units of all args) or "usum"."""
+    the value), "units" (H), "+", "-", "*", "/", "neg", "max", "min",
+    "sqrt", "log", "softplus", an activation, "mean" (over the units of
+    all args) or "usum"."""
 
     __slots__ = ("op", "args", "arg", "serial")
     __array_priority__ = 1000      # numpy scalars defer to Sym's operators
@@ -109,6 +111,30 @@ def relu(v) -> Sym:
 
 def sqrt(v) -> Sym:
     return Sym("sqrt", (_sym(v),))
+
+
+def exp(v) -> Sym:
+    return Sym("exp", (_sym(v),))
+
+
+def log(v) -> Sym:
+    return Sym("log", (_sym(v),))
+
+
+def softplus(v) -> Sym:
+    """log(1 + exp(v)); -softplus(-v) is log(sigmoid(v))."""
+    return Sym("softplus", (_sym(v),))
+
+
+def maximum(a, b) -> Sym:
+    """The larger of a and b at each unit (NaN if either is NaN); where they
+    are equal, each gets half the gradient, as in torch.maximum."""
+    return Sym("max", (_sym(a), _sym(b)))
+
+
+def minimum(a, b) -> Sym:
+    """The smaller of a and b at each unit; as maximum otherwise."""
+    return Sym("min", (_sym(a), _sym(b)))
 
 
 def mean(*values) -> Sym:
@@ -294,6 +320,13 @@ def _local_grads(node: Sym, val) -> list:
     if op == "mean":
         share = 1.0 / (float(len(a)) * Sym("units"))
         return [share] * len(a)
+    if op in ("max", "min"):     # pick(p, q): 1 where p > q, 0.5 where equal, else 0
+        (p, q) = (val(a[0]), val(a[1])) if op == "max" else (val(a[1]), val(a[0]))
+        return [Sym("pick", (p, q)), Sym("pick", (q, p))]
+    if op == "log":
+        return [1.0 / val(a[0])]
+    if op == "softplus":
+        return [Sym("sigmoid", (val(a[0]),))]
     y = val(node)
     if op == "sqrt":
         return [0.5 / y]
@@ -303,6 +336,8 @@ def _local_grads(node: Sym, val) -> list:
         return [1.0 - y * y]
     if op == "relu":
         return [Sym("step", (y,))]   # 1 where y > 0, else 0
+    if op == "exp":
+        return [y]
     raise AssertionError(op)
 
 
@@ -423,7 +458,7 @@ class Definition:
         def need(n: Sym):
             if id(n) in saved_ids or id(n) in new_ids or n.op in ("s", "v", "const", "units"):
                 return
-            if n.op in ("x", "r") or id(n) in self.rows:
+            if n.op in ("x", "r") or id(n) in self.rows or _projections_sum(n):
                 saved_ids.add(id(n))
                 raw.append(n)
                 return
@@ -465,9 +500,9 @@ class Definition:
         """The step as a function of arrays: step(xg, hg, states, vectors=None)
         -> new states, xg and hg (B, G*H) with the gates' blocks in order,
         states (B, H) each, vectors {name: (H,) or (G*H,)}. ops gives
-        sigmoid, tanh, relu, sqrt and mean_units (a (B, H) array's mean
-        over axis 1, kept as (B, 1)) for the array kind (numpy, torch);
-        + - * / are the arrays' own."""
+        sigmoid, tanh, relu, exp, sqrt, log, softplus, maximum, minimum and
+        mean_units (a (B, H) array's mean over axis 1, kept as (B, 1)) for
+        the array kind (numpy, torch); + - * / are the arrays' own."""
         H_of = lambda a: a.shape[1] // len(self.gates)   # noqa: E731
         gate = {g: k for k, g in enumerate(self.gates)}
         roots = [self.new[k] for k in self.states]
@@ -494,6 +529,8 @@ class Definition:
                     v = getattr(ops, n.op)(env[id(n.args[0])])
                 elif n.op == "mean":
                     v = sum(ops.mean_units(env[id(c)]) for c in n.args) / len(n.args)
+                elif n.op in BINARY_FUNCS:
+                    v = getattr(ops, BINARY_FUNCS[n.op])(*(env[id(c)] for c in n.args))
                 else:
                     a, b = (env[id(c)] for c in n.args)
                     v = a + b if n.op == "+" else a - b if n.op == "-" else a * b \
@@ -517,11 +554,22 @@ class Definition:
                 "matrix_bias": self.matrix_bias, "reduces": self.reduces}
 
 
+def _projections_sum(n: Sym) -> bool:
+    """Whether n adds or subtracts two or more projections (x, r) and
+    numbers only, as a gate's pre-activation x.f + r.f: saved as one value,
+    not each projection."""
+    nodes = _topo([n])
+    return n.op in ("+", "-") and all(m.op in ("x", "r", "const", "+", "-", "neg")
+                                      for m in nodes) \
+        and sum(m.op in ("x", "r") for m in nodes) >= 2
+
+
 def _gates_read(n: Sym) -> set:
-    """The gates whose projections n reads, not counting inside activations."""
+    """The gates whose projections n reads, not counting inside activations,
+    reductions, max and min."""
     if n.op in ("x", "r"):
         return {n.arg}
-    if n.op in ACTIVATIONS or n.op in REDUCTIONS:
+    if n.op in ACTIVATIONS or n.op in REDUCTIONS or n.op in BINARY_FUNCS:
         return set()
     return set().union(*(_gates_read(c) for c in n.args)) if n.args else set()
 
@@ -529,11 +577,14 @@ def _gates_read(n: Sym) -> set:
 def _saved_names(nodes, rows) -> tuple[str, ...]:
     """A name for each saved value: its gate where an activation reads one
     gate (the LSTM's i, f, g, o), r_<gate> for a recurrent product saved as
-    it is, else the activation and its gates; unique."""
+    it is, pre_<gates> for a sum of projections (_projections_sum), else
+    the activation and its gates; unique."""
     names = []
     for k, n in enumerate(nodes):
         if n.op in ("x", "r"):
             name = f"{n.op}_{n.arg}"
+        elif _projections_sum(n):
+            name = f"pre_{'_'.join(sorted(_gates_read(n)))}"
         elif id(n) in rows:                # a row value
             name = f"row_{k}"
         else:

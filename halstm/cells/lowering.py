@@ -14,6 +14,7 @@ listed in `row_funcs`: inlined unless a schedule computes it once."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import halide as hl
 
@@ -25,10 +26,52 @@ def _relu(v):
     return hl.select(_is_nan(v), v, hl.max(v, 0.0))
 
 
+# exp and log by Halide's polynomials (base.py: libm is one call per lane),
+# about 2e-6 relative error; each select keeps NaN and gives the exact
+# value where the polynomial does not hold (past exp's float range, log's
+# zero, negatives and infinity).
+_INF, _NAN = hl.f32(float("inf")), hl.reinterpret(hl.Float(32), hl.u32(0x7FC00000))
+
+
+def _exp(v):
+    return hl.select(_is_nan(v), v, v > hl.f32(88.72), _INF, v < -87.5, hl.f32(0), hl.fast_exp(v))
+
+
+def _log(v):
+    # (+Inf tested on the bits: LLVM may fold a float comparison with infinity)
+    inf = hl.reinterpret(hl.UInt(32), v) == 0x7F800000
+    # a subnormal v (below 2^-126) scaled by 2^24 first: the polynomial needs a normal float
+    small = v < hl.f32(2.0 ** -126)
+    scaled = hl.fast_log(hl.select(small, v * hl.f32(2.0 ** 24), v)) \
+        - hl.select(small, hl.f32(24 * math.log(2.0)), hl.f32(0))
+    return hl.select(_is_nan(v), v, v < 0.0, _NAN, v == 0.0, -_INF, inf, _INF, scaled)
+
+
+def _softplus(v):
+    """max(v, 0) + log1p(exp(-|v|)); log1p(e) by its series below e = 0.01,
+    where log(1 + e) would lose e's digits to the rounding of 1 + e."""
+    e = hl.fast_exp(-hl.min(hl.abs(v), 87.0))
+    series = e * (1.0 - e * (0.5 - e * (hl.f32(1 / 3) - e * 0.25)))
+    log1p = hl.select(e < hl.f32(0.01), series, hl.fast_log(1.0 + e))
+    return hl.select(_is_nan(v), v, hl.max(v, 0.0) + log1p)
+
+
+def _extreme(pick):
+    """max or min that keeps a NaN of either operand."""
+    return lambda a, b: hl.select(_is_nan(a), a, _is_nan(b), b, pick(a, b))
+
+
+def _pick(p, q):
+    """The derivative of max(p, q) by p: 1 where p > q, 0.5 where equal."""
+    return hl.select(p > q, hl.f32(1), p == q, hl.f32(0.5), hl.f32(0))
+
+
 _UNARY = {"sigmoid": sigmoid, "tanh": tanh, "relu": _relu, "neg": lambda v: -v,
-          "sqrt": hl.sqrt, "step": lambda v: hl.select(v > 0.0, hl.f32(1), hl.f32(0))}
+          "sqrt": hl.sqrt, "exp": _exp, "log": _log, "softplus": _softplus,
+          "step": lambda v: hl.select(v > 0.0, hl.f32(1), hl.f32(0))}
 _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-           "/": lambda a, b: a / b}
+           "/": lambda a, b: a / b, "max": _extreme(hl.max), "min": _extreme(hl.min),
+           "pick": _pick}
 
 
 _serial = itertools.count()
