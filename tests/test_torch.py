@@ -368,6 +368,33 @@ def test_vector_cell_matches_numpy_module(cell, proj):
         assert_close("d c0", hx[1].grad, want["c0"])
 
 
+def test_a_cell_of_four_states_matches_the_numpy_module():
+    """slstm (states h, c, n, m) through halstm.torch, two layers, every
+    initial state given: outputs, final states and every gradient equal
+    the numpy module's (checked against the float64 reference in
+    test_cells.py)."""
+    m = hnn.Recurrent("slstm", I, H, num_layers=2)
+    ref = halstm.Recurrent("slstm", I, H, num_layers=2)
+    ref.load_state_dict({k: v.detach().numpy() for k, v in m.state_dict().items()})
+    x = torch.randn(6, 3, I, requires_grad=True)
+    hx = tuple((torch.randn(2, 3, H).abs() + 0.5 if s == "n" else torch.randn(2, 3, H))
+               .requires_grad_(True) for s in "hcnm")
+    y, finals = m(x, hx)
+    assert len(finals) == 4
+    (y.sum() + sum((k + 2) * f.sum() for k, f in enumerate(finals))).backward()
+    want_y, want_finals = ref(x.detach().numpy(), tuple(a.detach().numpy() for a in hx))
+    want = ref.backward(np.ones(want_y.shape, np.float32),
+                        *[np.full(f.shape, k + 2, np.float32) for k, f in enumerate(want_finals)])
+    assert_close("output", y.detach(), want_y)
+    for s, got, w in zip("hcnm", finals, want_finals):
+        assert_close(f"{s}_n", got.detach(), w)
+    assert_close("d input", x.grad, want["input"])
+    for s, a in zip("hcnm", hx):
+        assert_close(f"d {s}0", a.grad, want[f"{s}0"])
+    for n, p in m.named_parameters():
+        assert_close(f"d {n}", p.grad, want[n])
+
+
 def test_projected_layernorm_lstm_matches_its_steps():
     """A layer-norm LSTM with a projection (no peer ships one) against its
     steps composed in torch: the cell's step on tensors, h = W_hr m, one

@@ -7,9 +7,9 @@ from test_cells import check_against_step
 
 
 @pytest.mark.parametrize("size", ["base", "T1", "B1"])
-@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "cifg_lstm"])
+@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu", "cifg_lstm", "slstm"])
 def test_language_cell_on_the_gpu(cell, size, gpu_target):
-    check_against_step(cell, reference.STEPS[cell], size, target=gpu_target)
+    check_against_step(cell, reference.STEPS[cell], size, target=gpu_target, positive=("n",))
 
 
 def test_a_cell_of_three_states_on_the_gpu(gpu_target):
@@ -25,7 +25,7 @@ def test_vector_and_reducing_cells_on_the_gpu(cell, size, gpu_target):
 
 
 @pytest.mark.parametrize("H", [96, 512])
-@pytest.mark.parametrize("cell", ["peephole_lstm", "layernorm_lstm"])
+@pytest.mark.parametrize("cell", ["peephole_lstm", "layernorm_lstm", "slstm"])
 def test_gpu_schedules_of_larger_sizes_match_the_cpu(cell, H, gpu_target):
     """The GPU's tile and lanes paths (H = 96, 512): forward against the
     numpy step in float64, every gradient against the CPU build (itself
@@ -52,7 +52,7 @@ def test_gpu_schedules_of_larger_sizes_match_the_cpu(cell, H, gpu_target):
 
 
 @pytest.mark.parametrize("cell,H", [("lstm", 37), ("gru", 96), ("rnn_tanh", 150),
-                                    ("peephole_lstm", 61), ("cifg_lstm", 33)])
+                                    ("peephole_lstm", 61), ("cifg_lstm", 33), ("slstm", 45)])
 def test_inference_forward_in_one_kernel(cell, H, gpu_target):
     """Under no_grad, where W_hh takes half a multiprocessor's shared
     memory or less, a layer's forward runs every step in one kernel
@@ -79,6 +79,9 @@ def test_inference_forward_in_one_kernel(cell, H, gpu_target):
     for T, B in ((1, 1), (9, 5)):
         x = rng.standard_normal((T, B, 13)).astype(np.float32)
         hx = tuple(rng.standard_normal((2, B, H)).astype(np.float32) for _ in range(NS))
+        # (slstm's normaliser n positive, as after any step)
+        hx = tuple(np.abs(a) + np.float32(0.5) if s == "n" else a
+                   for s, a in zip(gpu._state_names, hx))
         hx = hx if NS > 1 else hx[0]
         before = stats()
         with halstm.no_grad():
