@@ -37,7 +37,7 @@ from .reference import torch_ops
 from .runtime import Library, row_lengths
 
 __all__ = ["LSTM", "GRU", "RNN", "Recurrent", "LSTMCell", "GRUCell", "RNNCell",
-           "PerformanceWarning"]
+           "RecurrentCell", "PerformanceWarning"]
 
 
 class PerformanceWarning(UserWarning):
@@ -1231,7 +1231,8 @@ class Recurrent(_Recurrent):
 
 class _Cell(torch.nn.Module):
     """One step of a cell, torch.nn.LSTMCell-style: parameters weight_ih,
-    weight_hh, bias_ih, bias_hh; input (B, I) or unbatched (I,)."""
+    weight_hh, bias_ih, bias_hh (and the cell's vector parameters by their
+    names); input (B, I) or unbatched (I,)."""
 
     __prepare_scriptable__ = _not_scriptable
 
@@ -1245,10 +1246,14 @@ class _Cell(torch.nn.Module):
         object.__setattr__(self, "_stack", stack)       # (its facts only: not a submodule)
 
     def reset_parameters(self) -> None:
+        """Matrices and biases uniform in ±1/sqrt(hidden_size), vector
+        parameters as the cell declares (as Recurrent's)."""
         bound = 1.0 / math.sqrt(self.hidden_size)
+        inits = {v.name: v.init for v in self._stack._vector_specs}
         with torch.no_grad():
-            for p in self.parameters():
-                p.uniform_(-bound, bound)
+            for name, p in self.named_parameters():
+                init = inits.get(name, "uniform")
+                p.uniform_(-bound, bound) if init == "uniform" else p.fill_(init)
 
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}" + ("" if self.bias else ", bias=False")
@@ -1275,12 +1280,16 @@ class _Cell(torch.nn.Module):
                                      f"on {x.device}, as the input")
             if unbatched:
                 hx = [a.reshape(B, H) for a in hx]
-        p = self._parameters
+        p, G = self._parameters, self._stack._gates
         b_ih, b_hh = p.get("bias_ih"), p.get("bias_hh")
-        zero = None if self.bias else x.new_zeros((self._stack._gates * H,))
+        zero = None if b_ih is not None else x.new_zeros((G * H,))
+        vec = None
+        if self._stack._all_vectors:      # (V, H); a bias left out (bias=False) is zeros
+            vec = torch.cat([(x.new_zeros(((G if v.per_gate else 1) * H,)) if v.name not in p
+                              else p[v.name]).view(-1, H) for v in self._stack._all_vectors])
         spec = _spec(self._stack.cell, self.input_size, H, None)
         _, out = _run_layer(x, p["weight_ih"], zero if b_ih is None else b_ih, p["weight_hh"],
-                            zero if b_hh is None else b_hh, None, hx, None, spec,
+                            zero if b_hh is None else b_hh, vec, hx, None, spec,
                             torch.is_grad_enabled(), finals_only=True)
         return [o.reshape(H) for o in out] if unbatched else out
 
@@ -1317,3 +1326,23 @@ class RNNCell(_Cell):
         super().__init__(f"rnn_{nonlinearity}", input_size, hidden_size, bias, device, dtype)
 
     forward = GRUCell.forward
+
+
+class RecurrentCell(_Cell):
+    """One step of any halstm cell (by name, or a definition from
+    halstm.cells.define), for step-by-step decoding: parameters weight_ih,
+    weight_hh, bias_ih, bias_hh and the cell's vector parameters, named as
+    Recurrent's without the _l0 suffix. A one-state cell: h' = cell(x, h);
+    else (h', s2', ...) = cell(x, (h, s2, ...)); hx None: zeros."""
+
+    def __init__(self, cell, input_size, hidden_size, bias=True, device=None, dtype=None):
+        if isinstance(cell, cells.Definition):
+            cell = cells.register(cell)
+        if not isinstance(cell, str):
+            raise TypeError(f"cell: expected a cell name or definition, got "
+                            f"{type(cell).__name__}")
+        super().__init__(cell, input_size, hidden_size, bias, device, dtype)
+
+    def forward(self, input, hx=None):
+        out = self._step(input, hx)
+        return out[0] if len(out) == 1 else tuple(out)

@@ -782,3 +782,34 @@ def test_weights_changed_in_place_are_packed_again():
         m.weight_hh.mul_(1.5)
         other.weight_hh.mul_(1.5)
     assert_close("after load_state_dict and mul_", m(x, hx)[0].detach(), other(x, hx)[0].detach())
+
+
+@pytest.mark.parametrize("cell", ["slstm", "layernorm_lstm"])
+def test_a_recurrent_cell_stepped_matches_the_layer(cell):
+    """RecurrentCell (any cell, vector parameters included) stepped over a
+    sequence from Python: the layer's outputs, final states and every
+    gradient (autograd through the steps), given initial states; its
+    parameters start as the layer's do."""
+    step = hnn.RecurrentCell(cell, I, H)
+    layer = hnn.Recurrent(cell, I, H)
+    layer.load_state_dict({f"{k}_l0": v for k, v in step.state_dict().items()})
+    fresh = hnn.RecurrentCell(cell, I, H)
+    fresh.reset_parameters()
+    for k, v in layer.state_dict().items():     # vectors: their declared values
+        if not k.startswith(("weight", "bias_ih", "bias_hh")):
+            assert torch.equal(getattr(fresh, k[:-3]), v), k
+    x = torch.randn(5, 3, I)
+    hx = tuple((torch.randn(3, H).abs() + 0.5 if s == "n" else torch.randn(3, H))
+               for s in layer._states)
+    y, finals = layer(x, tuple(a.unsqueeze(0) for a in hx))
+    (y.sum() + sum(f.sum() for f in finals)).backward()
+    s, ys = hx, []
+    for t in range(5):
+        s = step(x[t], s)
+        ys.append(s[0])
+    (torch.stack(ys).sum() + sum(a.sum() for a in s)).backward()
+    assert_close("output", torch.stack(ys).detach(), y.detach())
+    for name, got, want in zip(layer._states, s, finals):
+        assert_close(f"{name}_n", got.detach(), want[0].detach())
+    for n, p in step.named_parameters():
+        assert_close(f"d {n}", p.grad, getattr(layer, f"{n}_l0").grad)
