@@ -352,6 +352,18 @@ def check_lengths_against_alone(m, x, lengths, hx, dy, dfinal, rtol=RTOL):
         assert_close(f"d {k}", grads[k], v, rtol)
 
 
+def weighted_loss(y, finals):
+    """A torch module's call (y a tensor or PackedSequence, finals a tensor
+    or a tuple) as one scalar that weighs every output differently
+    (linspace -1..1) plus the finals' squares: a gradient that tells the
+    outputs apart."""
+    import torch
+    y = y.data if isinstance(y, torch.nn.utils.rnn.PackedSequence) else y
+    finals = finals if isinstance(finals, tuple) else (finals,)
+    w = torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)
+    return (y * w).sum() + sum((f * f).sum() for f in finals)
+
+
 def host_has_bf16() -> bool:
     """Whether this CPU runs precision "bf16" (AMX or AVX512-BF16)."""
     from halstm import bf16

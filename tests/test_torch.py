@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import halstm  # noqa: E402
 import halstm.torch as hnn  # noqa: E402
-from helpers import H, I, assert_close, host_has_bf16  # noqa: E402
+from helpers import H, I, assert_close, host_has_bf16, weighted_loss  # noqa: E402
 
 PEERS = {"lstm": (hnn.LSTM, torch.nn.LSTM, {}), "gru": (hnn.GRU, torch.nn.GRU, {}),
          "rnn_tanh": (hnn.RNN, torch.nn.RNN, {}),
@@ -504,11 +504,7 @@ def _functional_loss(module):
     """loss(params, x): a sum over module's outputs and finals, by
     torch.func.functional_call (x a tensor or a PackedSequence)."""
     def loss(params, x):
-        y, finals = torch.func.functional_call(module, params, (x,))
-        y = y.data if isinstance(y, torch.nn.utils.rnn.PackedSequence) else y
-        finals = finals if isinstance(finals, tuple) else (finals,)
-        w = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
-        return (y * w).sum() + sum((f * f).sum() for f in finals)
+        return weighted_loss(*torch.func.functional_call(module, params, (x,)))
     return loss
 
 
