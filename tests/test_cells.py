@@ -508,3 +508,21 @@ def test_a_users_cell_of_log_minimum_exp_and_softplus():
     d = define("min_log", gates="ag", states="h", step=_min_log_step)
     cells.register(d)
     check_against_step("min_log", _min_log_np, "base", seed=8)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_slstm_takes_nan_and_infinities_where_its_numpy_step_does(value):
+    """A NaN or an infinity in the input (exp, softplus, maximum and a
+    division on the way) gives NaN in exactly the outputs and final
+    states where the float64 numpy step has NaN, and its values elsewhere."""
+    m = halstm.Recurrent("slstm", I, H, num_layers=2, seed=0)
+    x = np.random.default_rng(0).standard_normal((4, 3, I)).astype(np.float32)
+    x[1, 1, 2] = value
+    y, finals = m(x)
+    p64 = {k: np.asarray(v, np.float64) for k, v in m.state_dict().items()}
+    with np.errstate(all="ignore"):
+        want_y, want_finals = reference.step_forward(
+            reference.STEPS["slstm"], p64, x.astype(np.float64), [np.zeros((2, 3, H))] * 4)
+    for name, got, want in [("y", y, want_y), *zip("hcnm", finals, want_finals)]:
+        assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want)), name
+        assert_close(name, np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want))
