@@ -23,10 +23,11 @@ value") is computed once per row. Reverse mode sums a unit value's
 adjoint over the units where it flows into a row value.
 
 What a step saves for backward is chosen from the graph: the value of
-every activation (sigmoid, tanh, relu) that does not apply to a state
-(backward reads the states), every projection that a derivative needs as
-it is, and every row value a derivative needs (stored in a channel, the
-same at every unit). No halide import here: lowering (lowering.py)
+every activation (sigmoid, tanh, relu, exp) that does not apply to a
+state (backward reads the states), every projection that a derivative
+needs as it is (a sum of projections, as x.f + r.f, as one value), and
+every row value a derivative needs (stored in a channel, the same at
+every unit). No halide import here: lowering (lowering.py)
 imports it.
 """
 from __future__ import annotations
