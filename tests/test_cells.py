@@ -305,6 +305,7 @@ def _ok(x, r, s):
     (dict(gates="aa"), "appears twice"),
     (dict(step=lambda x, r, s: {"h": s.h}), "a new state must be computed"),
     (dict(step=lambda x, r, s: {"h": np.exp(x.a + r.a)}), "its step raised"),
+    (dict(step=lambda x, r, s: {"h": np.tanh(x.a + r.a)}), "halstm.cells' functions, sigmoid"),
 ])
 def test_bad_definitions_are_refused_naming_the_cell(kwargs, needle):
     args = dict(name="mine", gates="a", states="h", step=_ok) | kwargs

@@ -39,6 +39,9 @@ from dataclasses import dataclass
 ACTIVATIONS = ("sigmoid", "tanh", "relu", "exp")   # their values saved, not their operands'
 UNARY = ACTIVATIONS + ("sqrt", "log", "softplus")
 BINARY_FUNCS = {"max": "maximum", "min": "minimum"}   # op -> its name in step_function's ops
+# what a step may call, from halstm.cells (error messages list them)
+FUNCTIONS = ("sigmoid", "tanh", "relu", "exp", "log", "softplus", "sqrt", "maximum", "minimum",
+             "mean", "layer_norm")
 LEAVES = ("x", "r", "s", "v")
 REDUCTIONS = ("mean", "usum")     # usum: backward's sum over the units
 
@@ -371,7 +374,11 @@ class Definition:
         except CellError as e:
             raise (e if str(e).startswith("cell ") else CellError(f"cell {name!r}: {e}")) from None
         except Exception as e:
-            raise CellError(f"cell {name!r}: its step raised {type(e).__name__}: {e}") from None
+            hint = "" if "Sym" not in str(e) else (
+                f" (a step computes with halstm.cells' functions, {', '.join(FUNCTIONS)}, "
+                f"not numpy's or torch's)")
+            raise CellError(f"cell {name!r}: its step raised {type(e).__name__}: {e}{hint}") \
+                from None
         if not isinstance(new, dict):
             raise CellError(f"cell {name!r}: step must return a dict of the new states "
                             f"{list(self.states)}, got {type(new).__name__}")
