@@ -395,6 +395,25 @@ def test_a_cell_of_four_states_matches_the_numpy_module():
         assert_close(f"d {n}", p.grad, want[n])
 
 
+def test_compile_fullgraph_of_a_cell_of_four_states_matches_eager():
+    """torch.compile(fullgraph=True) through halstm's custom operator with
+    four states (slstm): outputs and gradients as eager."""
+    m = hnn.Recurrent("slstm", I, H, num_layers=2)
+    x = torch.randn(6, 3, I)
+
+    def step(model):
+        y, finals = model(x)
+        (y.sum() + sum((f * f).sum() for f in finals)).backward()
+        return y.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    y, grads = step(m)
+    m.zero_grad()
+    y2, grads2 = step(torch.compile(m, fullgraph=True, backend="aot_eager"))
+    assert_close("compiled output", y2, y)
+    for n, g in grads.items():
+        assert_close(f"compiled d {n}", grads2[n], g)
+
+
 def test_projected_layernorm_lstm_matches_its_steps():
     """A layer-norm LSTM with a projection (no peer ships one) against its
     steps composed in torch: the cell's step on tensors, h = W_hr m, one
