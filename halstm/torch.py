@@ -787,6 +787,18 @@ def _check_input(module, x: Tensor) -> Tensor:
     return x
 
 
+def _initialise(params, hidden_size: int, vector_specs) -> None:
+    """torch's initialisation of params, (base name, Parameter) pairs (the
+    name without a layer suffix): matrices and biases uniform in
+    ±1/sqrt(hidden_size); vector parameters as the cell declares."""
+    bound = 1.0 / math.sqrt(hidden_size)
+    inits = {v.name: v.init for v in vector_specs}
+    with torch.no_grad():
+        for base, p in params:
+            init = inits.get(base, "uniform")
+            p.uniform_(-bound, bound) if init == "uniform" else p.fill_(init)
+
+
 def _not_scriptable(module):
     """torch.jit.script asks each module for a scriptable version first."""
     raise TypeError(f"{type(module).__name__}: halstm.torch layers call their kernels from "
@@ -857,15 +869,10 @@ class _Recurrent(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """torch's initialisation: matrices and biases uniform in
-        ±1/sqrt(hidden_size); vector parameters as the cell declares."""
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        inits = {v.name: v.init for v in self._vector_specs}
-        with torch.no_grad():
-            for name in self._flat_weights_names:
-                init = inits.get(name.split("_l")[0], "uniform")
-                p = getattr(self, name)
-                p.uniform_(-bound, bound) if init == "uniform" else p.fill_(init)
+        """torch's initialisation (_initialise)."""
+        _initialise(((name.rsplit("_l", 1)[0], getattr(self, name))     # (weight_ih_l0 ->
+                     for name in self._flat_weights_names),             # weight_ih)
+                    self.hidden_size, self._vector_specs)
 
     def __setstate__(self, state) -> None:     # (torch.load, copy.deepcopy)
         super().__setstate__(state)
@@ -1246,14 +1253,8 @@ class _Cell(torch.nn.Module):
         object.__setattr__(self, "_stack", stack)       # (its facts only: not a submodule)
 
     def reset_parameters(self) -> None:
-        """Matrices and biases uniform in ±1/sqrt(hidden_size), vector
-        parameters as the cell declares (as Recurrent's)."""
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        inits = {v.name: v.init for v in self._stack._vector_specs}
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                init = inits.get(name, "uniform")
-                p.uniform_(-bound, bound) if init == "uniform" else p.fill_(init)
+        """torch's initialisation (_initialise), as Recurrent's."""
+        _initialise(self.named_parameters(), self.hidden_size, self._stack._vector_specs)
 
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}" + ("" if self.bias else ", bias=False")

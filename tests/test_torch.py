@@ -828,3 +828,18 @@ def test_a_recurrent_cell_stepped_matches_the_layer(cell):
         assert_close(f"{name}_n", got.detach(), want[0].detach())
     for n, p in step.named_parameters():
         assert_close(f"d {n}", p.grad, getattr(layer, f"{n}_l0").grad)
+
+
+def test_a_vector_named_with_l_starts_at_its_declared_value():
+    """A vector parameter whose name holds "_l" (w_lo_l0) starts at its
+    declared init, in Recurrent (both directions, two layers) and in
+    RecurrentCell, not uniform as a matrix."""
+    from halstm.cells import define, tanh, vector
+    d = define("w_lo_cell", "a", "h", lambda x, r, s, p: {"h": tanh(x.a + r.a) * p.w_lo},
+               vectors=[vector("w_lo", init=1.0)])
+    m = hnn.Recurrent(d, I, H, num_layers=2, bidirectional=True)
+    for name in ("w_lo_l0", "w_lo_l1", "w_lo_l1_reverse"):
+        assert torch.equal(getattr(m, name), torch.ones(H)), name
+    c = hnn.RecurrentCell(d, I, H)
+    c.reset_parameters()
+    assert torch.equal(c.w_lo, torch.ones(H))
