@@ -905,10 +905,14 @@ class _Recurrent(torch.nn.Module):
     # ---- one layer's parameters ------------------------------------------
     def _weights(self, layer: int, sfx: str, zero: Tensor | None):
         """w_ih, b_ih, w_hh, b_hh, vectors {name: (H,) or (G*H,)} (None
-        without), w_hr (None without a projection). zero: (G*H,) zeros for
-        the matrix biases a layer lacks (None where it has them)."""
-        def get(name):
-            return getattr(self, f"{name}_l{layer}{sfx}", None)
+        without), w_hr (None without a projection) of a layer and direction
+        (_weights_by)."""
+        return self._weights_by(lambda name: getattr(self, f"{name}_l{layer}{sfx}", None), zero)
+
+    def _weights_by(self, get, zero: Tensor | None):
+        """_weights of parameters get(base name) (None where there is none).
+        zero: (G*H,) zeros for the matrix biases they lack (None where they
+        have them)."""
         b_ih, b_hh = get("bias_ih"), get("bias_hh")
         vectors = None
         if self._all_vectors:      # a bias left out (bias=False) is zeros
@@ -1281,16 +1285,11 @@ class _Cell(torch.nn.Module):
                                      f"on {x.device}, as the input")
             if unbatched:
                 hx = [a.reshape(B, H) for a in hx]
-        p, G = self._parameters, self._stack._gates
-        b_ih, b_hh = p.get("bias_ih"), p.get("bias_hh")
-        zero = None if b_ih is not None else x.new_zeros((G * H,))
-        vec = None
-        if self._stack._all_vectors:      # (V, H); a bias left out (bias=False) is zeros
-            vec = torch.cat([(x.new_zeros(((G if v.per_gate else 1) * H,)) if v.name not in p
-                              else p[v.name]).view(-1, H) for v in self._stack._all_vectors])
+        p = self._parameters
+        zero = None if "bias_ih" in p else x.new_zeros((self._stack._gates * H,))
+        w_ih, b_ih, w_hh, b_hh, vectors, _ = self._stack._weights_by(p.get, zero)
         spec = _spec(self._stack.cell, self.input_size, H, None)
-        _, out = _run_layer(x, p["weight_ih"], zero if b_ih is None else b_ih, p["weight_hh"],
-                            zero if b_hh is None else b_hh, vec, hx, None, spec,
+        _, out = _run_layer(x, w_ih, b_ih, w_hh, b_hh, self._stack._vec(vectors), hx, None, spec,
                             torch.is_grad_enabled(), finals_only=True)
         return [o.reshape(H) for o in out] if unbatched else out
 
