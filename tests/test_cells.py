@@ -527,3 +527,10 @@ def test_slstm_takes_nan_and_infinities_where_its_numpy_step_does(value):
     for name, got, want in [("y", y, want_y), *zip("hcnm", finals, want_finals)]:
         assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want)), name
         assert_close(name, np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want))
+
+
+def test_every_function_the_errors_name_is_in_halstm_cells():
+    from halstm.cells import language
+    assert "exp" in language.FUNCTIONS and "layer_norm" in language.FUNCTIONS
+    for name in language.FUNCTIONS:
+        assert callable(getattr(cells, name, None)), name

@@ -40,8 +40,7 @@ ACTIVATIONS = ("sigmoid", "tanh", "relu", "exp")   # their values saved, not the
 UNARY = ACTIVATIONS + ("sqrt", "log", "softplus")
 BINARY_FUNCS = {"max": "maximum", "min": "minimum"}   # op -> its name in step_function's ops
 # what a step may call, from halstm.cells (error messages list them)
-FUNCTIONS = ("sigmoid", "tanh", "relu", "exp", "log", "softplus", "sqrt", "maximum", "minimum",
-             "mean", "layer_norm")
+FUNCTIONS = UNARY + tuple(BINARY_FUNCS.values()) + ("mean", "layer_norm")
 LEAVES = ("x", "r", "s", "v")
 REDUCTIONS = ("mean", "usum")     # usum: backward's sum over the units
 
