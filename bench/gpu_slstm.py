@@ -3,7 +3,8 @@ through halstm.torch against FlashRNN's sLSTM kernels (the only fused sLSTM
 we know of; its input projection by torch, as in ../shared/tools/
 gpu_flashrnn.py), torch.nn.LSTM (cuDNN's vanilla LSTM, the bar a variant
 is held to) and halstm's LSTM, float32 (TF32 off), one process, rounds
-interleaved; medians, ratios the median of the per-round ratios.
+interleaved (benchmark.alternating: the order rotates); medians, ratios
+the median of the per-round ratios.
 
 FlashRNN gets halstm's weights (gate order i, f, z, o for both), and its
 y is checked against halstm's before timing: the two differ only where
@@ -46,12 +47,13 @@ def _flashrnn(layers, backend, B, T, H):
     # FlashRNN's own device query does not build against CUDA 13 (cudaDeviceProp
     # lost fields); its fused kernels need these four facts, which torch knows
     # (as ../shared/tools/gpu_flashrnn.py does)
-    pr = torch.cuda.get_device_properties(0)
-    importlib.import_module("flashrnn.flashrnn.flashrnn").get_gpu_info = lambda device_id: {
-        "maxThreadsPerBlock": 1024,
-        "regsPerMultiprocessor": getattr(pr, "regs_per_multiprocessor", 65536),
-        "multiProcessorCount": pr.multi_processor_count,
-        "sharedMemPerBlockOptin": getattr(pr, "shared_memory_per_block_optin", 232448)}
+    if torch.cuda.is_available():
+        pr = torch.cuda.get_device_properties(0)
+        importlib.import_module("flashrnn.flashrnn.flashrnn").get_gpu_info = lambda device_id: {
+            "maxThreadsPerBlock": 1024,
+            "regsPerMultiprocessor": getattr(pr, "regs_per_multiprocessor", 65536),
+            "multiProcessorCount": pr.multi_processor_count,
+            "sharedMemPerBlockOptin": getattr(pr, "shared_memory_per_block_optin", 232448)}
 
     def run(x):                                   # x (B, T, I)
         h = x
@@ -68,12 +70,9 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _timed(fn):
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t
+def _no_grad(fwd):
+    with torch.no_grad():
+        fwd()
 
 
 def one_shape(name, I, H, B, T, L, rounds, backends, dev="cuda"):
@@ -103,20 +102,17 @@ def one_shape(name, I, H, B, T, L, rounds, backends, dev="cuda"):
             break
         except Exception as e:                      # (the next backend, if any)
             notes[f"flashrnn-{backend}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-    times = {k: {"fwd": [], "fwdbwd": []} for k in impls}
-    for r in range(rounds + 2):
-        for k, (fwd, g) in impls.items():
-            with torch.no_grad():
-                tf = _timed(fwd)
-            tb = _timed(lambda: fwd().backward(g))
-            if r >= 2:                              # (the first two: warm-up)
-                times[k]["fwd"].append(tf)
-                times[k]["fwdbwd"].append(tb)
+    calls = {}
+    for k, (fwd, g) in impls.items():
+        calls[k, "fwd"] = lambda fwd=fwd: _no_grad(fwd)
+        calls[k, "fwdbwd"] = lambda fwd=fwd, g=g: fwd().backward(g)
+    # (the first two rounds: warm-up)
+    times = benchmark.alternating(calls, rounds + 2, 2, _sync, per_round=True)
     rows = []
     for mode in ("fwd", "fwdbwd"):
-        ours = times["halstm-slstm"][mode]
+        ours = times["halstm-slstm", mode]
         for k in impls:
-            t = times[k][mode]
+            t = times[k, mode]
             rows.append({"shape": name, "mode": mode, "impl": k,
                          "ms": round(1e3 * statistics.median(t), 4),
                          "slstm_over_this": round(statistics.median(

@@ -132,10 +132,11 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
     return times, rounds
 
 
-def alternating(calls: dict, rounds: int, warmup: int, sync) -> dict:
+def alternating(calls: dict, rounds: int, warmup: int, sync, per_round: bool = False) -> dict:
     """Median seconds of each of `calls` (name -> function), timed from
     sync() to sync(), over `rounds` rounds that run every call once, the
-    first `warmup` rounds left out (bench/gpu_ab.py, bench/gpu_host.py).
+    first `warmup` rounds left out (bench/gpu_ab.py, bench/gpu_host.py);
+    per_round: each round's seconds instead, for ratios per round.
     The order rotates from round to round: on a CPU a fixed order favoured
     one side by up to 7% between variants whose code was the same."""
     times = {k: [] for k in calls}
@@ -148,6 +149,8 @@ def alternating(calls: dict, rounds: int, warmup: int, sync) -> dict:
             f()
             sync()
             times[k].append(time.perf_counter() - t)
+    if per_round:
+        return {k: v[warmup:] for k, v in times.items()}
     return {k: statistics.median(v[warmup:]) for k, v in times.items()}
 
 
