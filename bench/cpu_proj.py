@@ -1,10 +1,11 @@
 """Time the cpu schedule's input projection alone (JIT, this machine) at
-several tile heights, alternating, and print GFLOP/s:
+several tile shapes, alternating, and print GFLOP/s:
 
-    python bench/cpu_proj.py --input-size 1024 --hidden-size 1024 --rows-total 1600 --tile-rows 6,4,2
+    python bench/cpu_proj.py --input-size 1024 --hidden-size 1024 --rows-total 1600 --tiles 4x2,2x6
 
---tile-rows replaces cpu.proj_rows(target) for each variant (default: the
-schedule's own choice only). Outputs are checked against numpy first.
+--tiles: GATESxROWS for each variant, replacing cpu.proj_tile(target, G)
+(GATES divides the cell's gates; default: the schedule's own choice only).
+Outputs are checked against numpy first.
 """
 import argparse
 import statistics
@@ -17,17 +18,17 @@ from halstm import cells, pipeline
 from halstm.schedules import cpu
 
 
-def build(cell, K, H, target, rows):
-    """The projection pipeline, JIT-compiled with tiles of `rows` rows (0:
-    the schedule's own proj_rows)."""
-    own = cpu.proj_rows
-    if rows:
-        cpu.proj_rows = lambda target: rows
+def build(cell, K, H, target, tile):
+    """The projection pipeline, JIT-compiled with tiles of `tile` (gates,
+    rows) (None: the schedule's own proj_tile)."""
+    own = cpu.proj_tile
+    if tile:
+        cpu.proj_tile = lambda target, gates: tile
     try:
         p = pipeline.build(cell, "proj", K, H, cpu.layout(target))
         cpu.proj(p, target)
     finally:
-        cpu.proj_rows = own
+        cpu.proj_tile = own
     pl = p.pipeline()
     pl.compile_jit(target)
     return p, pl
@@ -39,13 +40,13 @@ def main():
     ap.add_argument("--input-size", type=int, default=1024)
     ap.add_argument("--hidden-size", type=int, default=1024)
     ap.add_argument("--rows-total", type=int, default=1600, help="T * B")
-    ap.add_argument("--tile-rows", default="", help="comma-separated; empty: the schedule's")
+    ap.add_argument("--tiles", default="", help="comma-separated GATESxROWS; empty: the schedule's")
     ap.add_argument("--reps", type=int, default=15)
     a = ap.parse_args()
     K, H, N = a.input_size, a.hidden_size, a.rows_total
     target = hl.get_host_target()
     cell = cells.get(a.cell)
-    variants = [int(v) for v in a.tile_rows.split(",") if v] or [0]
+    variants = [tuple(int(n) for n in v.split("x")) for v in a.tiles.split(",") if v] or [None]
     built = {rows: build(cell, K, H, target, rows) for rows in variants}
     G, P = cell.n_gates, cpu.panel(target)
     Hp = pipeline.padded(H, P)
@@ -74,11 +75,11 @@ def main():
                 got = out.transpose(1, 2, 0, 3).reshape(N, G, Hp)[:, :, :H]
                 err = np.abs(got - want).max() / np.abs(want).max()
                 if not err < 1e-5:
-                    raise SystemExit(f"tile rows {r or 'default'}: max error {err:.1e}")
+                    raise SystemExit(f"tile {r or 'default'}: max error {err:.1e}")
     for r in variants:
         m = statistics.median(times[r][2:])
-        rows = r or cpu.proj_rows(target)
-        print(f"{a.cell} K={K} H={H} N={N} tile rows {rows}: {m * 1e3:.2f} ms, "
+        gates, rows = r or cpu.proj_tile(target, G)
+        print(f"{a.cell} K={K} H={H} N={N} tile {gates} gates x {rows} rows: {m * 1e3:.2f} ms, "
               f"{2 * N * K * G * H / m / 1e9:.0f} GFLOP/s")
 
 

@@ -284,12 +284,43 @@ def pack_bwd(p, target):
 
 
 def proj_rows(target: hl.Target) -> int:
-    """Rows per input-projection tile: the most whose 4 gates x rows
-    accumulators, the 4 gates' weight vectors and a row's broadcast fit in
-    the vector registers: 6 with AVX-512 (24 + 4 + 1 of 32), 2 with AVX2
-    (8 + 4 + 1 of 16), where 6 rows spilled and ran at half the speed
-    (bench/RESULTS.md, "Schedule decisions": cpu.proj_rows)."""
+    """Rows per input-projection tile of every gate of a 4-gate cell: the
+    most whose 4 gates x rows accumulators, the 4 gates' weight vectors and
+    a row's broadcast fit in the vector registers: 6 with AVX-512 (24 + 4 +
+    1 of 32), 2 with AVX2 (8 + 4 + 1 of 16), where 6 rows spilled and ran
+    at half the speed (bench/RESULTS.md, "Schedule decisions":
+    cpu.proj_rows)."""
     return max(1, (registers(target) - 1) // 4 - 1)
+
+
+# A projection tile's accumulators hide the FMA's latency where they are at
+# least this many: two FMA pipes times a latency of 4 (Intel) to 5 (AMD Zen)
+# cycles is 8 to 10 products in flight.
+PROJ_LEAST_ACCUMULATORS = 12
+# ... and its rows are at most this many: a tile reads its rows of x at a
+# stride of K floats, and at K = 1024 (4 KiB) 8 or more rows share one set
+# of an 8-way L1 (AVX2, one thread: the RNN's 8 rows 34 GFLOP/s, 6 rows 43;
+# bench/RESULTS.md, "Schedule decisions": cpu.proj_tile).
+PROJ_MOST_ROWS = 6
+
+
+def proj_tile(target: hl.Target, gates: int) -> tuple:
+    """(gates, rows) of an input-projection tile of one panel: every gate
+    and proj_rows rows where those are at least PROJ_LEAST_ACCUMULATORS
+    accumulators (AVX-512 with 3 or 4 gates); else the gates in groups (a
+    divisor of `gates`) of the most whose tile of PROJ_LEAST_ACCUMULATORS
+    accumulators (PROJ_MOST_ROWS rows at most), a weight vector a gate and
+    a row's broadcast fit the vector registers: AVX2 2 gates x 6 rows for
+    the LSTM's 4, 3 x 4 for the GRU's 3, 1 x 6 for the RNN's 1
+    (bench/RESULTS.md, "Schedule decisions": cpu.proj_tile)."""
+    rows = proj_rows(target)
+    if gates * rows >= PROJ_LEAST_ACCUMULATORS:
+        return gates, rows
+    for group in range(gates, 0, -1):
+        rows = min(PROJ_MOST_ROWS, -(-PROJ_LEAST_ACCUMULATORS // group))
+        if gates % group == 0 and group * rows + group + 1 <= registers(target):
+            return group, rows
+    return gates, proj_rows(target)
 
 
 # Rows in chunks of knob proj_chunk tiles (default 32: 192 rows with
@@ -308,10 +339,11 @@ PROJ_SERIAL_MACS = 1 << 21
 
 
 def proj(p, target):
-    """Tiles of proj_rows rows x every gate of one panel (xp_panels: the
-    tile is one contiguous run of xp), rows in chunks of proj_chunk tiles;
-    one parallel loop over (chunk, panel) pairs, chunk-major, unless the
-    rows' products are fewer than PROJ_SERIAL_MACS multiply-adds."""
+    """Tiles of proj_tile's rows x gates of one panel (xp_panels: a tile
+    of every gate is one contiguous run of xp), rows in chunks of
+    proj_chunk tiles; one parallel loop over (chunk, panel) pairs,
+    chunk-major, unless the rows' products are fewer than
+    PROJ_SERIAL_MACS multiply-adds."""
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.proj(p)
@@ -320,8 +352,8 @@ def proj(p, target):
     ji, gate, n, jo = out.args()
     j, r = p.vars["j"], p.rdoms["i"].x
     rows = out.output_buffer().dim(2).extent()
-    nf, no, ni, nc = (hl.Var(name) for name in ("nf", "no", "ni", "nc"))
-    tile = proj_rows(target)
+    nf, no, ni, nc, go, gi = (hl.Var(name) for name in ("nf", "no", "ni", "nc", "go", "gi"))
+    group, tile = proj_tile(target, p.G)
     serial_rows = -(-PROJ_SERIAL_MACS // (p.K * p.G * p.H))   # fewer rows: serial
     branches = []
     if serial_rows > 1:
@@ -329,11 +361,12 @@ def proj(p, target):
         branches = [(serial.specialize(rows >= tile), tile, False), (serial, 1, False)]
     for stage, f, par in branches + [(out.specialize(rows >= tile), tile, True), (out, 1, True)]:
         stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, knob(p, "proj_chunk"), GUARD)
-        stage.reorder(ji, gate, ni, no, jo, nc).vectorize(ji).unroll(gate).unroll(ni)
+        stage.split(gate, go, gi, group)            # (group == G: go has extent 1)
+        stage.reorder(ji, gi, ni, go, no, jo, nc).vectorize(ji).unroll(gi).unroll(ni)
         stage.fuse(jo, nc, jo)
         if par:
             stage.parallel(jo)
-    acc.compute_at(out, no)
+    acc.compute_at(out, go)
     for stage in (acc, acc.update()):
         stage.vectorize(j, p.P).unroll(gate).unroll(n)
     acc.update().reorder(j, gate, n, r)

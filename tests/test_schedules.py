@@ -124,25 +124,32 @@ def test_cpu_fused_backward_edge_tile_loads_no_clamped_vectors(target):
     assert "dstep" in stmt and clamped <= {"dh_add"}, clamped
 
 
-@pytest.mark.parametrize("target,registers,step_rows,proj_rows,dw_vectors", [
-    ("x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41", 32, 4, 6, 4),
-    ("x86-64-linux-avx-avx2-fma-f16c-sse41", 16, 2, 2, 2),
-    ("x86-64-linux-sse41", 8, 1, 1, 1),
-    ("arm-64-linux", 16, 2, 2, 2),
+# proj_tiles: the cells' gate counts (RNN 1, GRU 3, LSTM 4) -> (gates, rows)
+@pytest.mark.parametrize("target,registers,step_rows,proj_rows,proj_tiles,dw_vectors", [
+    ("x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41", 32, 4, 6,
+     {1: (1, 6), 3: (3, 6), 4: (4, 6)}, 4),
+    ("x86-64-linux-avx-avx2-fma-f16c-sse41", 16, 2, 2, {1: (1, 6), 3: (3, 4), 4: (2, 6)}, 2),
+    ("x86-64-linux-sse41", 8, 1, 1, {1: (1, 6), 3: (1, 6), 4: (1, 6)}, 1),
+    ("arm-64-linux", 16, 2, 2, {1: (1, 6), 3: (3, 4), 4: (2, 6)}, 2),
 ])
 def test_cpu_register_tiles_follow_the_register_file(target, registers, step_rows, proj_rows,
-                                                     dw_vectors):
+                                                     proj_tiles, dw_vectors):
     """The cpu schedule's register tiles are sized from the target's vector
     registers (counted in panel-wide vectors): a forward step's tile of 4
     gates x rows fills half of them; a projection tile's accumulators,
-    weight vectors and broadcast fit them; a weight-gradient tile of vectors
-    x 6 units fills three quarters."""
+    weight vectors and broadcast fit them, every gate where that gives 12
+    accumulators or more, else groups of gates; a weight-gradient tile of
+    vectors x 6 units fills three quarters."""
     import halide as hl
     from halstm.schedules import cpu
     t = hl.Target(target)
     assert cpu.registers(t) == registers
     assert cpu.step_rows(t) == step_rows
     assert cpu.proj_rows(t) == proj_rows
+    tiles = {gates: cpu.proj_tile(t, gates) for gates in proj_tiles}
+    assert tiles == proj_tiles
+    for gates, (group, rows) in tiles.items():
+        assert gates % group == 0 and group * rows + group + 1 <= registers
     assert cpu.layout(t).dw_cols == dw_vectors * cpu.panel(t)
 
 
