@@ -284,7 +284,7 @@ def pack_bwd(p, target):
 
 
 def proj_rows(target: hl.Target) -> int:
-    """Rows per input-projection tile of every gate of a 4-gate cell: the
+    """Rows per input-projection tile of every gate (see proj_tile): the
     most whose 4 gates x rows accumulators, the 4 gates' weight vectors and
     a row's broadcast fit in the vector registers: 6 with AVX-512 (24 + 4 +
     1 of 32), 2 with AVX2 (8 + 4 + 1 of 16), where 6 rows spilled and ran
@@ -299,8 +299,9 @@ def proj_rows(target: hl.Target) -> int:
 PROJ_LEAST_ACCUMULATORS = 12
 # ... and its rows are at most this many: a tile reads its rows of x at a
 # stride of K floats, and at K = 1024 (4 KiB) 8 or more rows share one set
-# of an 8-way L1 (AVX2, one thread: the RNN's 8 rows 34 GFLOP/s, 6 rows 43;
-# bench/RESULTS.md, "Schedule decisions": cpu.proj_tile).
+# of an 8-way L1 (Zen 2, AVX2, 2 threads: the RNN's projection at K = 1024
+# 78 GFLOP/s with 6 rows, 70 with 8, 37 with 12; bench/RESULTS.md,
+# "Schedule decisions": cpu.proj_tile).
 PROJ_MOST_ROWS = 6
 
 
