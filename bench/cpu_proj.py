@@ -47,7 +47,7 @@ def main():
     target = hl.get_host_target()
     cell = cells.get(a.cell)
     variants = [tuple(int(n) for n in v.split("x")) for v in a.tiles.split(",") if v] or [None]
-    built = {rows: build(cell, K, H, target, rows) for rows in variants}
+    built = {tile: build(cell, K, H, target, tile) for tile in variants}
     G, P = cell.n_gates, cpu.panel(target)
     Hp = pipeline.padded(H, P)
     rng = np.random.default_rng(0)
