@@ -38,8 +38,9 @@ ENTRY_POINTS = {
     "fwd": {"halstm_forward": [
         "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "b_ih (G*H,)", "w_hh (G*H, H)",
         "b_hh (G*H,)", "vec (V, H): the vector parameters (unused, NULL, with V = 0)",
-        "ws wp_ih (HP/P, K, G, P); precision bf16 on a CPU: bf16 (HP/P, G, KH, P, 2)",
-        "ws wp_hh (HP/P, H, G, P); precision bf16 on a CPU: bf16 (HP/P, G, HH, P, 2)",
+        "ws wp_ih (HP/P, G/PG, K, PG, P) (PG: the layout's panel_gates, else G); precision "
+        "bf16 on a CPU: bf16 (HP/P, G, KH, P, 2)",
+        "ws wp_hh (HP/P, G/PG, H, PG, P); precision bf16 on a CPU: bf16 (HP/P, G, HH, P, 2)",
         "ws xp (N, G, HP): N = T*B, or on a CPU given batch_sizes bs, bs[0] + sum(bs[:-1]) "
         "(runtime.step_rows_count)",
         "ws x_rows (N, K) (one-hot: (N,) int32), on a CPU given batch_sizes; (2, B, G, HP) "
@@ -357,6 +358,8 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         if cpu_bf16:
             layout = module.bf16_layout(layout, spec.direction, spec.input_size,
                                         spec.hidden_size, target)
+        elif getattr(module, "panel_layout", None):   # the weight panels' gate groups
+            layout = module.panel_layout(layout, len(d.gates), target)
         if d.reduces:
             # a step that reduces over units needs every unit of its products
             # first: no ranges of units for a whole step on the driver's

@@ -59,7 +59,7 @@ class Layer:
     def defines(self) -> dict:
         lay = self.layout
         d = {"NS": self.states, "G": self.gates, "S": self.saved, "NV": self.vectors,
-             "K": self.input_size, "H": self.hidden_size, "P": lay.panel,
+             "K": self.input_size, "H": self.hidden_size, "P": lay.panel, "PG": lay.panel_gates or self.gates,
              "DXP_IS_DHG": int(self.dxp_is_dhg), "HALSTM_ONEHOT": int(self.onehot),
              "HALSTM_FORWARD" if self.direction == "fwd" else "HALSTM_BACKWARD": 1}
         if lay.split is not None:

@@ -27,6 +27,8 @@ class StepSplit:
 @dataclass(frozen=True)
 class Layout:
     panel: int = 1                 # P: weights packed in panels of P units
+    panel_gates: int = 0           # PG: a panel's gates in groups of PG, each group's
+    #                                reduction contiguous (0: every gate side by side)
     dw_cols: int = 1               # weight-gradient tile: input units ...
     dw_rows: int = 1               # ... by hidden units
     xp_panels: bool = False        # the projected inputs stored in panels of P units

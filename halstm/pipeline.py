@@ -129,6 +129,7 @@ class Pipe(Stages):
     K: int
     H: int
     P: int = 1
+    panel_gates: int = 0  # a weight panel's gates in groups of this many (layout; 0: all)
     dw_cols: int = 1     # weight-gradient tile: input units per tile (a panel of x or h)
     dw_rows: int = 1     # ... and hidden units per tile (a panel of dxp)
     read_outputs: bool = False   # later stages may read an output (see _step_bwd)
@@ -174,6 +175,24 @@ class Pipe(Stages):
     @property
     def Kp(self) -> int:
         return padded(self.K, self.P)
+
+    @property
+    def PG(self) -> int:
+        """Gates a weight panel's group holds (layout panel_gates)."""
+        return self.panel_gates or self.G
+
+    def panel_extents(self, n: int) -> list:
+        """A forward weight of reduction n in panels (pack's wp_ih, wp_hh):
+        numpy (Hp/P, G/PG, n, PG, P), as Halide extents with the groups and
+        the reduction as one axis (each group's reduction contiguous)."""
+        return [self.P, self.PG, self.G // self.PG * n, self.Hp // self.P]
+
+    def panel_weight(self, w, j, n: int):
+        """w (panel_extents(n)) at unit j, as a function of (gate, k)."""
+        P, PG = self.P, self.PG
+        if PG == self.G:
+            return lambda gate, k: w[j % P, gate, k, j / P]
+        return lambda gate, k: w[j % P, gate % PG, gate / PG * n + k, j / P]
 
     def param(self, name: str) -> hl.ImageParam:
         """The input called `name`."""
@@ -263,7 +282,7 @@ def _hg_product(p: "Pipe", wp_hh, b_hh, h_in, r, name: str = "hg") -> tuple:
     `name_acc` and `name`; step, step_product and step_fold all sum it so,
     for the same results."""
     j, gate, b = (p.vars[n] for n in ("j", "gate", "b"))
-    w = _packed(wp_hh, j, p.P)
+    w = p.panel_weight(wp_hh, j, p.H)
     return _matmul(name, [j, gate, b], b_hh[hl.min(j, p.H - 1), gate],
                    lambda: w(gate, r.x) * h_in[r.x, b])
 
@@ -281,7 +300,7 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
     its operands packed as the schedule's layout says (default: unpacked)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    p = Pipe(kind, cell, K, H, layout.panel, layout.dw_cols, layout.dw_rows,
+    p = Pipe(kind, cell, K, H, layout.panel, layout.panel_gates, layout.dw_cols, layout.dw_rows,
              layout.read_outputs, layout.split is not None, layout.xp_panels,
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
@@ -317,21 +336,24 @@ def _pack(p: Pipe) -> None:
         return
     # Panels of P units with all gates and the whole reduction axis, so that
     # a P-unit tile of the product reads one contiguous block.
-    wp_ih = _transposed_panels(w_ih, H, P, "wp_ih")   # numpy (Hp/P, K, G, P)
-    wp_hh = _transposed_panels(w_hh, H, P, "wp_hh")   # numpy (Hp/P, H, G, P)
+    wp_ih = _transposed_panels(p, w_ih, K, "wp_ih")   # numpy (Hp/P, G/PG, K, PG, P)
+    wp_hh = _transposed_panels(p, w_hh, H, "wp_hh")   # numpy (Hp/P, G/PG, H, PG, P)
     p.inputs = [w_ih, w_hh]
     p.outputs = [wp_ih, wp_hh]
-    _fix_output(p, wp_ih, [P, G, K, p.Hp // P])
-    _fix_output(p, wp_hh, [P, G, H, p.Hp // P])
+    _fix_output(p, wp_ih, p.panel_extents(K))
+    _fix_output(p, wp_hh, p.panel_extents(H))
     p.stages = {"wp_ih": wp_ih, "wp_hh": wp_hh}
 
 
-def _transposed_panels(w, H, P, name):
-    """w(k, j, gate) -> f(ji, gate, k, jo) = w(k, jo*P + ji, gate), zero past H."""
+def _transposed_panels(p: Pipe, w, n: int, name: str):
+    """w(k, j, gate) (reduction n) -> f(ji, gi, k, jo) = w(k % n, jo*P + ji,
+    gi + PG * (k / n)) (p.panel_extents(n)), zero past H."""
     f = hl.Func(name)
     ji, gate, k, jo = hl.Var("ji"), hl.Var("gate"), hl.Var("k"), hl.Var("jo")
+    P, H = p.P, p.H
     j = jo * P + ji
-    f[ji, gate, k, jo] = hl.select(j < H, w[k, hl.min(j, H - 1), gate], hl.f32(0))
+    red, g = (k, gate) if p.PG == p.G else (k % n, gate + p.PG * (k / n))
+    f[ji, gate, k, jo] = hl.select(j < H, w[red, hl.min(j, H - 1), g], hl.f32(0))
     return f
 
 
@@ -345,7 +367,7 @@ def _proj(p: Pipe) -> None:
     n = t*B + b (the driver passes 2-D views), so that row tiles fill up
     whatever the batch."""
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
-    G, K, H, P = p.G, p.K, p.H, p.P
+    G, K, H = p.G, p.K, p.H
     b_ih = _param(p, "b_ih", [H, G])                     # numpy (G, H)
     if p.vendor_gemm:
         # xp = the bias on every row; the driver then adds x W_ih^T (a vendor
@@ -358,9 +380,9 @@ def _proj(p: Pipe) -> None:
     x = _param(p, "x", [K, None])                        # numpy (N, K)
     if p.cpu_bf16:
         return _proj_bf16(p, x, b_ih)
-    wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])     # numpy (Hp/P, K, G, P)
+    wp_ih = _param(p, "wp_ih", p.panel_extents(K))     # numpy (Hp/P, G/PG, K, PG, P)
     r = hl.RDom([(0, K)], "r_i")
-    xin, w = _clamp(x, (1,)), _packed(wp_ih, j, P)
+    xin, w = _clamp(x, (1,)), p.panel_weight(wp_ih, j, K)
     # xp rows past H (padding) hold only a bias and are never read.
     xp_acc, xp = _matmul("xp", [j, gate, n], b_ih[hl.min(j, H - 1), gate],
                          lambda: w(gate, r.x) * xin[r.x, n])
@@ -431,8 +453,8 @@ def _ids_param(p: "Pipe") -> hl.ImageParam:
 def _gather(p: Pipe) -> None:
     """The projection of one-hot rows given as indices: xp(j, gate, n) =
     w_ih(ids(n), j, gate) + b_ih(j, gate), read from the panels halstm_pack
-    made of W_ih (numpy (Hp/P, K, G, P)), where a class's P units of every
-    gate are one contiguous block, as in xp's panels."""
+    made of W_ih (numpy (Hp/P, G/PG, K, PG, P)), where a class's P units of a
+    gate group are one contiguous block."""
     j, gate, n = (p.vars[v] for v in ("j", "gate", "t"))
     G, K, H, P = p.G, p.K, p.H, p.P
     ids = _ids_param(p)                                # numpy (N,)
@@ -442,8 +464,8 @@ def _gather(p: Pipe) -> None:
         wp_ih = _bf16_weight(p, "wp_ih", K)
         column = bf16.widened(bf16.weight(wp_ih, c, j % P, gate, j / P, K, G))
     else:
-        wp_ih = _param(p, "wp_ih", [P, G, K, p.Hp // P])   # numpy (Hp/P, K, G, P)
-        column = _packed(wp_ih, j, P)(gate, c)
+        wp_ih = _param(p, "wp_ih", p.panel_extents(K))   # numpy (Hp/P, G/PG, K, PG, P)
+        column = p.panel_weight(wp_ih, j, K)(gate, c)
     xp = hl.Func("xp")
     xp[j, gate, n] = column + b_ih[hl.min(j, H - 1), gate]   # (units past H: never read)
     p.inputs = [ids, wp_ih, b_ih]
@@ -513,7 +535,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     elif p.cpu_bf16:
         recurrent = _bf16_weight(p, "wp_hh", H)
     else:
-        recurrent = _param(p, "wp_hh", [P, G, H, p.Hp // P])    # numpy (Hp/P, H, G, P)
+        recurrent = _param(p, "wp_hh", p.panel_extents(H))    # numpy (Hp/P, G/PG, H, PG, P)
     prev = {s: _param(p, s + "_prev", [H, None]) for s in cell.states}  # (B, H)
     # unit and batch reads clamped: a tile may overrun H (up to Hp) and B
     prev_in = {s: _clamp(q, (0, 1)) for s, q in prev.items()}
@@ -535,7 +557,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     p.row_func_groups = cell.row_func_groups()
     folded, nexts = [], []
     if fold:     # the next step's product on the new h, itself a stage
-        folded = [_param(p, "wp_hh", [P, G, H, p.Hp // P]),     # numpy (Hp/P, H, G, P)
+        folded = [_param(p, "wp_hh", p.panel_extents(H)),     # numpy (Hp/P, G/PG, H, PG, P)
                   _param(p, "b_hh", [H, G])]                     # numpy (G, H)
         h_next = hl.Func("h_next")
         h_next[j, b] = new["h"][j, b]
@@ -620,7 +642,7 @@ def _loop_infer(p: Pipe) -> None:
     j, gate, b, t = (p.vars[n] for n in ("j", "gate", "b", "t"))
     NS = len(cell.states)
     xp = _xp_param(p)                  # N = T*B rows, row t*B + b: step t's row b
-    wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])         # numpy (Hp/P, H, G, P)
+    wp_hh = _param(p, "wp_hh", p.panel_extents(H))          # numpy (Hp/P, G/PG, H, PG, P)
     b_hh = _param(p, "b_hh", [H, G])                         # numpy (G, H)
     init = [_param(p, s + "_0", [H, None]) for s in cell.states]   # (B, H)
     vec, vec_in = _vec(p)
@@ -640,7 +662,7 @@ def _loop_infer(p: Pipe) -> None:
         return hl.select(step == 0, init[s][k, b], last if NS == 1 else last[s])
 
     def product(u, g):   # b_hh + W_hh h at unit u, gate g
-        w = _packed(wp_hh, u, P)
+        w = p.panel_weight(wp_hh, u, H)
         return sum((w(g, k) * prev(0, k) for k in range(H)), b_hh[u, g])
     new = cell.step_exprs(_At(lambda u, g, _: xs[u, g, b, step]), _At(lambda u, g, _: product(u, g)),
                           {s: _At(lambda u, _, n=n: prev(n, u)) for n, s in enumerate(cell.states)},
@@ -686,9 +708,9 @@ def _step_product(p: Pipe) -> None:
     step's, so that the results are the same), on the driver's ranges of
     units (see UNITS_FWD), or on every unit without split steps: numpy (B,
     G, Hp)."""
-    G, H, P = p.G, p.H, p.P
+    G, H = p.G, p.H
     p.split_rows_only = False
-    wp_hh = _param(p, "wp_hh", [P, G, H, p.Hp // P])          # numpy (Hp/P, H, G, P)
+    wp_hh = _param(p, "wp_hh", p.panel_extents(H))          # numpy (Hp/P, G/PG, H, PG, P)
     h = _param(p, "h_prev", [H, None])                        # numpy (B, H)
     b_hh = _param(p, "b_hh", [H, G])                          # numpy (G, H)
     h_in = _clamp(h, (0, 1))    # (a tile may overrun B)

@@ -108,7 +108,7 @@ def _vw(target, extent: int) -> int:
 
 
 def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None, panels=1,
-          chunk=None, extent=None, unroll_out=True):
+          chunk=None, extent=None, unroll_out=True, wide=None):
     """Register-tile out(vec, ...): vec split by vec_w * panels, each
     vec_w-wide panel vectorized and the panels unrolled; each (var, factor,
     tail) in cols split (factor None: the whole small axis) and unrolled;
@@ -123,7 +123,9 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
     batches, where a batch tile would waste FMAs). extent: the GUARD col's
     extent where out is not an output (else its buffer's). unroll_out
     False: out's own tile loops (not acc's) stay loops, for an out whose
-    per-element work is large (less code to compile)."""
+    per-element work is large (less code to compile). wide: (factor,
+    condition), a factor for the GUARD col tried first, where condition
+    holds."""
     runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
     tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
     untiled = [(v, 1, ROUND) if tail in (GUARD, ROUND) and f else (v, f, tail)
@@ -139,6 +141,13 @@ def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=No
         for v, f in runtime:
             c = (buf.dim(dims[v.name()]).extent() if extent is None else extent) >= f
             cond = c if cond is None else (cond & c)
+        if wide is not None:
+            (v, _), = runtime
+            factor, wide_cond = wide
+            wide_cols = [(c, factor, t) if c.name() == v.name() else (c, f, t)
+                         for c, f, t in tiled_cols]
+            _loops(out.specialize(wide_cond), out, vec, vec_w, panels, wide_cols, par, vec_tail,
+                   chunk, unroll_out)
         _loops(out.specialize(cond), out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk,
                unroll_out)
         _loops(out, out, vec, vec_w, panels, untiled, par, vec_tail, chunk, unroll_out)
@@ -268,12 +277,25 @@ def pack(p, target):
     (bench/RESULTS.md, "Schedule decisions": cpu.pack)."""
     if p.cpu_bf16:
         return amx.panels(p, target)
-    for name in ("wp_ih", "wp_hh"):
+    for name, n in (("wp_ih", p.K), ("wp_hh", p.H)):
         f = p.stage(name)
         ji, gate, k, jo = f.args()
         ko, ki = hl.Var("ko"), hl.Var("ki")
-        f.split(k, ko, ki, p.P, GUARD).reorder(ji, ki, gate, ko, jo)
+        outer = []
+        if p.PG < p.G:     # (group, reduction) as two loops: k % n and k / n fold away
+            kg, kr = hl.Var("kg"), hl.Var("kr")
+            f.split(k, kg, kr, n, ROUND)
+            k, outer = kr, [kg]
+        f.split(k, ko, ki, p.P, GUARD).reorder(ji, ki, gate, ko, *outer, jo)
         f.vectorize(ji).unroll(ki).parallel(jo)
+
+
+def panel_layout(layout: Layout, gates: int, target: hl.Target) -> Layout:
+    """layout with the weight panels' gates in the groups of proj_tile's
+    tiles (panel_gates), so that a tile of a group reads one contiguous
+    run of its panel, not every other run of G gates' interleaved ones."""
+    group = proj_tile(target, gates)[0]
+    return replace(layout, panel_gates=group if group < gates else 0)
 
 
 def pack_bwd(p, target):
@@ -530,7 +552,14 @@ def step(p, target):
     batch = p.param("h_prev").dim(1).extent()
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
-    rows = step_rows(target)
+    group, rows = p.PG, step_rows(target)
+    # with the panels' gates in groups (panel_layout), batches of the
+    # projection tile's rows or more take its tiles: a group of gates x
+    # those rows, one pass over h a group (_group_passes)
+    wide = proj_tile(target, p.G)[1] if group < p.G else None
+    # (the output's rows: h_prev may hold more, as the driver's ranges of rows)
+    out_rows = out.output_buffers()[0].dim(1).extent()
+    wide_rows = None if wide is None else _few_extra_rows(out_rows, wide)
     # Batches under `rows`: one row per tile, and two panels (8 accumulators,
     # enough to hide the FMA latency) where H allows whole aligned tiles
     # (bench/RESULTS.md, "Schedule decisions": cpu.step small batch).
@@ -538,7 +567,8 @@ def step(p, target):
     small_panels = _panels(p.Hp, P, 2) if aligned else 1
     # one thread: the driver runs ranges of units on its threads (split_steps)
     _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
-          small=(batch < rows, small_panels, None))
+          small=(batch < rows, small_panels, None),
+          wide=None if wide is None else (wide, wide_rows))
     p.split_quantum = small_panels     # the driver's ranges: whole tiles
     p.split_batch_bytes = ROWS_FWD_BYTES   # ranges of rows below (see SPLIT_ROWS)
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
@@ -547,7 +577,44 @@ def step(p, target):
             f.bound_extent(j, P)
     acc.unroll(gate)
     acc.update().unroll(gate)
+    if wide is not None:    # the product a gate group at a time, each its own pass over k
+        _group_passes(out, acc, j, gate, b, p.rdoms["k"].x, p.G, group, at, wide_rows)
     act.compute_at(out, at).vectorize(j, P).unroll(act.args()[1]).unroll(b)
+
+
+# Wide step tiles (panel_layout's gate groups) run where they compute at
+# most this share of rows more than the batch has (a last tile shifted
+# inwards repeats rows): their product runs about 1.3x the rate of the
+# tiles of every gate (bench/RESULTS.md, "Schedule decisions":
+# cpu.step_groups), so 8 rows in tiles of 6 (12 computed) would lose.
+WIDE_EXTRA_ROWS = 0.25
+
+
+def _few_extra_rows(batch, rows: int):
+    """Whether the batch fills tiles of `rows` and they compute at most
+    WIDE_EXTRA_ROWS more rows than it has (a Halide condition on the batch
+    extent)."""
+    quarters = round(1 / WIDE_EXTRA_ROWS)
+    return (batch >= rows) & (((batch + rows - 1) / rows) * rows * quarters
+                              <= batch * (quarters + 1))
+
+
+def _group_passes(out, acc, j, gate, b, k, gates, group, at, wide):
+    """A tile's product one gate group at a time: acc computed per group
+    inside a copy of the tile's sums (acc.in_) whose loop over the groups
+    stays a loop, so that the copy is indexed at run time and a finished
+    group's sums wait in memory, not in the registers the next group's
+    pass needs (one allocation of every group's sums, which LLVM promotes
+    to registers, spilled inside the second pass's loop)."""
+    go, gi = hl.Var("gate_o"), hl.Var("gate_i")
+    sums = acc.in_().compute_at(out, at)
+    for stage, f in ((sums.specialize(wide), group), (sums, gates)):
+        stage.split(gate, go, gi, f, ROUND).reorder(j, gi, b, go).vectorize(j).unroll(gi).unroll(b)
+    acc.compute_at(sums, go)
+    # a row's broadcast of h feeds its gates' FMAs one after the other (with
+    # the gates outside the rows every row's broadcast stays live: spills)
+    jp, jv = hl.Var(j.name() + "p"), hl.Var(j.name() + "v")
+    acc.update().reorder(jv, jp, gate, b, k)
 
 
 # A step that stores the new states only: the same loop nest.

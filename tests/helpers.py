@@ -140,6 +140,9 @@ CASES = {
     # (the last range takes the rows left over)
     "split_rows": dict(T=80, B=27, hx=True, dstate=True),
     "split_rows_12": dict(T=130, B=12, hx=True, dstate=True),
+    # one thread's step of 20 rows: with AVX2's gate groups (schedules/cpu.py
+    # panel_layout) tiles of 6 rows, the last shifted inwards
+    "wide_rows": dict(T=5, B=20, hx=True, dstate=True),
 }
 
 

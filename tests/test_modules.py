@@ -6,6 +6,7 @@ run. helpers.check_case runs one CASES entry; tests/gpu runs them too.
 """
 import re
 
+import halide as hl
 import numpy as np
 import pytest
 
@@ -19,6 +20,21 @@ from helpers import (B, CASES, CLASSES, GATES, H, I, L, STATES, T, assert_close,
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_matches_reference(cell, case):
     check_case(cell, case)
+
+
+AVX2 = "x86-64-linux-avx-avx2-fma-f16c-sse41"
+
+
+@pytest.mark.skipif(not halstm.aot.loadable_here(hl.Target(AVX2)), reason="the host has no AVX2")
+@pytest.mark.parametrize("case", ["base", "B1", "split_rows", "split_rows_12", "wide_rows"])
+def test_gate_group_panels_of_avx2_match_reference(case):
+    """An AVX2 build, on any host that runs it: the LSTM's weight panels in
+    groups of 2 gates (cpu.panel_layout), its steps in tiles of 2 gates x 6
+    rows where a batch (or a thread's range of rows) fills them, tiles of
+    every gate below."""
+    m = check_case("lstm", case, target=AVX2)
+    for lib in m._libs.values():
+        assert lib.manifest["layout"]["panel_gates"] == 2, lib.manifest["direction"]
 
 
 @pytest.mark.parametrize("cell, case, threads", [("lstm", "split_rows", 3),

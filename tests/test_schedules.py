@@ -151,6 +151,9 @@ def test_cpu_register_tiles_follow_the_register_file(target, registers, step_row
     for gates, (group, rows) in tiles.items():
         assert gates % group == 0 and group * rows + group + 1 <= registers
     assert cpu.layout(t).dw_cols == dw_vectors * cpu.panel(t)
+    # the weight panels' gates grouped as the projection tiles take them
+    groups = {gates: cpu.panel_layout(cpu.layout(t), gates, t).panel_gates for gates in tiles}
+    assert groups == {gates: (0 if group == gates else group) for gates, (group, _) in tiles.items()}
 
 
 # ---- GPU schedules compile --------------------------------------------------

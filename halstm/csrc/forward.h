@@ -60,7 +60,7 @@ int halstm_step_fold_infer_argv(void **);
 // x (T, B, K) float, or with HALSTM_ONEHOT (T, B) int32 class indices;
 // w_ih (G*H, K); b_ih (G*H); w_hh (G*H, H); b_hh (G*H); vec (NV, H): the
 // vector parameters (unused without, NV = 0)
-// workspaces: wp_ih (HP/P, K, G, P); wp_hh (HP/P, H, G, P); xp (N, G, HP), or
+// workspaces: wp_ih (HP/P, G/PG, K, PG, P); wp_hh (HP/P, G/PG, H, PG, P); xp (N, G, HP), or
 // with HALSTM_XP_PANELS (HP/P, N, G, P): N rows, step t's from rows.h's
 // StepRows::row0(t) (T*B without batch sizes); x_rows (N, K) floats or (N)
 // int32 indices where StepRows is packed: x in that order; with

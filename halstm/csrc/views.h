@@ -94,8 +94,9 @@ View dstate_row(const float *base, int i, int B, int units, int rows) {
 }
 
 // Panels (n/P, ..., P) of a weight as packed by pipeline.py: dims innermost first.
-View panels_t(const float *w, int n_red) {  // (HP/P, n_red, G, P): ji, gate, red, jo
-    return View(w, {{P, 1}, {G, P}, {n_red, G * P}, {HP / P, n_red * G * P}});
+// (HP/P, G/PG, n_red, PG, P): ji, gate in its group, (group, red), jo (Pipe.panel_extents)
+View panels_t(const float *w, int n_red) {
+    return View(w, {{P, 1}, {PG, P}, {G / PG * n_red, PG * P}, {HP / P, n_red * G * P}});
 }
 View panels_in(const float *w, int n_pad) {  // (n_pad/P, G, H, P): ki, j, gate, ko
     return View(w, {{P, 1}, {H, P}, {G, H * P}, {n_pad / P, G * H * P}});
