@@ -553,9 +553,10 @@ def step(p, target):
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
     group, rows = p.PG, step_rows(target)
-    # with the panels' gates in groups (panel_layout), batches of the
-    # projection tile's rows or more take its tiles: a group of gates x
-    # those rows, one pass over h a group (_group_passes)
+    # with the panels' gates in groups (panel_layout), batches that fill
+    # the projection tile's rows with few extra (_few_extra_rows) take its
+    # tiles: a group of gates x those rows, one pass over h a group
+    # (_group_passes)
     wide = proj_tile(target, p.G)[1] if group < p.G else None
     # (the output's rows: h_prev may hold more, as the driver's ranges of rows)
     out_rows = out.output_buffers()[0].dim(1).extent()
@@ -599,8 +600,9 @@ def _few_extra_rows(batch, rows: int):
                               <= batch * (quarters + 1))
 
 
-def _group_passes(out, acc, j, gate, b, k, gates, group, at, wide):
-    """A tile's product one gate group at a time: acc computed per group
+def _group_passes(out, acc, j, gate, b, k, gates, group, at, wide_rows):
+    """Where wide_rows holds (the wide tiles), a tile's product one gate
+    group at a time, else every gate in one pass: acc computed per group
     inside a copy of the tile's sums (acc.in_) whose loop over the groups
     stays a loop, so that the copy is indexed at run time and a finished
     group's sums wait in memory, not in the registers the next group's
@@ -608,7 +610,7 @@ def _group_passes(out, acc, j, gate, b, k, gates, group, at, wide):
     to registers, spilled inside the second pass's loop)."""
     go, gi = hl.Var("gate_o"), hl.Var("gate_i")
     sums = acc.in_().compute_at(out, at)
-    for stage, f in ((sums.specialize(wide), group), (sums, gates)):
+    for stage, f in ((sums.specialize(wide_rows), group), (sums, gates)):
         stage.split(gate, go, gi, f, ROUND).reorder(j, gi, b, go).vectorize(j).unroll(gi).unroll(b)
     acc.compute_at(sums, go)
     # a row's broadcast of h feeds its gates' FMAs one after the other (with
