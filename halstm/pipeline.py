@@ -334,8 +334,9 @@ def _pack(p: Pipe) -> None:
             _fix_output(p, f, bf16.panels_extents(n, G, P, p.Hp))
         p.stages = {"wp_ih": wp_ih, "wp_hh": wp_hh}
         return
-    # Panels of P units with all gates and the whole reduction axis, so that
-    # a P-unit tile of the product reads one contiguous block.
+    # Panels of P units with all gates and the whole reduction axis, the
+    # gates in groups of PG (layout panel_gates), so that a P-unit tile of
+    # the product of a group's gates reads one contiguous block.
     wp_ih = _transposed_panels(p, w_ih, K, "wp_ih")   # numpy (Hp/P, G/PG, K, PG, P)
     wp_hh = _transposed_panels(p, w_hh, H, "wp_hh")   # numpy (Hp/P, G/PG, H, PG, P)
     p.inputs = [w_ih, w_hh]
