@@ -45,10 +45,11 @@ def registers(target: hl.Target) -> int:
 
 
 def step_rows(target: hl.Target) -> int:
-    """Batch rows per register tile of the forward steps, whose tiles hold
-    every gate of one panel: 4 gates x rows accumulators fill half the
-    vector registers, 4 rows with AVX-512 and 2 with AVX2, where 4 rows (16
-    accumulators, no register left for the operands) spill
+    """Batch rows per register tile of the forward steps whose batch does
+    not fill proj_tile's tiles (see step), tiles of every gate of one
+    panel: 4 gates x rows accumulators fill half the vector registers, 4
+    rows with AVX-512 and 2 with AVX2, where 4 rows (16 accumulators, no
+    register left for the operands) spill
     (bench/RESULTS.md, "Schedule decisions": cpu.step_rows)."""
     return max(1, registers(target) // 8)
 
@@ -538,8 +539,10 @@ step_cell_infer = step_cell
 
 def step(p, target):
     """The whole step in one loop nest over tiles of the output: per tile
-    (P units x 4 batch rows, all gates), the recurrent product in registers,
-    then the cell on it, then the stores of new states and saved gates."""
+    (P units x proj_tile's rows and gate group where the batch fills them,
+    else x step_rows rows and every gate), the recurrent product in
+    registers, then the cell on it, then the stores of new states and
+    saved gates."""
     if p.reductions:
         return _step_rows(p, target)
     if p.cpu_bf16:
@@ -553,11 +556,13 @@ def step(p, target):
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
     group, rows = p.PG, step_rows(target)
-    # with the panels' gates in groups (panel_layout), batches that fill
-    # the projection tile's rows with few extra (_few_extra_rows) take its
-    # tiles: a group of gates x those rows, one pass over h a group
-    # (_group_passes)
-    wide = proj_tile(target, p.G)[1] if group < p.G else None
+    # batches that fill the projection tile's rows with few extra
+    # (_few_extra_rows) take its tiles where they hold more rows: a group
+    # of gates (the panels' groups, panel_layout) x those rows, one pass
+    # over h a group (_group_passes)
+    tile_gates, wide = proj_tile(target, p.G)
+    if tile_gates != group or wide <= rows:
+        wide = None
     # (the output's rows: h_prev may hold more, as the driver's ranges of rows)
     out_rows = out.output_buffers()[0].dim(1).extent()
     wide_rows = None if wide is None else _few_extra_rows(out_rows, wide)
@@ -607,16 +612,19 @@ def _group_passes(out, acc, j, gate, b, k, gates, group, at, wide_rows):
     stays a loop, so that the copy is indexed at run time and a finished
     group's sums wait in memory, not in the registers the next group's
     pass needs (one allocation of every group's sums, which LLVM promotes
-    to registers, spilled inside the second pass's loop)."""
+    to registers, spilled inside the second pass's loop). One group (every
+    gate): the update's order alone."""
+    # a row's broadcast of h feeds its gates' FMAs one after the other (with
+    # the gates outside the rows every row's broadcast stays live: spills)
+    jp, jv = hl.Var(j.name() + "p"), hl.Var(j.name() + "v")
+    acc.update().reorder(jv, jp, gate, b, k)
+    if group == gates:
+        return
     go, gi = hl.Var("gate_o"), hl.Var("gate_i")
     sums = acc.in_().compute_at(out, at)
     for stage, f in ((sums.specialize(wide_rows), group), (sums, gates)):
         stage.split(gate, go, gi, f, ROUND).reorder(j, gi, b, go).vectorize(j).unroll(gi).unroll(b)
     acc.compute_at(sums, go)
-    # a row's broadcast of h feeds its gates' FMAs one after the other (with
-    # the gates outside the rows every row's broadcast stays live: spills)
-    jp, jv = hl.Var(j.name() + "p"), hl.Var(j.name() + "v")
-    acc.update().reorder(jv, jp, gate, b, k)
 
 
 # A step that stores the new states only: the same loop nest.
