@@ -482,23 +482,34 @@ def _step_rows(p, target):
     (by rows: layout split rows_only); else in parallel, over unit panels
     and then rows (bench/RESULTS.md, "Schedule decisions": cpu.step rows)."""
     _product_tiles(p, target, p.stage("hg").compute_root(), None if p.split_steps else "jo",
-                   p.param("h_prev").dim(1).extent())
+                   p.param("h_prev").dim(1).extent(),
+                   p.stage("out").output_buffers()[0].dim(1).extent())
     _cell_rows(p)
 
 
-def _product_tiles(p, target, hg, par, extent=None) -> None:
-    """A step's recurrent product in register tiles of every gate, as the
-    LSTM's step (cpu.step): one load of each h value feeds all the gates'
-    FMAs; below step_rows rows, tiles of two panels and one row. Sets the
+def _product_tiles(p, target, hg, par, extent=None, out_rows=None) -> None:
+    """A step's recurrent product in the register tiles of the LSTM's step
+    (cpu.step): proj_tile's where the rows fill them, else every gate x
+    step_rows rows; one load of each h value feeds a tile's gates' FMAs;
+    below step_rows rows, tiles of two panels and one row. Sets the
     driver's ranges of units to whole tiles. extent: the rows where hg is
-    not an output."""
+    not an output; out_rows: the rows the call computes (h_prev may hold
+    more), default hg's."""
     v, P = p.vars, p.P
-    b = v["b"]
+    j, b, gate = v["j"], v["b"], v["gate"]
+    acc, k = p.stage("hg_acc"), p.rdoms["k"].x
     batch = p.param("h_prev").dim(1).extent()
-    rows = step_rows(target)
+    group, rows = p.PG, step_rows(target)
+    wide = _wide_rows(target, p.G, group, rows)
+    if out_rows is None:
+        out_rows = hg.output_buffers()[0].dim(2).extent()
+    wide_rows = None if wide is None else _few_extra_rows(out_rows, wide)
     small_panels = _panels(p.Hp, P, 2) if p.H % P == 0 else 1
-    _tile(hg, p.stage("hg_acc"), v["j"], P, [(v["gate"], None, ROUND), (b, rows, GUARD)],
-          [p.rdoms["k"].x], par=par, extent=extent, small=(batch < rows, small_panels, par))
+    _tile(hg, acc, j, P, [(gate, None, ROUND), (b, rows, GUARD)], [k], par=par, extent=extent,
+          small=(batch < rows, small_panels, par),
+          wide=None if wide is None else (wide, wide_rows))
+    if wide is not None:
+        _group_passes(hg, acc, j, gate, b, k, p.G, group, hl.Var("bo"), wide_rows)
     p.split_quantum = small_panels
 
 
@@ -560,9 +571,7 @@ def step(p, target):
     # (_few_extra_rows) take its tiles where they hold more rows: a group
     # of gates (the panels' groups, panel_layout) x those rows, one pass
     # over h a group (_group_passes)
-    tile_gates, wide = proj_tile(target, p.G)
-    if tile_gates != group or wide <= rows:
-        wide = None
+    wide = _wide_rows(target, p.G, group, rows)
     # (the output's rows: h_prev may hold more, as the driver's ranges of rows)
     out_rows = out.output_buffers()[0].dim(1).extent()
     wide_rows = None if wide is None else _few_extra_rows(out_rows, wide)
@@ -588,7 +597,14 @@ def step(p, target):
     act.compute_at(out, at).vectorize(j, P).unroll(act.args()[1]).unroll(b)
 
 
-# Wide step tiles (panel_layout's gate groups) run where they compute at
+def _wide_rows(target, gates: int, group: int, rows: int):
+    """The rows of proj_tile's tiles where they are of the panels' gate
+    group and hold more rows than `rows`, else None."""
+    tile_gates, wide = proj_tile(target, gates)
+    return wide if tile_gates == group and wide > rows else None
+
+
+# Wide step tiles (proj_tile's) run where they compute at
 # most this share of rows more than the batch has (a last tile shifted
 # inwards repeats rows): their product runs about 1.3x the rate of the
 # tiles of every gate (bench/RESULTS.md, "Schedule decisions":
