@@ -156,6 +156,39 @@ def test_cpu_register_tiles_follow_the_register_file(target, registers, step_row
     assert groups == {gates: (0 if group == gates else group) for gates, (group, _) in tiles.items()}
 
 
+
+AVX512_TARGET = "x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41"
+AVX2_TARGET = "x86-64-linux-avx-avx2-fma-f16c-sse41"
+
+
+# tiles: (panel width, gates, rows) of accumulators the lowered pipeline holds
+@pytest.mark.parametrize("target, cell, kind, tiles", [
+    (AVX512_TARGET, "lstm", "step", {(16, 4, 6), (16, 4, 4)}),
+    (AVX512_TARGET, "gru", "step", {(16, 3, 6), (16, 3, 4)}),
+    (AVX2_TARGET, "lstm", "step", {(8, 2, 6), (8, 4, 2)}),
+    (AVX2_TARGET, "gru", "step", {(8, 3, 4), (8, 3, 2)}),
+    (AVX512_TARGET, "layernorm_lstm", "step_product", {(16, 4, 6), (16, 4, 4)}),
+    (AVX2_TARGET, "layernorm_lstm", "step", {(8, 2, 6), (8, 4, 2)}),
+])
+def test_cpu_forward_steps_take_the_projection_tiles(target, cell, kind, tiles):
+    """A forward step's product (a whole step's, or the product of a step
+    that reduces over units) has cpu.proj_tile's register tiles, its gate
+    group x its rows, for batches that fill them, and tiles of every gate
+    x cpu.step_rows rows for the others: the lowered pipeline allocates
+    accumulators of both shapes."""
+    import re
+    import halide as hl
+    from halstm import cells, pipeline
+    from halstm.schedules import cpu
+    t = hl.Target(target)
+    c = cells.get(cell)
+    p = pipeline.build(c, kind, 64, 64, cpu.panel_layout(cpu.layout(t), c.n_gates, t))
+    getattr(cpu, kind)(p, t)
+    found = {tuple(map(int, m)) for m in re.findall(
+        r"allocate hg_acc\S*\[float32 \* (\d+) \* (\d+) \* (\d+)\]", _lowered(p, t))}
+    assert tiles <= found, found
+
+
 # ---- GPU schedules compile --------------------------------------------------
 
 @pytest.fixture(scope="module")
