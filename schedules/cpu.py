@@ -666,10 +666,11 @@ def _dh_product(p, target, batch, own: bool) -> None:
     take ranges of them)."""
     k, b = p.vars["k"], p.vars["b"]
     r = p.rdoms["jg"]
+    out = p.stage("dprev_h")
     wide, rows, narrow = _dh_tiles(p, target)
-    _tile(p.stage("dprev_h"), p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
+    _tile(out, p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
           panels=wide, small=(batch < rows, narrow, "ko" if own else None),
-          par="ko" if own else None)
+          par="ko" if own else None, wide=_dh_wide(out, target, wide, rows))
 
 
 def _bwd_rows(p, target, product_in, states) -> None:
@@ -734,7 +735,8 @@ def _dh_tiles(p, target, narrow=True) -> tuple:
     with AVX2): 4 x 4 or 2 x 4, fewer panels and more rows (up to 8) where
     those panels of W_hh^T (G*H*P floats each) would not fit in half an L2
     (knob dh_panel_kib, 512 KiB; they are read once per row tile); below
-    that many rows, 8 panels x 1 row (one row is FMA latency-bound). Tiles
+    that many rows, 8 panels x 1 row (one row is FMA latency-bound); where
+    the rows fill them, tiles of 6 rows (_dh_wide). Tiles
     span panels that divide Hp / P and leave the driver at least two
     ranges of whole tiles (bench/RESULTS.md, "Schedule decisions":
     cpu.step_bwd tiles). Sets the driver's ranges: whole tiles of `wide`
@@ -776,7 +778,21 @@ def step_bwd_fused(p, target):
         acc.bound_extent(k, p.P * wide)
     _tile(out, acc, k, p.P, [(b, rows, GUARD)], [r.x, r.y], panels=wide,
           vec_tail=ROUND if aligned else GUARD, small=(batch < rows, narrow, None),
-          par=None if p.split_steps else "ko", unroll_out=False)
+          par=None if p.split_steps else "ko", unroll_out=False,
+          wide=_dh_wide(out, target, wide, rows))
+
+
+def _dh_wide(out, target, panels: int, rows: int):
+    """_tile's `wide` for dh tiles of `panels` x `rows` that hold fewer than
+    PROJ_LEAST_ACCUMULATORS accumulators (too few to hide the FMA latency:
+    AVX2's 2 x 4; AVX-512's 4 x 4 hold 16): the most rows (PROJ_MOST_ROWS
+    at most) whose accumulators, a weight vector a panel and a broadcast
+    fit the vector registers (AVX2 2 panels x 6 rows), where the call's
+    rows (out's) fill them with few extra (_few_extra_rows); else None."""
+    most = min(PROJ_MOST_ROWS, (registers(target) - panels - 1) // panels)
+    if panels * rows >= PROJ_LEAST_ACCUMULATORS or most <= rows:
+        return None
+    return most, _few_extra_rows(out.output_buffers()[0].dim(1).extent(), most)
 
 
 def gather(p, target):
