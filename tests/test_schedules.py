@@ -176,6 +176,29 @@ def test_cpu_forward_steps_take_the_projection_tiles(target, cell, kind, tiles):
     group x its rows, for batches that fill them, and tiles of every gate
     x cpu.step_rows rows for the others: the lowered pipeline allocates
     accumulators of both shapes."""
+    found = _accumulator_tiles(target, cell, kind, r"hg_acc\S*", 3)
+    assert tiles <= found, found
+
+
+# tiles: (units, rows) of dh's accumulators
+@pytest.mark.parametrize("target, cell, kind, tiles", [
+    (AVX2_TARGET, "lstm", "step_bwd_fused", {(16, 6), (16, 4)}),
+    (AVX2_TARGET, "layernorm_lstm", "step_bwd", {(16, 6), (16, 4)}),
+    (AVX2_TARGET, "layernorm_lstm", "step_bwd_product", {(16, 6), (16, 4)}),
+    (AVX512_TARGET, "lstm", "step_bwd_fused", {(32, 8)}),
+])
+def test_cpu_backward_dh_tiles_hide_the_fma_latency(target, cell, kind, tiles):
+    """dh = W_hh^T dhg in tiles of 6 rows where the base tiles hold fewer
+    than 12 accumulators (AVX2's 2 panels x 4 rows) and the rows fill them;
+    AVX-512's tiles (here 2 panels x 8 rows at H=64) as they are."""
+    found = _accumulator_tiles(target, cell, kind, r"dh\w*acc\S*", 2)
+    assert tiles == found, found
+
+
+def _accumulator_tiles(target, cell, kind, name, dims) -> set:
+    """The extents of every allocation of accumulators `name` (a regex) in
+    pipeline `kind` of `cell` at K=H=64, lowered for `target` with the cpu
+    schedule and its panel layout."""
     import re
     import halide as hl
     from halstm import cells, pipeline
@@ -184,9 +207,9 @@ def test_cpu_forward_steps_take_the_projection_tiles(target, cell, kind, tiles):
     c = cells.get(cell)
     p = pipeline.build(c, kind, 64, 64, cpu.panel_layout(cpu.layout(t), c.n_gates, t))
     getattr(cpu, kind)(p, t)
-    found = {tuple(map(int, m)) for m in re.findall(
-        r"allocate hg_acc\S*\[float32 \* (\d+) \* (\d+) \* (\d+)\]", _lowered(p, t))}
-    assert tiles <= found, found
+    extents = r" \* ".join([r"(\d+)"] * dims)
+    return {tuple(map(int, m)) for m in re.findall(
+        rf"allocate {name}\[float32 \* {extents}\]", _lowered(p, t))}
 
 
 # ---- GPU schedules compile --------------------------------------------------
