@@ -500,16 +500,14 @@ def _product_tiles(p, target, hg, par, extent=None, out_rows=None) -> None:
     acc, k = p.stage("hg_acc"), p.rdoms["k"].x
     batch = p.param("h_prev").dim(1).extent()
     group, rows = p.PG, step_rows(target)
-    wide = _wide_rows(target, p.G, group, rows)
     if out_rows is None:
         out_rows = hg.output_buffers()[0].dim(2).extent()
-    wide_rows = None if wide is None else _few_extra_rows(out_rows, wide)
+    wide = _wide(target, p.G, group, rows, out_rows)
     small_panels = _panels(p.Hp, P, 2) if p.H % P == 0 else 1
     _tile(hg, acc, j, P, [(gate, None, ROUND), (b, rows, GUARD)], [k], par=par, extent=extent,
-          small=(batch < rows, small_panels, par),
-          wide=None if wide is None else (wide, wide_rows))
+          small=(batch < rows, small_panels, par), wide=wide)
     if wide is not None:
-        _group_passes(hg, acc, j, gate, b, k, p.G, group, hl.Var("bo"), wide_rows)
+        _group_passes(hg, acc, j, gate, b, k, p.G, group, hl.Var("bo"), wide[1])
     p.split_quantum = small_panels
 
 
@@ -571,10 +569,8 @@ def step(p, target):
     # (_few_extra_rows) take its tiles where they hold more rows: a group
     # of gates (the panels' groups, panel_layout) x those rows, one pass
     # over h a group (_group_passes)
-    wide = _wide_rows(target, p.G, group, rows)
     # (the output's rows: h_prev may hold more, as the driver's ranges of rows)
-    out_rows = out.output_buffers()[0].dim(1).extent()
-    wide_rows = None if wide is None else _few_extra_rows(out_rows, wide)
+    wide = _wide(target, p.G, group, rows, out.output_buffers()[0].dim(1).extent())
     # Batches under `rows`: one row per tile, and two panels (8 accumulators,
     # enough to hide the FMA latency) where H allows whole aligned tiles
     # (bench/RESULTS.md, "Schedule decisions": cpu.step small batch).
@@ -582,8 +578,7 @@ def step(p, target):
     small_panels = _panels(p.Hp, P, 2) if aligned else 1
     # one thread: the driver runs ranges of units on its threads (split_steps)
     _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
-          small=(batch < rows, small_panels, None),
-          wide=None if wide is None else (wide, wide_rows))
+          small=(batch < rows, small_panels, None), wide=wide)
     p.split_quantum = small_panels     # the driver's ranges: whole tiles
     p.split_batch_bytes = ROWS_FWD_BYTES   # ranges of rows below (see SPLIT_ROWS)
     at = hl.Var("bo")                  # the innermost tile loop (see _tile)
@@ -593,15 +588,19 @@ def step(p, target):
     acc.unroll(gate)
     acc.update().unroll(gate)
     if wide is not None:    # the product a gate group at a time, each its own pass over k
-        _group_passes(out, acc, j, gate, b, p.rdoms["k"].x, p.G, group, at, wide_rows)
+        _group_passes(out, acc, j, gate, b, p.rdoms["k"].x, p.G, group, at, wide[1])
     act.compute_at(out, at).vectorize(j, P).unroll(act.args()[1]).unroll(b)
 
 
-def _wide_rows(target, gates: int, group: int, rows: int):
-    """The rows of proj_tile's tiles where they are of the panels' gate
-    group and hold more rows than `rows`, else None."""
-    tile_gates, wide = proj_tile(target, gates)
-    return wide if tile_gates == group and wide > rows else None
+def _wide(target, gates: int, group: int, rows: int, out_rows):
+    """_tile's `wide` for forward-step tiles: proj_tile's rows where its
+    tile is of the panels' gate group and holds more rows than `rows`, and
+    the call's rows (out_rows) fill them with few extra (_few_extra_rows);
+    else None."""
+    tile_gates, most = proj_tile(target, gates)
+    if tile_gates != group or most <= rows:
+        return None
+    return most, _few_extra_rows(out_rows, most)
 
 
 # Wide step tiles (proj_tile's) run where they compute at
