@@ -100,6 +100,7 @@ class Layer:
             d |= {"HALSTM_CUBLAS": 1, "HALSTM_COMPUTE": cublas.COMPUTE_TYPES[self.precision]}
             if lay.vendor_step_rows:    # the library has the vendor steps (pipeline.VENDOR_STEPS)
                 d["HALSTM_VENDOR_STEP_ROWS"] = lay.vendor_step_rows
+                d["HALSTM_STEP_SPLITS"] = lay.vendor_step_splits
             if lay.vendor_bf16:         # the GEMMs' operands rounded to bf16 (pipeline to_bf16)
                 d["HALSTM_BF16"] = 1
         return d

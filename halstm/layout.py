@@ -42,6 +42,8 @@ class Layout:
     #                                GEMMs by cuBLAS; the pipelines add the biases (halstm.cublas)
     vendor_step_rows: int = 0      # ... and the steps' products too where the batch has this
     #                                many rows or more (0: never; HALSTM_VENDOR_STEP_ROWS overrides)
+    vendor_step_splits: int = 1    # ... the forward's in this many GEMMs over slices of h's
+    #                                units (split-K), their partial products summed by the step
     vendor_bf16: bool = False      # ... their operands rounded to bfloat16 copies first
     #                                (pipeline to_bf16; precision "bf16")
     fold_steps: bool = False       # CUDA, a step that reduces over units: the forward

@@ -218,10 +218,13 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
 # With vendor GEMMs (halstm.cublas), a step's recurrent product runs as a
 # cuBLAS GEMM where it has at least this many multiply-adds (B*G*H*H):
 # below, the fused Halide step (one kernel, the product in registers) is
-# faster than a GEMM launch plus a pointwise kernel. 1.5 * 2^26: the fused
-# step won at 2^26 (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512,
-# B=128) (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
-VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 3 << 25
+# faster than a GEMM launch plus a pointwise kernel. Forward 2^25, its
+# GEMMs in slices (step_splits: the LSTM at H=512 B=64, 2^26 a step, took
+# 0.85x the fused step's time); backward 1.5 * 2^26: its fused step won at
+# 2^26 (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512, B=128)
+# (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
+VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 25
+VENDOR_STEP_BWD_MACS = KNOBS["step_gemm_bwd_mmacs"].default << 20    # 3 << 25
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
 # times faster than fp32's, and from H = fused_bwd_below the Halide
 # backward step is two kernels anyway, so the GEMM replaces one of them
@@ -245,7 +248,27 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
             + ("" if direction == "fwd" else "_bwd") + "_mmacs")
     macs = _knob(knobs, name) << 20
     return replace(layout, vendor_gemm=True,
-                   vendor_step_rows=max(1, -(-macs // (gates * H * H))))
+                   vendor_step_rows=max(1, -(-macs // (gates * H * H))),
+                   vendor_step_splits=step_splits(H) if direction == "fwd" else 1)
+
+
+# A forward vendor step's product h W_hh^T as STEP_SPLITS GEMMs over
+# slices of h's units (one batched cuBLAS call, split-K), each slice of
+# at least STEP_SPLIT_UNITS units, the partial products summed by the
+# step's kernel: at a step's few rows cuBLAS's tiles leave most
+# multiprocessors idle (B=64, G*H=2048: 32 tiles of 64 x 64 on 132 SMs)
+# and the slices fill them (bench/RESULTS.md, "Schedule decisions":
+# cuda.step_splits).
+STEP_SPLITS = 4
+STEP_SPLIT_UNITS = 128
+
+
+def step_splits(H: int) -> int:
+    """The slices of a forward vendor step's product: the most, up to
+    STEP_SPLITS, that divide H into slices of STEP_SPLIT_UNITS units or
+    more."""
+    return next(s for s in range(STEP_SPLITS, 0, -1)
+                if s == 1 or (H % s == 0 and H // s >= STEP_SPLIT_UNITS))
 
 
 def _grid(f, stage=None, along=None):

@@ -58,7 +58,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # defaults were measured on an H100 (bench/RESULTS.md, "Schedule
 # decisions": cuda.step_narrow, cuda.VENDOR_STEP_MACS, cuda.loop).
         "cuda": {"narrow_kib": Knob("fwd", 128, (64, 128, 1 << 20), pointwise=True),
-                 "step_gemm_mmacs": Knob("fwd", 96, (32, 96, 1 << 20),
+                 "step_gemm_mmacs": Knob("fwd", 32, (16, 32, 96, 1 << 20),
                                          fp32_only=True, gemm="cublas"),
                  "step_gemm_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
                                              fp32_only=True, gemm="cublas"),

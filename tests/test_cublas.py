@@ -211,10 +211,48 @@ def test_to_bf16_rounds_to_nearest_even_and_keeps_nan():
     (4, 512, "fp32", 96), (3, 512, "fp32", 128), (4, 512, "tf32", 32), (3, 512, "bf16", 43),
     (4, 2048, "fp32", 6), (4, 128, "tf32", 512)])
 def test_steps_products_go_to_cublas_from_a_size(gates, H, precision, rows):
-    """cuda.vendor_layout: a step's product by cuBLAS from 1.5 * 2^26
-    multiply-adds (B*G*H*H) in fp32, 2^25 in TF32 and bf16."""
+    """cuda.vendor_layout: a step's product by cuBLAS from 2^25
+    multiply-adds (B*G*H*H) in TF32 and bf16 both ways and in fp32 forward,
+    where its GEMMs run over 4 slices of h's units (128 units or more
+    each), from 1.5 * 2^26 in fp32 backward (rows: the backward's)."""
+    import dataclasses
     from halstm.layout import Layout
     from halstm.schedules import cuda
-    lay = cuda.vendor_layout(Layout(), gates, H, "fwd", precision)
-    assert lay.vendor_gemm and lay.vendor_step_rows == rows
-    assert cuda.vendor_layout(Layout(), gates, H, "bwd", precision) == lay
+    bwd = cuda.vendor_layout(Layout(), gates, H, "bwd", precision)
+    assert bwd.vendor_gemm and bwd.vendor_step_rows == rows and bwd.vendor_step_splits == 1
+    fwd_rows = -(-(1 << 25) // (gates * H * H))
+    assert cuda.vendor_layout(Layout(), gates, H, "fwd", precision) == dataclasses.replace(
+        bwd, vendor_step_rows=fwd_rows, vendor_step_splits=4 if H >= 512 else 1)
+
+
+@pytest.mark.parametrize("H, splits", [(2048, 4), (512, 4), (300, 2), (257, 1), (256, 2),
+                                       (255, 1), (128, 1), (45, 1)])
+def test_forward_vendor_products_split_into_slices_of_128_units(H, splits):
+    """cuda.step_splits: the most slices, up to 4, that divide H into
+    slices of 128 units or more; the step pipeline then reads that many
+    partial products."""
+    import dataclasses
+    from halstm import cells
+    from halstm.layout import Layout
+    from halstm.schedules import cuda
+    assert cuda.step_splits(H) == splits
+    lay = dataclasses.replace(Layout(vendor_gemm=True), vendor_step_splits=splits)
+    p = pipeline.build(cells.get("lstm"), "step_vendor_infer", 7, H, lay)
+    assert p.param("hg").dimensions() == (4 if splits > 1 else 3)
+    if splits == 1:
+        return
+    # run on the CPU (unscheduled): the partial products' sum is the product
+    import halide as hl
+    rng = np.random.default_rng(H)
+    B, G = 3, 4
+    xp, b_hh = (rng.standard_normal(s).astype(np.float32) for s in ((B, G, H), (G, H)))
+    h, c = (rng.standard_normal((B, H)).astype(np.float32) for _ in range(2))
+    parts = rng.standard_normal((splits, B, G, H)).astype(np.float32)
+    whole = pipeline.build(cells.get("lstm"), "step_vendor_infer", 7, H, Layout(vendor_gemm=True))
+
+    def run(q, hg):
+        for name, a in (("xp", xp), ("hg", hg), ("b_hh", b_hh), ("h_prev", h), ("c_prev", c)):
+            q.param(name).set(hl.Buffer(a))
+        return [np.asarray(b) for b in q.pipeline().realize([H, B])]
+    for got, want in zip(run(p, parts), run(whole, parts.sum(0))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

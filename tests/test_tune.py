@@ -198,11 +198,14 @@ def test_cuda_knobs_shape_the_layout():
     assert layout("lstm", 256, "fwd", {})[1].narrow_rows > 0
     assert layout("lstm", 256, "fwd", {"narrow_kib": 1 << 20})[1].narrow_rows == 0
     G, H = 4, 64
-    for direction, name in (("fwd", "step_gemm_mmacs"), ("bwd", "step_gemm_bwd_mmacs")):
-        knobs, lay = layout("lstm", H, direction, {name: 32}, gemm="cublas")
-        assert knobs == ((name, 32),) and lay.vendor_step_rows == -(-(32 << 20) // (G * H * H))
+    # (defaults: 2^25 forward, 1.5 * 2^26 backward)
+    for direction, name, tuned, default in (("fwd", "step_gemm_mmacs", 96, 32),
+                                            ("bwd", "step_gemm_bwd_mmacs", 32, 96)):
+        knobs, lay = layout("lstm", H, direction, {name: tuned}, gemm="cublas")
+        assert knobs == ((name, tuned),)
+        assert lay.vendor_step_rows == -(-(tuned << 20) // (G * H * H))
         assert layout("lstm", H, direction, {}, gemm="cublas")[1].vendor_step_rows == \
-            -(-(96 << 20) // (G * H * H))
+            -(-(default << 20) // (G * H * H))
     # loop_shared_pct: one kernel a forward without a tape up to half a multiprocessor's
     # shared memory by default; 1%: practically never; 100%: the LSTM at H = 96 too
     # (144 KiB) where the shared memory is 228 KiB (an H100's; without a GPU the default)
@@ -220,8 +223,8 @@ def test_cuda_knobs_shape_the_layout():
     assert layout("lstm", H, "fwd", {"step_gemm_tensor_mmacs": 8}, gemm="cublas")[0] == ()
     # where a knob cannot act it is dropped: the same library as the default's
     assert layout("lstm", H, "bwd", {"step_gemm_mmacs": 32}, gemm="cublas")[0] == ()
-    assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="halide")[0] == ()
-    assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 32}, gemm="cublas",
+    assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 96}, gemm="halide")[0] == ()
+    assert layout("lstm", H, "fwd", {"step_gemm_mmacs": 96}, gemm="cublas",
                   precision="tf32")[0] == ()
     assert layout("layernorm_lstm", H, "fwd", {"narrow_kib": 64})[0] == ()
     with pytest.raises(ValueError, match="step_gemm_tensor_mmacs does not act on "

@@ -30,6 +30,9 @@ struct Cublas {
     int (*set_stream)(void *, void *) = nullptr;
     int (*gemm_ex)(void *, int, int, int, int, int, const void *, const void *, int, int,
                    const void *, int, int, const void *, void *, int, int, int, int) = nullptr;
+    int (*gemm_batched)(void *, int, int, int, int, int, const void *, const void *, int, int,
+                        long long, const void *, int, int, long long, const void *, void *,
+                        int, int, long long, int, int, int) = nullptr;
     int (*set_workspace)(void *, void *, size_t) = nullptr;
     int (*push)(void *) = nullptr;   // libcuda's cuCtxPushCurrent / cuCtxPopCurrent
     int (*pop)(void **) = nullptr;
@@ -99,6 +102,7 @@ struct Cublas {
         if (!cuda || !sym(lib, "cublasCreate_v2", create) ||
             !sym(lib, "cublasSetStream_v2", set_stream) ||
             !sym(lib, "cublasGemmEx", gemm_ex) ||
+            !sym(lib, "cublasGemmStridedBatchedEx", gemm_batched) ||
             !sym(lib, "cublasSetWorkspace_v2", set_workspace) ||
             !sym(cuda, "cuCtxPushCurrent_v2", push) || !sym(cuda, "cuCtxPopCurrent_v2", pop) ||
             !sym(cuda, "cuMemAlloc_v2", mem_alloc)) {
@@ -282,6 +286,29 @@ int gemm_gates(const char *what, int rows, int n, const void *A, const void *W, 
 }
 
 #ifdef HALSTM_VENDOR_STEP_ROWS
+// C (splits, rows, G, HP), split s at C + s * split_stride = A's units
+// [s * n / splits, (s + 1) * n / splits) times W's: gemm_gates's product
+// as `splits` partial products (split-K), one batched GEMM a gate block;
+// the step pipeline sums them. n a multiple of splits.
+int gemm_gates_split(const char *what, int rows, int n, const void *A, const void *W,
+                     float *C, int splits, int64_t split_stride) {
+    if (splits == 1) return gemm_gates(what, rows, n, A, W, 0.0f, C);
+    const float alpha = 1.0f, beta = 0.0f;
+    const int k = n / splits, cols = HP == H ? G * H : H;
+    int rc = 0;
+    for (int g = 0; rc == 0 && g < (HP == H ? 1 : G); g++) {
+        const void *w = (const char *)W + (int64_t)g * H * n * OPERAND_BYTES;
+        float *c = C + g * HP;
+        // (column-major: C^T (cols x rows) = W_s (k x cols)^T A_s^T, as gemm_typed)
+        rc = g_cublas.run(what, [&](void *h) {
+            return g_cublas.gemm_batched(h, OP_T, OP_N, cols, rows, k, &alpha, w, OPERAND, n,
+                                         k, A, OPERAND, n, k, &beta, c, R_32F, G * HP,
+                                         split_stride, splits, HALSTM_COMPUTE, GEMM_DEFAULT);
+        });
+    }
+    return rc;
+}
+
 // The steps' products: W_hh (G*H, H) as the GEMMs read it, made before the
 // time loop (outside a captured graph), and each step's activations
 // (at most B rows of G*H) as the GEMM reads them. With HALSTM_BF16 the step

@@ -18,8 +18,13 @@ int halstm_proj(halide_buffer_t *, halide_buffer_t *, halide_buffer_t *, halide_
 // entry points, whose arguments are buffers as given and pointers to scalars.
 int halstm_step_argv(void **);
 int halstm_step_infer_argv(void **);
+#ifndef HALSTM_STEP_SPLITS
+#define HALSTM_STEP_SPLITS 1
+#endif
 #ifdef HALSTM_VENDOR_STEP_ROWS
 // the same with hg (B, G, HP), the step's product h W_hh^T, in place of wp_hh
+// (with HALSTM_STEP_SPLITS > 1: (HALSTM_STEP_SPLITS, B, G, HP), its partial
+// products over slices of h's units, summed by the step)
 int halstm_step_vendor_argv(void **);
 int halstm_step_vendor_infer_argv(void **);
 #endif
@@ -148,13 +153,17 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     // the steps' recurrent products by cuBLAS where the batch is large
     // (cublas.h step_rows), into hg (B, G, HP)
     const bool vendor = B >= g_cublas.step_rows;
-    float *hg = vendor ? (float *)g_cublas.buffer(BUF_HG, (size_t)B * G * HP * sizeof(float))
+    // (HALSTM_STEP_SPLITS partial products, (B, G, HP) each: gemm_gates_split)
+    const int64_t hg_split = (int64_t)B * G * HP;
+    float *hg = vendor ? (float *)g_cublas.buffer(
+                             BUF_HG, (size_t)hg_split * HALSTM_STEP_SPLITS * sizeof(float))
                        : nullptr;
     StepGemm step;
     if (vendor && (!hg || step.prepare(w_hh, B))) return -1;
 #else
     const bool vendor = false;
     float *hg = nullptr;
+    const int64_t hg_split = 0;
     struct { void *w, *act; } step = {};
 #endif
 #ifdef HALSTM_LOOP_ROWS
@@ -244,7 +253,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             if (vendor) {   // (h_t's bf16 copy: step t-1 stored it, after t = 0)
                 const void *h = step.activations(states[0] + (int64_t)t * B * H,
                                                  (int64_t)rows * H, t > 0);
-                rc = h ? gemm_gates("the step's product h W_hh^T", rows, H, h, step.w, 0.0f, hg)
+                rc = h ? gemm_gates_split("the step's product h W_hh^T", rows, H, h, step.w,
+                                          hg, HALSTM_STEP_SPLITS, hg_split)
                        : -1;
             }
             if (rc) {
@@ -253,7 +263,10 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
             }
 #endif
             if (rows != v.rows) {
-                v.hg = View(hg, {{HP, 1}, {G, HP}, {rows, G * HP}});
+                v.hg = HALSTM_STEP_SPLITS == 1
+                           ? View(hg, {{HP, 1}, {G, HP}, {rows, G * HP}})
+                           : View(hg, {{HP, 1}, {G, HP}, {rows, G * HP},
+                                       {HALSTM_STEP_SPLITS, (int)hg_split}});
                 [[maybe_unused]] int n = step_views(v, t, rows, part, vendor ? v.hg : vwp_hh, true);
 #if HALSTM_BF16
                 // the new h's bf16 bits (rows, H): step t+1's product reads them
