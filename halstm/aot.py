@@ -378,7 +378,7 @@ def _plan(spec: Spec, emit, require_loadable: bool) -> _Plan:
         if spec.gemm == "cublas":    # the schedule's rule for the steps' products, if it has one
             vendor = getattr(module, "vendor_layout", None)
             layout = (vendor(layout, len(d.gates), spec.hidden_size, spec.direction,
-                             spec.precision, dict(spec.knobs)) if vendor
+                             spec.precision, dict(spec.knobs), d.reduces) if vendor
                       else dataclasses.replace(layout, vendor_gemm=True))
             layout = dataclasses.replace(layout, vendor_bf16=spec.precision == "bf16")
         kinds = pipeline_kinds(spec, layout)

@@ -218,12 +218,14 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
 # With vendor GEMMs (halstm.cublas), a step's recurrent product runs as a
 # cuBLAS GEMM where it has at least this many multiply-adds (B*G*H*H):
 # below, the fused Halide step (one kernel, the product in registers) is
-# faster than a GEMM launch plus a pointwise kernel. Forward 2^25, its
-# GEMMs in slices (step_splits: the LSTM at H=512 B=64, 2^26 a step, took
-# 0.85x the fused step's time); backward 1.5 * 2^26: its fused step won at
-# 2^26 (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512, B=128)
+# faster than a GEMM launch plus a pointwise kernel. Forward, its GEMMs in
+# slices (step_splits), 2^24 (the LSTM at H=512 B=16 took 0.81x the fused
+# step's time), 2^25 for cells that reduce over units (whose own steps at
+# 2^24 were 1-5% faster); backward 1.5 * 2^26: its fused step won at 2^26
+# (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512, B=128)
 # (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
-VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 25
+VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 24
+VENDOR_STEP_REDUCING_MACS = KNOBS["step_gemm_reducing_mmacs"].default << 20    # 1 << 25
 VENDOR_STEP_BWD_MACS = KNOBS["step_gemm_bwd_mmacs"].default << 20    # 3 << 25
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
 # times faster than fp32's, and from H = fused_bwd_below the Halide
@@ -239,13 +241,16 @@ def _knob(knobs, name: str) -> int:
 
 
 def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
-                  precision: str = "fp32", knobs=None) -> Layout:
+                  precision: str = "fp32", knobs=None, reduces: bool = False) -> Layout:
     """layout with the projection and gradient GEMMs by cuBLAS, and the
     steps' products too from the batch where they reach VENDOR_STEP_MACS
-    (VENDOR_STEP_MACS_TENSOR in TF32 or bf16; where tuned, the knobs
-    step_gemm_mmacs, step_gemm_tensor_mmacs, with _bwd_ backward, in 2^20)."""
-    name = ("step_gemm" + ("" if precision == "fp32" else "_tensor")
-            + ("" if direction == "fwd" else "_bwd") + "_mmacs")
+    (VENDOR_STEP_REDUCING_MACS for a cell that reduces over units,
+    VENDOR_STEP_MACS_TENSOR in TF32 or bf16, VENDOR_STEP_BWD_MACS backward;
+    where tuned, the knobs step_gemm_mmacs, step_gemm_reducing_mmacs,
+    step_gemm_tensor_mmacs, with _bwd_ backward, in 2^20)."""
+    fp32, fwd = precision == "fp32", direction == "fwd"
+    name = ("step_gemm" + ("" if fp32 else "_tensor") + ("" if fwd else "_bwd")
+            + ("_reducing" if reduces and fp32 and fwd else "") + "_mmacs")
     macs = _knob(knobs, name) << 20
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))),

@@ -51,15 +51,18 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # (cuda.narrow_layout; 1 << 20: never); in layers with cuBLAS GEMMs the
 # multiply-adds (in 2^20) of a step's product from which it runs as a
 # cuBLAS GEMM, forward and backward, in fp32 and in the tensor-core
-# precisions apart (cuda.vendor_layout; 1 << 20: never);
+# precisions apart, the fp32 forward of cells that reduce over units apart
+# too (cuda.vendor_layout; 1 << 20: never);
 # the W_hh size, in percent of a multiprocessor's shared memory, up to
 # which a forward without a tape runs every step in one kernel
 # (cuda.loop_layout; 1: a W_hh of 2 KiB on an H100, about never). Their
 # defaults were measured on an H100 (bench/RESULTS.md, "Schedule
 # decisions": cuda.step_narrow, cuda.VENDOR_STEP_MACS, cuda.loop).
         "cuda": {"narrow_kib": Knob("fwd", 128, (64, 128, 1 << 20), pointwise=True),
-                 "step_gemm_mmacs": Knob("fwd", 32, (16, 32, 96, 1 << 20),
+                 "step_gemm_mmacs": Knob("fwd", 16, (8, 16, 32, 96, 1 << 20), pointwise=True,
                                          fp32_only=True, gemm="cublas"),
+                 "step_gemm_reducing_mmacs": Knob("fwd", 32, (16, 32, 96, 1 << 20),
+                                                  reducing=True, fp32_only=True, gemm="cublas"),
                  "step_gemm_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
                                              fp32_only=True, gemm="cublas"),
                  "step_gemm_tensor_mmacs": Knob("fwd", 32, (8, 32, 1 << 20), bf16=True,

@@ -212,17 +212,20 @@ def test_to_bf16_rounds_to_nearest_even_and_keeps_nan():
     (4, 2048, "fp32", 6), (4, 128, "tf32", 512)])
 def test_steps_products_go_to_cublas_from_a_size(gates, H, precision, rows):
     """cuda.vendor_layout: a step's product by cuBLAS from 2^25
-    multiply-adds (B*G*H*H) in TF32 and bf16 both ways and in fp32 forward,
-    where its GEMMs run over 4 slices of h's units (128 units or more
-    each), from 1.5 * 2^26 in fp32 backward (rows: the backward's)."""
+    multiply-adds (B*G*H*H) in TF32 and bf16 both ways, from 1.5 * 2^26 in
+    fp32 backward (rows: the backward's), and forward in fp32 from 2^24
+    (2^25 for a cell that reduces over units), where its GEMMs run over 4
+    slices of h's units (128 units or more each)."""
     import dataclasses
     from halstm.layout import Layout
     from halstm.schedules import cuda
     bwd = cuda.vendor_layout(Layout(), gates, H, "bwd", precision)
     assert bwd.vendor_gemm and bwd.vendor_step_rows == rows and bwd.vendor_step_splits == 1
-    fwd_rows = -(-(1 << 25) // (gates * H * H))
-    assert cuda.vendor_layout(Layout(), gates, H, "fwd", precision) == dataclasses.replace(
-        bwd, vendor_step_rows=fwd_rows, vendor_step_splits=4 if H >= 512 else 1)
+    for reduces in (False, True):
+        macs = 1 << (24 if precision == "fp32" and not reduces else 25)
+        fwd = cuda.vendor_layout(Layout(), gates, H, "fwd", precision, reduces=reduces)
+        assert fwd == dataclasses.replace(bwd, vendor_step_rows=-(-macs // (gates * H * H)),
+                                          vendor_step_splits=4 if H >= 512 else 1)
 
 
 @pytest.mark.parametrize("H, splits", [(2048, 4), (512, 4), (300, 2), (257, 1), (256, 2),

@@ -198,14 +198,17 @@ def test_cuda_knobs_shape_the_layout():
     assert layout("lstm", 256, "fwd", {})[1].narrow_rows > 0
     assert layout("lstm", 256, "fwd", {"narrow_kib": 1 << 20})[1].narrow_rows == 0
     G, H = 4, 64
-    # (defaults: 2^25 forward, 1.5 * 2^26 backward)
-    for direction, name, tuned, default in (("fwd", "step_gemm_mmacs", 96, 32),
-                                            ("bwd", "step_gemm_bwd_mmacs", 32, 96)):
-        knobs, lay = layout("lstm", H, direction, {name: tuned}, gemm="cublas")
+    # (defaults: 2^24 forward, 2^25 for a cell that reduces, 1.5 * 2^26 backward)
+    for cell, direction, name, tuned, default in (
+            ("lstm", "fwd", "step_gemm_mmacs", 96, 16),
+            ("layernorm_lstm", "fwd", "step_gemm_reducing_mmacs", 96, 32),
+            ("lstm", "bwd", "step_gemm_bwd_mmacs", 32, 96)):
+        knobs, lay = layout(cell, H, direction, {name: tuned}, gemm="cublas")
         assert knobs == ((name, tuned),)
         assert lay.vendor_step_rows == -(-(tuned << 20) // (G * H * H))
-        assert layout("lstm", H, direction, {}, gemm="cublas")[1].vendor_step_rows == \
+        assert layout(cell, H, direction, {}, gemm="cublas")[1].vendor_step_rows == \
             -(-(default << 20) // (G * H * H))
+    assert layout("layernorm_lstm", H, "fwd", {"step_gemm_mmacs": 96}, gemm="cublas")[0] == ()
     # loop_shared_pct: one kernel a forward without a tape up to half a multiprocessor's
     # shared memory by default; 1%: practically never; 100%: the LSTM at H = 96 too
     # (144 KiB) where the shared memory is 228 KiB (an H100's; without a GPU the default)
