@@ -143,7 +143,7 @@ class Pipe(Stages):
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
-    vendor_splits: int = 1       # the forward vendor steps' partial products (Layout.vendor_step_splits)
+    vendor_splits: int = 1       # forward vendor steps: partial products (vendor_step_splits)
     cpu_bf16: bool = False       # CPU: products of bf16 operands (bf16.py) ...
     amx_tiles: bool = False      # ... on AMX tiles (else in vector registers)
     bf16_dw_rows: int = 0         # ... the weight gradients' rows in chunks of (_bf16_grads)
@@ -306,8 +306,8 @@ def build(cell: Cell, kind: str, K: int, H: int, layout: Layout = Layout()) -> P
              layout.raw_bwd_weights,
              split_rows_only=layout.split is not None and layout.split.rows_only,
              vendor_gemm=layout.vendor_gemm, vendor_bf16=layout.vendor_bf16,
-             vendor_splits=layout.vendor_step_splits, cpu_bf16=layout.cpu_bf16, amx_tiles=layout.amx_tiles,
-             bf16_dw_rows=layout.bf16_dw_rows)
+             vendor_splits=layout.vendor_step_splits, cpu_bf16=layout.cpu_bf16,
+             amx_tiles=layout.amx_tiles, bf16_dw_rows=layout.bf16_dw_rows)
     p.vars = {n: hl.Var(n) for n in ("i", "j", "k", "gate", "s", "b", "t")}
     globals()["_" + kind](p)
     return p
@@ -534,8 +534,8 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
         splits = p.vendor_splits if product == "input" else 1
         recurrent = _param(p, "hg", [p.Hp, G, None] + ([splits] if splits > 1 else []))
         hg_in = _clamp(recurrent, (2,))
-        total = sum((hg_in[(j, gate, b) + ((s,) if splits > 1 else ())] for s in range(splits)),
-                    hl.f32(0)) if splits > 1 else hg_in[j, gate, b]
+        total = hg_in[j, gate, b] if splits == 1 else sum(
+            (hg_in[j, gate, b, s] for s in range(1, splits)), hg_in[j, gate, b, 0])
         hg = hl.Func("hg")
         hg[j, gate, b] = total + b_hh[0][hl.min(j, H - 1), gate] if b_hh else total
     elif p.cpu_bf16:

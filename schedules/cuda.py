@@ -254,16 +254,16 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     macs = _knob(knobs, name) << 20
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(1, -(-macs // (gates * H * H))),
-                   vendor_step_splits=step_splits(H) if direction == "fwd" else 1)
+                   vendor_step_splits=step_splits(H) if fwd and fp32 else 1)
 
 
-# A forward vendor step's product h W_hh^T as STEP_SPLITS GEMMs over
-# slices of h's units (one batched cuBLAS call, split-K), each slice of
-# at least STEP_SPLIT_UNITS units, the partial products summed by the
+# A forward vendor step's product h W_hh^T in fp32 as STEP_SPLITS GEMMs
+# over slices of h's units (one batched cuBLAS call, split-K), each slice
+# of at least STEP_SPLIT_UNITS units, the partial products summed by the
 # step's kernel: at a step's few rows cuBLAS's tiles leave most
 # multiprocessors idle (B=64, G*H=2048: 32 tiles of 64 x 64 on 132 SMs)
 # and the slices fill them (bench/RESULTS.md, "Schedule decisions":
-# cuda.step_splits).
+# cuda.step_splits). Measured in fp32 only: TF32 and bf16 keep one GEMM.
 STEP_SPLITS = 4
 STEP_SPLIT_UNITS = 128
 

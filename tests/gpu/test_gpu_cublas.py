@@ -111,16 +111,15 @@ def test_steps_with_vendor_products_match_the_cpu(cell, precision, gpu_target, m
     _two_layers_match_the_cpu(cell, *VENDOR_SIZES[cell, precision], 6, precision, gpu_target)
 
 
-@pytest.mark.parametrize("cell, precision, K, H", [
-    ("lstm", "fp32", 41, 256), ("gru", "tf32", 43, 384), ("lstm", "bf16", 45, 512)])
-def test_steps_with_split_vendor_products_match_the_cpu(cell, precision, K, H, gpu_target,
-                                                        monkeypatch):
-    """The forward's vendor products in 2, 3 and 4 slices of h's units
-    (cuda.step_splits), summed by the steps, as the vendor steps' test."""
+@pytest.mark.parametrize("cell, K, H", [("lstm", 41, 256), ("gru", 43, 384), ("lstm", 45, 512)])
+def test_steps_with_split_vendor_products_match_the_cpu(cell, K, H, gpu_target, monkeypatch):
+    """The fp32 forward's vendor products in 2, 3 and 4 slices of h's
+    units (cuda.step_splits), summed by the steps, as the vendor steps'
+    test."""
     from halstm.schedules import cuda
     assert cuda.step_splits(H) == {256: 2, 384: 3, 512: 4}[H]
     monkeypatch.setenv("HALSTM_VENDOR_STEP_ROWS", "4")
-    _two_layers_match_the_cpu(cell, K, H, 6, precision, gpu_target)
+    _two_layers_match_the_cpu(cell, K, H, 6, "fp32", gpu_target)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
