@@ -123,22 +123,28 @@ def test_torch_modules_check_the_precision_and_run_cpu_tensors_in_fp32():
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "layernorm_lstm"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_vendor_steps_allocate_no_device_memory(cell, precision, tmp_path):
+@pytest.mark.parametrize("precision, H", [("fp32", 64), ("bf16", 64), ("fp32", 256)])
+def test_vendor_steps_allocate_no_device_memory(cell, precision, H, tmp_path):
     """The steps around a vendor product are captured into CUDA graphs as
     the others are: they may not allocate device memory (test_cuda_nogpu.py).
     In bf16 they also store the product's operand as bf16 bits, in the
-    same kernel. (Lowers, needs no GPU.)"""
+    same kernel; at H = 256 in fp32 the forward's sums its product's two
+    slices (cuda.step_splits) in that kernel. (Lowers, needs no GPU.)"""
     import dataclasses
     import halide as hl
     from halstm import cells, schedules
     target = hl.Target(CUDA_TARGET)
     module = schedules.for_target(target, "cuda")
-    layout = dataclasses.replace(module.vendor_layout(module.layout(target), 4, 64, "fwd",
-                                                      precision),
+    c = cells.get(cell)
+    layout = dataclasses.replace(module.vendor_layout(module.layout(target), 4, H, "fwd",
+                                                      precision, reduces=c.reduces),
                                  vendor_bf16=precision == "bf16")
+    assert layout.vendor_step_splits == (2 if H == 256 else 1)
     for kind in ("step_vendor", "step_vendor_infer", "step_bwd_vendor"):
-        p = pipeline.build(cells.get(cell), kind, 13, 64, layout)
+        p = pipeline.build(c, kind, 13, H, layout)
+        split = layout.vendor_step_splits > 1 and kind != "step_bwd_vendor"
+        assert "hg" not in [q.name() for q in p.inputs] or \
+            p.param("hg").dimensions() == (4 if split else 3), kind
         bits = [b for f in p.outputs for b in f.output_buffers() if b.type() == hl.UInt(16)]
         assert len(bits) == (precision == "bf16"), kind
         getattr(module, kind)(p, target)
