@@ -106,6 +106,10 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
             assert_close(f"{k} (T={steps}, B={batch})", grads[k], rgrads[k])
 
 
+AVX512_TARGET = "x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41"
+AVX2_TARGET = "x86-64-linux-avx-avx2-fma-f16c-sse41"
+
+
 # The fused backward step at a hidden size off the panels (H=100: its last
 # tile of units runs past H): it stores units below H only, and reads its
 # pointwise inputs unclamped along units, so that the edge tile loads them
@@ -113,8 +117,7 @@ def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
 # H=85 took 0.82x the time: bench/RESULTS.md, "Schedule decisions":
 # cpu.step_bwd edge).
 # dh_add, the product's initial value, is read at whole tiles (clamped).
-@pytest.mark.parametrize("target", ["x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41",
-                                    "x86-64-linux-avx-avx2-fma-f16c-sse41"])
+@pytest.mark.parametrize("target", [AVX512_TARGET, AVX2_TARGET])
 def test_cpu_fused_backward_edge_tile_loads_no_clamped_vectors(target):
     import re
     import halide as hl
@@ -126,9 +129,8 @@ def test_cpu_fused_backward_edge_tile_loads_no_clamped_vectors(target):
 
 # proj_tiles: the cells' gate counts (RNN 1, GRU 3, LSTM 4) -> (gates, rows)
 @pytest.mark.parametrize("target,registers,step_rows,proj_rows,proj_tiles,dw_vectors", [
-    ("x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41", 32, 4, 6,
-     {1: (1, 6), 3: (3, 6), 4: (4, 6)}, 4),
-    ("x86-64-linux-avx-avx2-fma-f16c-sse41", 16, 2, 2, {1: (1, 6), 3: (3, 4), 4: (2, 6)}, 2),
+    (AVX512_TARGET, 32, 4, 6, {1: (1, 6), 3: (3, 6), 4: (4, 6)}, 4),
+    (AVX2_TARGET, 16, 2, 2, {1: (1, 6), 3: (3, 4), 4: (2, 6)}, 2),
     ("x86-64-linux-sse41", 8, 1, 1, {1: (1, 6), 3: (1, 6), 4: (1, 6)}, 1),
     ("arm-64-linux", 16, 2, 2, {1: (1, 6), 3: (3, 4), 4: (2, 6)}, 2),
 ])
@@ -154,11 +156,6 @@ def test_cpu_register_tiles_follow_the_register_file(target, registers, step_row
     # the weight panels' gates grouped as the projection tiles take them
     groups = {gates: cpu.panel_layout(cpu.layout(t), gates, t).panel_gates for gates in tiles}
     assert groups == {gates: (0 if group == gates else group) for gates, (group, _) in tiles.items()}
-
-
-
-AVX512_TARGET = "x86-64-linux-avx-avx2-avx512-avx512_skylake-fma-f16c-sse41"
-AVX2_TARGET = "x86-64-linux-avx-avx2-fma-f16c-sse41"
 
 
 # tiles: (panel width, gates, rows) of accumulators the lowered pipeline holds
