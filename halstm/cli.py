@@ -225,10 +225,14 @@ def inspect(folder, as_json):
                    "at the same shape); '' for none.")
 @click.option("--fwd/--fwdbwd", "fwd_only", default=None,
               help="Forward only, or forward+backward (default: both).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Interleaved rounds per shape and mode at least (each implementation "
+                   "also gets a second of timed runs): more rounds, steadier ratios.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path))
-def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_path, plot_path):
+def bench(shapes, cell, schedule_list, target, peers, fwd_only, rounds, csv_path, json_path,
+          plot_path):
     """Time schedules against peers on the shared benchmark shapes.
 
     Each halstm result is checked against the numpy reference before it is
@@ -262,7 +266,8 @@ def bench(shapes, cell, schedule_list, target, peers, fwd_only, csv_path, json_p
                                  param_hint="--peers")
     modes = ["fwd", "fwdbwd"] if fwd_only is None else (["fwd"] if fwd_only else ["fwdbwd"])
     try:
-        results, notes = B.run(names, cell, scheds, target, peer_list, modes, progress=True)
+        results, notes = B.run(names, cell, scheds, target, peer_list, modes, progress=True,
+                               timing={"min_runs": rounds})
     except (aot.CompileError, CacheError, KernelError, AssertionError) as e:
         raise click.ClickException(str(e)) from None
     for note in notes:

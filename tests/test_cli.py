@@ -264,10 +264,12 @@ def test_bench_takes_sizes_for_a_shape(tmp_path):
     """IxHxBxTxL names a shape outside the shared set (the sizes of
     small_128_b16's library, other batch and steps: no new build)."""
     path = tmp_path / "bench.json"
-    run_cli("bench", "--shapes", "128x128x3x7x1", "--fwd", "--peers", "", "--json", path)
+    run_cli("bench", "--shapes", "128x128x3x7x1", "--fwd", "--peers", "", "--rounds", "7",
+            "--json", path)
     rows = json.loads(path.read_text())["results"]
     assert [(r["shape"], r["impl"]) for r in rows] == [("128x128x3x7x1", "halstm:default")]
     assert rows[0]["ms"] > 0 and rows[0]["max_rel_err"] < 1e-3
+    assert len(rows[0]["rounds_ms"]) >= 7          # --rounds: at least that many rounds
 
 
 # ---- bad arguments: exit code 2, one clear line, no traceback ----------------
@@ -308,6 +310,7 @@ BAD = {
     "bench unknown schedule": (["bench", "--schedules", "cpu,fastest"],
                                ["--schedules", "fastest"]),
     "bench unknown peer": (["bench", "--peers", "numpy,jax"], ["--peers", "jax", "numpy"]),
+    "bench zero rounds": (["bench", "--rounds", "0"], ["--rounds", "0"]),
     "bench bad target": (["bench", "--target", "nonsense"], ["--target", "nonsense"]),
 }
 
