@@ -5,6 +5,8 @@ several tile shapes, alternating, and print GFLOP/s:
 
 --tiles: GATESxROWS for each variant, replacing cpu.proj_tile(target, G)
 (GATES divides the cell's gates; default: the schedule's own choice only).
+--torch: torch.mm of the same product (MKL or oneDNN, as many threads as
+Halide's pool) in the same alternating runs, the peer's rate.
 Outputs are checked against numpy first.
 """
 import argparse
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--rows-total", type=int, default=1600, help="T * B")
     ap.add_argument("--tiles", default="", help="comma-separated GATESxROWS; empty: the schedule's")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--torch", action="store_true", help="time torch.mm of the product too")
     a = ap.parse_args()
     K, H, N = a.input_size, a.hidden_size, a.rows_total
     target = hl.get_host_target()
@@ -63,7 +66,19 @@ def main():
     out = np.zeros((Hp // P, N, G, P), np.float32)
     out_buf = hl.Buffer(out)
     times = {r: [] for r in variants}
+    if a.torch:
+        import os
+
+        import torch
+        torch.set_num_threads(int(os.environ.get("HL_NUM_THREADS", os.cpu_count())))
+        tx, tw = torch.from_numpy(x), torch.from_numpy(w.reshape(G * H, K))
+        tout = torch.empty(N, G * H)
+        times["torch"] = []
     for rep in range(a.reps + 2):
+        if a.torch:
+            start = time.perf_counter()
+            torch.mm(tx, tw.t(), out=tout)
+            times["torch"].append(time.perf_counter() - start)
         for r in variants:
             p, pl = built[r]
             for q, buf in zip(p.inputs, bufs):
@@ -76,6 +91,10 @@ def main():
                 err = np.abs(got - want).max() / np.abs(want).max()
                 if not err < 1e-5:
                     raise SystemExit(f"tile {r or 'default'}: max error {err:.1e}")
+    if a.torch:
+        m = statistics.median(times["torch"][2:])
+        print(f"torch.mm {torch.__version__} K={K} N={N} columns={G * H}: {m * 1e3:.2f} ms, "
+              f"{2 * N * K * G * H / m / 1e9:.0f} GFLOP/s")
     for r in variants:
         m = statistics.median(times[r][2:])
         gates, rows = r or cpu.proj_tile(target, G)

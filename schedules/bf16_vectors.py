@@ -24,7 +24,7 @@ def tile_shape(registers: int, gates: int) -> tuple:
     """(rows, panels) of a product tile of `gates` gates: panels enough for
     COLUMNS vectors, and the most rows whose accumulators, the columns'
     panel vectors and a row's broadcast fit in `registers` vector registers
-    (AVX-512: an LSTM's 4 gates x 6 rows, a GRU's 3 x 9, one gate 4 x 6)."""
+    (AVX-512: 4 gates x 6 rows, 3 gates x 9, one gate 4 panels x 6)."""
     panels = max(1, COLUMNS // gates)
     columns = gates * panels
     return max(1, (registers - 1 - columns) // columns), panels

@@ -335,7 +335,7 @@ def proj_tile(target: hl.Target, gates: int) -> tuple:
     divisor of `gates`) of the most whose tile of PROJ_LEAST_ACCUMULATORS
     accumulators (PROJ_MOST_ROWS rows at most), a weight vector a gate and
     a row's broadcast fit the vector registers: AVX2 2 gates x 6 rows for
-    the LSTM's 4, 3 x 4 for the GRU's 3, 1 x 6 for the RNN's 1
+    cells of 4 gates, 3 x 4 for 3 gates, 1 x 6 for one
     (bench/RESULTS.md, "Schedule decisions": cpu.proj_tile)."""
     rows = proj_rows(target)
     if gates * rows >= PROJ_LEAST_ACCUMULATORS:

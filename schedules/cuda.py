@@ -222,7 +222,7 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
 # slices (step_splits), 2^24 (the LSTM at H=512 B=16 took 0.81x the fused
 # step's time), 2^25 for cells that reduce over units (whose own steps at
 # 2^24 were 1-5% faster); backward 1.5 * 2^26: its fused step won at 2^26
-# (LSTM, H=512, B=64), cuBLAS at 1.5 * 2^26 (GRU, H=512, B=128)
+# (4 gates, H=512, B=64), cuBLAS at 1.5 * 2^26 (3 gates, H=512, B=128)
 # (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
 VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 24
 VENDOR_STEP_REDUCING_MACS = KNOBS["step_gemm_reducing_mmacs"].default << 20    # 1 << 25
@@ -441,8 +441,8 @@ def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
 
 def _gate_lane_units(G: int) -> int:
     """Units a warp of a narrow step holds with every gate on a lane of
-    its own: the largest power of two whose G gates fit a warp (8 for the
-    LSTM's 4 and the GRU's 3): a divisor of the weight panels' 32, so that
+    its own: the largest power of two whose G gates fit a warp (8 for 4
+    gates and for 3): a divisor of the weight panels' 32, so that
     a block's units never pass the last panel."""
     return 1 << ((LANES // G).bit_length() - 1)
 
@@ -474,9 +474,9 @@ def loop_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     one-kernel-a-step loop's hardly moves at small sizes. The driver calls
     it for batches of up to one block an SM (machine.gpu_sms). Inference
     forwards on an H100, one layer: 0.40x-0.81x the steps' time up to 113
-    KiB of W_hh, 0.999x there for the RNN (H = 170); past it 0.92x at 144
-    KiB (LSTM, H = 96) but 1.31x (RNN, H = 192), 1.29x at 192 KiB (GRU, H
-    = 128) (bench/RESULTS.md, "Schedule decisions": cuda.loop)."""
+    KiB of W_hh, 0.999x there for one gate (H = 170); past it 0.92x at 144
+    KiB (4 gates, H = 96) but 1.31x (one gate, H = 192), 1.29x at 192 KiB
+    (3 gates, H = 128) (bench/RESULTS.md, "Schedule decisions": cuda.loop)."""
     most = machine.gpu_sm_shared_bytes() * _knob(knobs, "loop_shared_pct") // 100
     if gates * H * H * 4 > most or H > MAX_THREADS:
         return layout
