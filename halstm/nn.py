@@ -161,6 +161,7 @@ class _RNN:
                 self._params[name] = self._array(
                     rng.uniform(-bound, bound, shape).astype(np.float32) if init == "uniform"
                     else np.full(shape, init, np.float32))
+        self._vec_rows = self._vector_storage()
         self._zero_bias = self._array(np.zeros(G * H, np.float32))
         self._rng = rng            # and then the dropout masks
         self._libs: dict = {}
@@ -316,24 +317,32 @@ class _RNN:
         """The layer's W_hr (proj_size, H)."""
         return self._params[f"weight_hr{self._suffix(layer, d)}"]
 
+    def _vector_storage(self) -> dict:
+        """Per (layer, direction), the (V, H) array the kernels take the
+        vector parameters in, channels in declaration order (a bias left
+        out: zeros); the vector parameters become views of its rows, so
+        that a call passes it as it is (no packing a call: on a GPU that
+        was an allocation and a device copy a vector)."""
+        if not self._vector_specs:
+            return {}
+        G, H, out = self.n_gates, self.hidden_size, {}
+        for layer in range(self.num_layers):
+            for d in range(self.num_directions):
+                rows = [(G if v.per_gate else 1, f"{v.name}{self._suffix(layer, d)}")
+                        for v in self._vector_specs]
+                vec, r = self._mem.zeros((sum(n for n, _ in rows), H)), 0
+                for n, name in rows:
+                    if name in self._params:
+                        vec[r:r + n] = self._params[name].reshape(n, H)
+                        self._params[name] = vec[r:r + n].reshape(n * H)
+                    r += n
+                out[layer, d] = vec
+        return out
+
     def _layer_vec(self, layer, d=0):
         """The layer's vector parameters as the kernels take them: one (V, H)
-        array, channels in declaration order (a bias left out: zeros); None
-        for a cell without."""
-        if not self._vector_specs:
-            return None
-        G, H, rows = self.n_gates, self.hidden_size, []
-        for v in self._vector_specs:
-            n = G if v.per_gate else 1
-            rows.append((n, self._params.get(f"{v.name}{self._suffix(layer, d)}")))
-        vec, r = self._mem.empty((sum(n for n, _ in rows), H)), 0
-        for n, a in rows:
-            if a is None:
-                self._mem.zero(vec[r:r + n])
-            else:
-                vec[r:r + n] = a.reshape(n, H)
-            r += n
-        return vec
+        array (_vector_storage); None for a cell without."""
+        return self._vec_rows.get((layer, d))
 
     def _vector_grads(self, layer, d, dvec) -> dict:
         """dvec (V, H) split into the layer's vector parameters' gradients."""

@@ -196,6 +196,22 @@ def test_vector_parameters_of_any_value(cell):
     check_against_step(cell, reference.STEPS[cell], "base", seed=2, random_vectors=True)
 
 
+def test_vector_parameters_are_the_rows_the_kernels_read():
+    """A vector parameter is a view of the (V, H) array the kernels take:
+    an in-place change (an optimizer step on state_dict()'s arrays) and a
+    loaded one both reach the next call, as they reach a module given the
+    same values."""
+    m = _randomized(halstm.Recurrent("peephole_lstm", I, H, num_layers=2, seed=0), 1)
+    x = np.random.default_rng(6).standard_normal((4, 3, I)).astype(np.float32)
+    m.state_dict()["weight_co_l1"][:] += 0.75
+    m.load_state_dict(m.state_dict() | {"weight_ci_l0": np.full(H, -0.5, np.float32)})
+    fresh = halstm.Recurrent("peephole_lstm", I, H, num_layers=2, seed=1)
+    fresh.load_state_dict({k: v.copy() for k, v in m.state_dict().items()})
+    for got, want in zip(m(x), fresh(x)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert m._layer_vec(0)[0].tolist() == [-0.5] * H
+
+
 def test_vector_parameters_names_shapes_and_initial_values():
     G4, L = 4 * H, 2
     peep = halstm.Recurrent("peephole_lstm", I, H, num_layers=L, seed=0).state_dict()
