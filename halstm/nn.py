@@ -320,9 +320,8 @@ class _RNN:
     def _vector_storage(self) -> dict:
         """Per (layer, direction), the (V, H) array the kernels take the
         vector parameters in, channels in declaration order (a bias left
-        out: zeros); the vector parameters become views of its rows, so
-        that a call passes it as it is (no packing a call: on a GPU that
-        was an allocation and a device copy a vector)."""
+        out: zeros); the vector parameters are views of its rows, so that
+        a call passes it as it is, with no allocation or copy."""
         if not self._vector_specs:
             return {}
         G, H, out = self.n_gates, self.hidden_size, {}
