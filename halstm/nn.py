@@ -317,24 +317,34 @@ class _RNN:
         """The layer's W_hr (proj_size, H)."""
         return self._params[f"weight_hr{self._suffix(layer, d)}"]
 
+    def _vector_rows(self, layer, d) -> list:
+        """(name, first, count): the rows of the kernels' (V, H) array each of
+        the layer's vector parameters takes, in declaration order; a bias
+        left out (bias=False) keeps its rows, named None."""
+        out, r = [], 0
+        for v in self._vector_specs:
+            n = self.n_gates if v.per_gate else 1
+            out.append((f"{v.name}{self._suffix(layer, d)}" if v.name in self._vectors else None,
+                        r, n))
+            r += n
+        return out
+
     def _vector_storage(self) -> dict:
         """Per (layer, direction), the (V, H) array the kernels take the
-        vector parameters in, channels in declaration order (a bias left
-        out: zeros); the vector parameters are views of its rows, so that
-        a call passes it as it is, with no allocation or copy."""
+        vector parameters in (_vector_rows; a bias left out: zeros); the
+        vector parameters are views of its rows, so that a call passes it
+        as it is, with no allocation or copy."""
         if not self._vector_specs:
             return {}
-        G, H, out = self.n_gates, self.hidden_size, {}
+        H, out = self.hidden_size, {}
         for layer in range(self.num_layers):
             for d in range(self.num_directions):
-                rows = [(G if v.per_gate else 1, f"{v.name}{self._suffix(layer, d)}")
-                        for v in self._vector_specs]
-                vec, r = self._mem.zeros((sum(n for n, _ in rows), H)), 0
-                for n, name in rows:
-                    if name in self._params:
+                rows = self._vector_rows(layer, d)
+                vec = self._mem.zeros((sum(n for _, _, n in rows), H))
+                for name, r, n in rows:
+                    if name is not None:
                         vec[r:r + n] = self._params[name].reshape(n, H)
                         self._params[name] = vec[r:r + n].reshape(n * H)
-                    r += n
                 out[layer, d] = vec
         return out
 
@@ -345,14 +355,8 @@ class _RNN:
 
     def _vector_grads(self, layer, d, dvec) -> dict:
         """dvec (V, H) split into the layer's vector parameters' gradients."""
-        out, r = {}, 0
-        for v in self._vector_specs:
-            n = self.n_gates if v.per_gate else 1
-            if v.name in self._vectors:
-                out[f"{v.name}{self._suffix(layer, d)}"] = dvec[r:r + n].reshape(
-                    n * self.hidden_size)
-            r += n
-        return out
+        return {name: dvec[r:r + n].reshape(n * self.hidden_size)
+                for name, r, n in self._vector_rows(layer, d) if name is not None}
 
     # ---- forward / backward ----------------------------------------------
     def _ids(self, x):
