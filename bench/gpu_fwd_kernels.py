@@ -1,14 +1,20 @@
-"""Kernels of a forward without a tape (torch.no_grad, halstm.no_grad), one
-layer, cuDNN's LSTM and halstm's, by CUDA time (torch.profiler): each
-kernel's total, calls and time a call, per iteration.
+"""Kernels of one layer on the GPU by CUDA time (torch.profiler): each
+kernel's total, calls and time a call, per iteration. cuDNN's LSTM and
+halstm's cells; the forward without a tape (torch.no_grad, halstm.no_grad),
+and with --fwdbwd also the forward with its backward.
 
-    python bench/gpu_fwd_kernels.py IxHxBxT [IxHxBxT ...]
+    python bench/gpu_fwd_kernels.py [--cells cudnn,lstm,peephole_lstm] [--fwdbwd] IxHxBxT ...
 """
-import sys
+import argparse
+
 import torch
+
 import halstm
+from halstm import cuda
+
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+
 
 def prof(name, fn, iters=4):
     for _ in range(5): fn()
@@ -26,12 +32,38 @@ def prof(name, fn, iters=4):
     for k, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:12]:
         print(f"   {t:9.1f} us  {n:6.0f} calls  {t/n:7.2f} us/call  {k[:90]}")
 
-for (I, H, B, T) in [tuple(map(int, s.split("x"))) for s in sys.argv[1:]]:
-    print(f"I={I} H={H} B={B} T={T}", flush=True)
+
+def cudnn(I, H, x, dy, fwdbwd):
     m = torch.nn.LSTM(I, H).cuda()
-    x = torch.randn(T, B, I, device="cuda")
     with torch.no_grad():
         prof("cuDNN fwd", lambda: m(x))
-    hm = halstm.Recurrent("lstm", I, H, target="host-cuda").compile()
+    if fwdbwd:
+        xg = x.clone().requires_grad_()
+        prof("cuDNN fwdbwd", lambda: m(xg)[0].backward(dy))
+
+
+def cell(name, I, H, x, dy, fwdbwd):
+    m = halstm.Recurrent(name, I, H, target="host-cuda", seed=0).compile(backward=fwdbwd)
     with halstm.no_grad():
-        prof("halstm fwd", lambda: hm(x))
+        prof(f"halstm {name} fwd", lambda: m(x))
+    if fwdbwd:
+        xd, dyd = cuda.DeviceArray.from_numpy(x.cpu().numpy()), cuda.DeviceArray.from_numpy(dy.cpu().numpy())
+        prof(f"halstm {name} fwdbwd", lambda: (m(xd), m.backward(dyd)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="cudnn,lstm")
+    ap.add_argument("--fwdbwd", action="store_true")
+    ap.add_argument("shapes", nargs="+", metavar="IxHxBxT")
+    a = ap.parse_args()
+    for I, H, B, T in (tuple(map(int, s.split("x"))) for s in a.shapes):
+        print(f"I={I} H={H} B={B} T={T}", flush=True)
+        x = torch.randn(T, B, I, device="cuda")
+        dy = torch.randn(T, B, H, device="cuda")
+        for name in a.cells.split(","):
+            (cudnn if name == "cudnn" else lambda *r: cell(name, *r))(I, H, x, dy, a.fwdbwd)
+
+
+if __name__ == "__main__":
+    main()
