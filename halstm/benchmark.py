@@ -98,7 +98,9 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
                  block_seconds=0.1) -> tuple[list, list]:
     """Time each of `timed` in interleaved rounds after a warm-up run each.
     A round gives each one a block of runs (as many as fit in block_seconds,
-    at least one), in an order that rotates from round to round; a block of
+    at least one; a run's length is the warm-up's, or where that took
+    block_seconds or more, a second run's: a first call may set up plans,
+    workspaces or caches), in an order that rotates from round to round; a block of
     short runs starts with one untimed run, since the other runtime's worker
     threads (PyTorch's OpenMP pool spins after its work) can still hold the
     cores when the switch happens. Rounds go on until every one has min_runs
@@ -107,9 +109,13 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
     round's median ms."""
     estimate = []
     for t in timed:
-        start = time.perf_counter()
-        t.fn()
-        estimate.append(time.perf_counter() - start)
+        for _ in range(2):
+            start = time.perf_counter()
+            t.fn()
+            e = time.perf_counter() - start
+            if e < block_seconds:
+                break
+        estimate.append(e)
     per_block = [max(1, min(max_runs, int(block_seconds / max(e, 1e-9)))) for e in estimate]
     times, rounds = [[] for _ in timed], [[] for _ in timed]
     spent = [0.0] * len(timed)

@@ -28,6 +28,19 @@ def test_blocks_fill_block_seconds_and_runs_stop_at_max_runs():
     assert min(times[1]) >= 4.0
 
 
+def test_a_slow_first_call_does_not_shrink_the_blocks():
+    state = {"calls": 0}
+
+    def first_call_slow():        # as a first call that sets up plans or workspaces
+        state["calls"] += 1
+        time.sleep(0.05 if state["calls"] == 1 else 0.001)
+    timed = [B._Timed("setup", first_call_slow)]
+    times, rounds = B._interleaved(timed, min_runs=2, min_seconds=0, max_runs=100,
+                                   block_seconds=0.02)
+    assert len(times[0]) / len(rounds[0]) >= 5    # blocks sized by the warm run, ~1 ms
+    assert state["calls"] == 2 + len(rounds[0]) + len(times[0])   # 2 estimates, untimed starts
+
+
 def test_alternating_runs_each_call_once_a_round_between_syncs():
     log = []
     calls = {k: (lambda k=k: (log.append(k), time.sleep(0.002 if k == "slow" else 0)))
