@@ -22,6 +22,6 @@ setup(
         "matplotlib",        # loss-curve plots (halstm train --plot, bench/)
         "threadpoolctl",     # numpy's BLAS on one thread beside Halide's pool while training
     ],
-    extras_require={"test": ["pytest>=7"], "torch": ["torch>=2.4"]},   # halstm.torch: custom_op
+    extras_require={"test": ["pytest>=7", "pytest-xdist>=3"], "torch": ["torch>=2.4"]},   # halstm.torch: custom_op
     entry_points={"console_scripts": ["halstm=halstm.cli:main"]},
 )

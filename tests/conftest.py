@@ -1,7 +1,9 @@
 """Fixtures shared by the tests (plain helpers: helpers.py).
 
-Kernels are compiled into one cache per test run, so each is built once
-(HALSTM_TEST_CACHE names a folder to keep them between runs)."""
+Kernels are compiled into one cache per test run, so each is built once,
+also where pytest-xdist's workers share the run (`pytest -n 2`): the
+cache's file locks let one worker build a kernel while the others wait
+for it. HALSTM_TEST_CACHE names a folder to keep them between runs."""
 import os
 
 import numpy as np
@@ -16,7 +18,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):
     """The kernel cache (HALSTM_CACHE) of this test run."""
-    path = os.environ.get("HALSTM_TEST_CACHE") or str(tmp_path_factory.mktemp("halstm-cache"))
+    path = os.environ.get("HALSTM_TEST_CACHE")
+    if not path:
+        base = tmp_path_factory.getbasetemp()
+        # xdist workers get base/../popen-gwN: their shared parent is the run's
+        path = str((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "halstm-cache")
+        os.makedirs(path, exist_ok=True)
     old = os.environ.get("HALSTM_CACHE")
     os.environ["HALSTM_CACHE"] = path
     yield path
