@@ -1,9 +1,9 @@
 """Kernels of one layer on the GPU by CUDA time (torch.profiler): each
-kernel's total, calls and time a call, per iteration. cuDNN's LSTM and
-halstm's cells; the forward without a tape (torch.no_grad, halstm.no_grad),
+kernel's total, calls and time a call, per iteration. cuDNN's LSTM
+(cudnn) and GRU (cudnn_gru) and halstm's cells; the forward without a tape (torch.no_grad, halstm.no_grad),
 and with --fwdbwd also the forward with its backward.
 
-    python bench/gpu_fwd_kernels.py [--cells cudnn,lstm,peephole_lstm] [--fwdbwd] IxHxBxT ...
+    python bench/gpu_fwd_kernels.py [--cells cudnn,lstm,cudnn_gru,gru,peephole_lstm] [--fwdbwd] IxHxBxT ...
 """
 import argparse
 
@@ -33,13 +33,17 @@ def prof(name, fn, iters=4):
         print(f"   {t:9.1f} us  {n:6.0f} calls  {t/n:7.2f} us/call  {k[:90]}")
 
 
-def cudnn(I, H, x, dy, fwdbwd):
-    m = torch.nn.LSTM(I, H).cuda()
+CUDNN = {"cudnn": ("LSTM", torch.nn.LSTM), "cudnn_gru": ("GRU", torch.nn.GRU)}
+
+
+def cudnn(name, I, H, x, dy, fwdbwd):
+    label, module = CUDNN[name]
+    m = module(I, H).cuda()
     with torch.no_grad():
-        prof("cuDNN fwd", lambda: m(x))
+        prof(f"cuDNN {label} fwd", lambda: m(x))
     if fwdbwd:
         xg = x.clone().requires_grad_()
-        prof("cuDNN fwdbwd", lambda: m(xg)[0].backward(dy))
+        prof(f"cuDNN {label} fwdbwd", lambda: m(xg)[0].backward(dy))
 
 
 def cell(name, I, H, x, dy, fwdbwd):
@@ -62,7 +66,7 @@ def main():
         x = torch.randn(T, B, I, device="cuda")
         dy = torch.randn(T, B, H, device="cuda")
         for name in a.cells.split(","):
-            (cudnn if name == "cudnn" else lambda *r: cell(name, *r))(I, H, x, dy, a.fwdbwd)
+            (cudnn if name in CUDNN else cell)(name, I, H, x, dy, a.fwdbwd)
 
 
 if __name__ == "__main__":
