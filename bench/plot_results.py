@@ -5,6 +5,7 @@ that `bench/gpu_cudnn_kernels.py --halstm` prints).
     .venv/bin/python bench/plot_results.py            # writes the PNGs below
     .venv/bin/python bench/plot_results.py --tables   # prints the tables (markdown)
     .venv/bin/python bench/plot_results.py --check    # results files RESULTS.md does not cite
+    .venv/bin/python bench/plot_results.py --cold     # runs timed one cold call a round
 
 A run's ratio is the one `halstm bench` reports (the median over its
 interleaved rounds of the round's ratio, the `x_<peer>` field of the JSON);
@@ -21,15 +22,15 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 
-SHAPES = ["charrnn_512x2", "deepbench_1024", "large_2048", "small_128_b16", "latency_256_b1"]
+SHAPES = ["charrnn_512x2", "deepbench_1024", "large_2048", "small_128_b16", "latency_256_b1",
+          "512x512x128x50x2"]
 MODES = ["fwd", "fwdbwd"]
 
 CPU = dict(runs=[f"cpu_s6b_run{k}.json" for k in (1, 2, 3)], peer="torch",
            context=[], title="CPU (2-core AMD EPYC, Zen 5): halstm / PyTorch",
            peer_name="PyTorch", png="ratios_cpu.png")
-GPU = dict(runs=[f"gpu_s10_run{k}.json" for k in (1, 2, 3)]
-           + [f"gpu_s10b_run{k}.json" for k in (1, 2, 3)],
-           peer="torch-cuda", context=["torch-cuda-tf32"],
+GPU = dict(runs=["gpu_h100_lstm_warm_1.json", "gpu_h100_lstm_warm_2.json"],
+           peer="torch-cuda", context=[],
            title="GPU (H100): halstm / cuDNN (float32, TF32 off)",
            peer_name="cuDNN", png="ratios_gpu.png")
 PROFILES = {"large_2048": "gpu_s10_kernels_final.txt",
@@ -216,12 +217,35 @@ def uncited():
     return [p for p in sorted(RESULTS.iterdir()) if f"results/{p.name}" not in page]
 
 
+def cold(limit_ms=50.0):
+    """(file, shape, mode, impl, ms) of every JSON row timed one call a
+    round at under limit_ms a call: a block sized by a first call that
+    set up plans or workspaces, so each timed call ran cold (halstm bench
+    before its blocks were sized by a warm call)."""
+    out = []
+    for p in sorted(RESULTS.glob("*.json")):
+        try:
+            rows = json.loads(p.read_text()).get("results", [])
+        except (ValueError, AttributeError):
+            continue
+        out += [(p.name, r["shape"], r["mode"], r["impl"], r["ms"]) for r in rows
+                if isinstance(r, dict) and "rounds_ms" in r and r.get("runs") == len(r["rounds_ms"])
+                and r["ms"] < limit_ms]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tables", action="store_true", help="print the derived tables")
     ap.add_argument("--check", action="store_true",
                     help="list results files that RESULTS.md does not cite (exit 1 if any)")
+    ap.add_argument("--cold", action="store_true",
+                    help="list runs timed one cold call a round (see cold())")
     a = ap.parse_args()
+    if a.cold:
+        for row in cold():
+            print("{} {} {} {} {:.3f} ms".format(*row))
+        return
     if a.check:
         missing = uncited()
         for p in missing:
