@@ -98,9 +98,10 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
                  block_seconds=0.1) -> tuple[list, list]:
     """Time each of `timed` in interleaved rounds after a warm-up run each.
     A round gives each one a block of runs (as many as fit in block_seconds,
-    at least one; a run's length is the warm-up's, or where that took
-    block_seconds or more, a second run's: a first call may set up plans,
-    workspaces or caches), in an order that rotates from round to round; a block of
+    at least one; a run's length is the shortest of up to three warm-up
+    calls, which stop at the first shorter than block_seconds: a first
+    call, and at times a second, may set up plans, workspaces or caches),
+    in an order that rotates from round to round; a block of
     short runs starts with one untimed run, since the other runtime's worker
     threads (PyTorch's OpenMP pool spins after its work) can still hold the
     cores when the switch happens. Rounds go on until every one has min_runs
@@ -109,10 +110,11 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
     round's median ms."""
     estimate = []
     for t in timed:
-        for _ in range(2):
+        e = float("inf")
+        for _ in range(3):
             start = time.perf_counter()
             t.fn()
-            e = time.perf_counter() - start
+            e = min(e, time.perf_counter() - start)
             if e < block_seconds:
                 break
         estimate.append(e)

@@ -31,14 +31,23 @@ def test_blocks_fill_block_seconds_and_runs_stop_at_max_runs():
 def test_a_slow_first_call_does_not_shrink_the_blocks():
     state = {"calls": 0}
 
-    def first_call_slow():        # as a first call that sets up plans or workspaces
+    def first_call_slow():        # as first calls that set up plans or workspaces
         state["calls"] += 1
-        time.sleep(0.05 if state["calls"] == 1 else 0.001)
+        time.sleep(0.05 if state["calls"] <= 2 else 0.001)
     timed = [B._Timed("setup", first_call_slow)]
     times, rounds = B._interleaved(timed, min_runs=2, min_seconds=0, max_runs=100,
                                    block_seconds=0.02)
     assert len(times[0]) / len(rounds[0]) >= 5    # blocks sized by the warm run, ~1 ms
-    assert state["calls"] == 2 + len(rounds[0]) + len(times[0])   # 2 estimates, untimed starts
+    assert state["calls"] == 3 + len(rounds[0]) + len(times[0])   # 3 estimates, untimed starts
+
+
+def test_a_slow_run_is_timed_after_three_warm_up_calls():
+    calls = []
+    timed = [B._Timed("slow", lambda: (calls.append(1), time.sleep(0.03)))]
+    times, rounds = B._interleaved(timed, min_runs=2, min_seconds=0, max_runs=100,
+                                   block_seconds=0.02)
+    assert len(calls) == 3 + 2                    # no untimed start for a block of one run
+    assert [len(t) for t in times] == [2]
 
 
 def test_alternating_runs_each_call_once_a_round_between_syncs():
