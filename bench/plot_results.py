@@ -217,20 +217,27 @@ def uncited():
     return [p for p in sorted(RESULTS.iterdir()) if f"results/{p.name}" not in page]
 
 
-def cold(limit_ms=50.0):
-    """(file, shape, mode, impl, ms) of every JSON row timed one call a
-    round at under limit_ms a call: a block sized by a first call that
-    set up plans or workspaces, so each timed call ran cold (halstm bench
-    before its blocks were sized by a warm call)."""
+def cold(limit_ms=50.0, block_ms=100.0):
+    """(file, shape, mode, impl, ms, "cold" or "maybe") of every JSON row
+    timed one call a round at under limit_ms a call. Where the row has
+    its warm-up calls (warmup_ms), "cold" if the shortest took block_ms
+    or more (no untimed call before each block); in files without them,
+    "maybe": a first call of block_ms or more made such blocks cold, one
+    of limit_ms to block_ms made blocks of one run after an untimed call."""
     out = []
     for p in sorted(RESULTS.glob("*.json")):
         try:
             rows = json.loads(p.read_text()).get("results", [])
         except (ValueError, AttributeError):
             continue
-        out += [(p.name, r["shape"], r["mode"], r["impl"], r["ms"]) for r in rows
-                if isinstance(r, dict) and "rounds_ms" in r and r.get("runs") == len(r["rounds_ms"])
-                and r["ms"] < limit_ms]
+        for r in rows:
+            if not (isinstance(r, dict) and "rounds_ms" in r
+                    and r.get("runs") == len(r["rounds_ms"]) and r["ms"] < limit_ms):
+                continue
+            if "warmup_ms" not in r:
+                out.append((p.name, r["shape"], r["mode"], r["impl"], r["ms"], "maybe"))
+            elif min(r["warmup_ms"]) >= block_ms:
+                out.append((p.name, r["shape"], r["mode"], r["impl"], r["ms"], "cold"))
     return out
 
 
@@ -244,7 +251,7 @@ def main():
     a = ap.parse_args()
     if a.cold:
         for row in cold():
-            print("{} {} {} {} {:.3f} ms".format(*row))
+            print("{} {} {} {} {:.3f} ms {}".format(*row))
         return
     if a.check:
         missing = uncited()

@@ -79,10 +79,11 @@ class Result:
     others: float | None = None  # share of CPU time other processes of this machine used meanwhile
     times_ms: list = field(default_factory=list, repr=False)   # every timed run
     rounds_ms: list = field(default_factory=list, repr=False)  # each round's median
+    warmup_ms: list = field(default_factory=list, repr=False)  # the untimed warm-up calls
 
     def row(self) -> dict:
         row = asdict(self)
-        del row["times_ms"], row["rounds_ms"]
+        del row["times_ms"], row["rounds_ms"], row["warmup_ms"]
         return row
 
 
@@ -92,16 +93,17 @@ class _Timed:
     impl: str
     fn: object
     max_rel_err: float | None = None
+    warmup_ms: list = field(default_factory=list)   # set by _interleaved
 
 
 def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
                  block_seconds=0.1) -> tuple[list, list]:
     """Time each of `timed` in interleaved rounds after a warm-up run each.
     A round gives each one a block of runs (as many as fit in block_seconds,
-    at least one; a run's length is the shortest of up to three warm-up
-    calls, which stop at the first shorter than block_seconds: a first
-    call, and at times a second, may set up plans, workspaces or caches),
-    in an order that rotates from round to round; a block of
+    at least one; a run's length is the shortest of two or three warm-up
+    calls, the third only where both took block_seconds or more: a first
+    call, and at times a second, may set up plans, workspaces or caches;
+    each one's warm-up calls land in its warmup_ms), in an order that rotates from round to round; a block of
     short runs starts with one untimed run, since the other runtime's worker
     threads (PyTorch's OpenMP pool spins after its work) can still hold the
     cores when the switch happens. Rounds go on until every one has min_runs
@@ -110,14 +112,13 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
     round's median ms."""
     estimate = []
     for t in timed:
-        e = float("inf")
-        for _ in range(3):
+        t.warmup_ms = []
+        while len(t.warmup_ms) < 2 or (len(t.warmup_ms) < 3
+                                       and min(t.warmup_ms) >= block_seconds * 1e3):
             start = time.perf_counter()
             t.fn()
-            e = min(e, time.perf_counter() - start)
-            if e < block_seconds:
-                break
-        estimate.append(e)
+            t.warmup_ms.append((time.perf_counter() - start) * 1e3)
+        estimate.append(min(t.warmup_ms) / 1e3)
     per_block = [max(1, min(max_runs, int(block_seconds / max(e, 1e-9)))) for e in estimate]
     times, rounds = [[] for _ in timed], [[] for _ in timed]
     spent = [0.0] * len(timed)
@@ -453,7 +454,8 @@ def run(names, cell, scheds, target="host", peers=("numpy", "torch"), modes=("fw
         for t, times, rounds in zip(timed, *measured):
             ms = statistics.median(times)
             results.append(Result(name, cell, mode, t.impl, ms, flops(cell, s, mode) / ms / 1e6,
-                                  len(times), t.max_rel_err, steal, others, times, rounds))
+                                  len(times), t.max_rel_err, steal, others, times, rounds,
+                                  t.warmup_ms))
     return results, notes
 
 
@@ -571,7 +573,8 @@ def write_json(results, path) -> None:
     meta["tuning"] = tuning.this_machine()
     with open(path, "w") as f:
         rows = [row | {"times_ms": [round(t, 4) for t in r.times_ms],
-                       "rounds_ms": [round(t, 4) for t in r.rounds_ms]}
+                       "rounds_ms": [round(t, 4) for t in r.rounds_ms],
+                       "warmup_ms": [round(t, 4) for t in r.warmup_ms]}
                 for row, r in zip(ratios(results), results)]
         json.dump({"meta": meta, "results": rows}, f, indent=2)
 

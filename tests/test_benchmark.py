@@ -9,9 +9,10 @@ def test_rounds_interleave_in_rotating_order():
     calls = []
     timed = [B._Timed(name, lambda name=name: calls.append(name)) for name in "abc"]
     times, rounds = B._interleaved(timed, min_runs=3, min_seconds=0, max_runs=1)
-    # warm-ups, then per round one block each (a short run's block starts untimed)
-    assert calls[:3] == ["a", "b", "c"]
-    blocks = [calls[i:i + 2] for i in range(3, len(calls), 2)]
+    # two warm-ups each, then per round one block each (a short run's block starts untimed)
+    assert calls[:6] == ["a", "a", "b", "b", "c", "c"]
+    assert all(len(t.warmup_ms) == 2 for t in timed)
+    blocks = [calls[i:i + 2] for i in range(6, len(calls), 2)]
     assert all(b[0] == b[1] for b in blocks)
     assert [b[0] for b in blocks] == list("abc" "bca" "cab")
     assert [len(t) for t in times] == [3, 3, 3] and [len(r) for r in rounds] == [3, 3, 3]
@@ -38,7 +39,8 @@ def test_a_slow_first_call_does_not_shrink_the_blocks():
     times, rounds = B._interleaved(timed, min_runs=2, min_seconds=0, max_runs=100,
                                    block_seconds=0.02)
     assert len(times[0]) / len(rounds[0]) >= 5    # blocks sized by the warm run, ~1 ms
-    assert state["calls"] == 3 + len(rounds[0]) + len(times[0])   # 3 estimates, untimed starts
+    assert state["calls"] == 3 + len(rounds[0]) + len(times[0])   # 3 warm-ups, untimed starts
+    assert [round(ms, -1) for ms in timed[0].warmup_ms] == [50, 50, 0]
 
 
 def test_a_slow_run_is_timed_after_three_warm_up_calls():
