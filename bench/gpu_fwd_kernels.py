@@ -1,7 +1,8 @@
 """Kernels of one layer on the GPU by CUDA time (torch.profiler): each
 kernel's total, calls and time a call, per iteration. cuDNN's LSTM
-(cudnn) and GRU (cudnn_gru) and halstm's cells; the forward without a tape (torch.no_grad, halstm.no_grad),
-and with --fwdbwd also the forward with its backward.
+(cudnn) and GRU (cudnn_gru) and halstm's cells; the forward without a
+tape (torch.no_grad, halstm.no_grad), and with --fwdbwd also the forward
+with its backward.
 
     python bench/gpu_fwd_kernels.py [--cells cudnn,lstm,cudnn_gru,gru,peephole_lstm] [--fwdbwd] IxHxBxT ...
 """

@@ -98,15 +98,15 @@ class _Timed:
 
 def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
                  block_seconds=0.1) -> tuple[list, list]:
-    """Time each of `timed` in interleaved rounds after a warm-up run each.
-    A round gives each one a block of runs (as many as fit in block_seconds,
-    at least one; a run's length is the shortest of two or three warm-up
-    calls, the third only where both took block_seconds or more: a first
-    call, and at times a second, may set up plans, workspaces or caches;
-    each one's warm-up calls land in its warmup_ms), in an order that rotates from round to round; a block of
-    short runs starts with one untimed run, since the other runtime's worker
-    threads (PyTorch's OpenMP pool spins after its work) can still hold the
-    cores when the switch happens. Rounds go on until every one has min_runs
+    """Time each of `timed` in interleaved rounds after two or three
+    warm-up calls each (the third only where both took block_seconds or
+    more: a first call, and at times a second, may set up plans,
+    workspaces or caches; they land in its warmup_ms, and the shortest
+    is its run's length). A round gives each one a block of runs (as many
+    as fit in block_seconds, at least one), in an order that rotates from
+    round to round; a block of short runs starts with one untimed run,
+    since the other runtime's worker threads (PyTorch's OpenMP pool spins
+    after its work) can still hold the cores when the switch happens. Rounds go on until every one has min_runs
     rounds and min_seconds of timed runs, or max_runs runs.
     Returns (times, rounds): per implementation every run's ms, and each
     round's median ms."""
