@@ -40,7 +40,8 @@ def test_a_slow_first_call_does_not_shrink_the_blocks():
                                    block_seconds=0.02)
     assert len(times[0]) / len(rounds[0]) >= 5    # blocks sized by the warm run, ~1 ms
     assert state["calls"] == 3 + len(rounds[0]) + len(times[0])   # 3 warm-ups, untimed starts
-    assert [round(ms, -1) for ms in timed[0].warmup_ms] == [50, 50, 0]
+    slow1, slow2, warm = timed[0].warmup_ms       # a loaded machine's sleeps overshoot
+    assert slow1 >= 49 and slow2 >= 49 and warm < min(slow1, slow2) / 2
 
 
 def test_a_slow_run_is_timed_after_three_warm_up_calls():
