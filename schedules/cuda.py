@@ -221,12 +221,19 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
 # faster than a GEMM launch plus a pointwise kernel. Forward, its GEMMs in
 # slices (step_splits), 2^24 (the LSTM at H=512 B=16 took 0.81x the fused
 # step's time), 2^25 for cells that reduce over units (whose own steps at
-# 2^24 were 1-5% faster); backward 1.5 * 2^26: its fused step won at 2^26
-# (4 gates, H=512, B=64), cuBLAS at 1.5 * 2^26 (3 gates, H=512, B=128)
+# 2^24 were 1-5% faster); backward 2^24 too, from VENDOR_STEP_BWD_ROWS
+# rows (its GEMM dhg W_hh and a pointwise kernel took 0.67x-0.92x the fused
+# step's time from 2^24 to 1.5 * 2^26 multiply-adds at 8 to 128 rows, H =
+# 256 to 1024, H100; 0.995x at H=256 B=64; at 2 and 4 rows 1.23x and
+# 1.05x: a GEMM of so few rows leaves most multiprocessors idle)
 # (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
 VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 24
 VENDOR_STEP_REDUCING_MACS = KNOBS["step_gemm_reducing_mmacs"].default << 20    # 1 << 25
-VENDOR_STEP_BWD_MACS = KNOBS["step_gemm_bwd_mmacs"].default << 20    # 3 << 25
+VENDOR_STEP_BWD_MACS = KNOBS["step_gemm_bwd_mmacs"].default << 20    # 1 << 24
+VENDOR_STEP_BWD_ROWS = 8
+# ... and for cells that reduce over units 1.5 * 2^26 backward (their
+# folded backward steps were not timed against the GEMM below it)
+VENDOR_STEP_REDUCING_BWD_MACS = KNOBS["step_gemm_reducing_bwd_mmacs"].default << 20   # 3 << 25
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
 # times faster than fp32's, and from H = fused_bwd_below the Halide
 # backward step is two kernels anyway, so the GEMM replaces one of them
@@ -245,15 +252,18 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     """layout with the projection and gradient GEMMs by cuBLAS, and the
     steps' products too from the batch where they reach VENDOR_STEP_MACS
     (VENDOR_STEP_REDUCING_MACS for a cell that reduces over units,
-    VENDOR_STEP_MACS_TENSOR in TF32 or bf16, VENDOR_STEP_BWD_MACS backward;
-    where tuned, the knobs step_gemm_mmacs, step_gemm_reducing_mmacs,
+    VENDOR_STEP_MACS_TENSOR in TF32 or bf16; backward VENDOR_STEP_BWD_MACS
+    from VENDOR_STEP_BWD_ROWS rows, VENDOR_STEP_REDUCING_BWD_MACS; where
+    tuned, the knobs step_gemm_mmacs, step_gemm_reducing_mmacs,
     step_gemm_tensor_mmacs, with _bwd_ backward, in 2^20)."""
     fp32, fwd = precision == "fp32", direction == "fwd"
-    name = ("step_gemm" + ("" if fp32 else "_tensor") + ("" if fwd else "_bwd")
-            + ("_reducing" if reduces and fp32 and fwd else "") + "_mmacs")
+    reducing = reduces and fp32
+    name = ("step_gemm" + ("" if fp32 else "_tensor") + ("_reducing" if reducing else "")
+            + ("" if fwd else "_bwd") + "_mmacs")
     macs = _knob(knobs, name) << 20
+    least = VENDOR_STEP_BWD_ROWS if fp32 and not fwd and not reducing else 1
     return replace(layout, vendor_gemm=True,
-                   vendor_step_rows=max(1, -(-macs // (gates * H * H))),
+                   vendor_step_rows=max(least, -(-macs // (gates * H * H))),
                    vendor_step_splits=step_splits(H) if fwd and fp32 else 1)
 
 

@@ -51,7 +51,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # (cuda.narrow_layout; 1 << 20: never); in layers with cuBLAS GEMMs the
 # multiply-adds (in 2^20) of a step's product from which it runs as a
 # cuBLAS GEMM, forward and backward, in fp32 and in the tensor-core
-# precisions apart, the fp32 forward of cells that reduce over units apart
+# precisions apart, the fp32 steps of cells that reduce over units apart
 # too (cuda.vendor_layout; 1 << 20: never);
 # the W_hh size, in percent of a multiprocessor's shared memory, up to
 # which a forward without a tape runs every step in one kernel
@@ -63,8 +63,11 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                                          fp32_only=True, gemm="cublas"),
                  "step_gemm_reducing_mmacs": Knob("fwd", 32, (16, 32, 96, 1 << 20),
                                                   reducing=True, fp32_only=True, gemm="cublas"),
-                 "step_gemm_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
+                 "step_gemm_bwd_mmacs": Knob("bwd", 16, (8, 16, 32, 96, 1 << 20), pointwise=True,
                                              fp32_only=True, gemm="cublas"),
+                 "step_gemm_reducing_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
+                                                      reducing=True, fp32_only=True,
+                                                      gemm="cublas"),
                  "step_gemm_tensor_mmacs": Knob("fwd", 32, (8, 32, 1 << 20), bf16=True,
                                                 tensor_only=True, gemm="cublas"),
                  "step_gemm_tensor_bwd_mmacs": Knob("bwd", 32, (8, 32, 1 << 20), bf16=True,

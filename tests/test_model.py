@@ -6,6 +6,8 @@ library per direction for the whole file.
 """
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -419,21 +421,32 @@ def test_cli_train_resume_and_sample(tmp_path, text_file):
     assert s1.output == s2.output and s1.output.startswith("cab ") and len(s1.output) == 55
 
 
+def _steps_shown(proc, deadline: float) -> str:
+    """stderr of a `halstm train` run with its progress bar until the bar
+    shows a finished step (the first may build kernels), or AssertionError
+    at the deadline or the process's end."""
+    fd, seen = proc.stderr.fileno(), ""
+    while not re.search(r"\b[1-9]\d*/1000000\b", seen):
+        assert proc.poll() is None and time.monotonic() < deadline, seen
+        if select.select([fd], [], [], 0.5)[0]:
+            seen += os.read(fd, 4096).decode(errors="replace")
+    return seen
+
+
 def test_ctrl_c_writes_a_checkpoint_and_exits_cleanly(tmp_path, text_file):
     out = tmp_path / "int.npz"
-    cmd = [sys.executable, "-m", "halstm.cli", *map(str, TRAIN), str(text_file),
-           "--steps", "1000000", "--eval-every", "0", "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ})
+    cmd = [sys.executable, "-m", "halstm.cli", *(str(a) for a in TRAIN if a != "-q"),
+           str(text_file), "--steps", "1000000", "--eval-every", "0", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
     try:
-        header = proc.stderr.readline()
-        assert "LSTM 2 x 16" in header, header
-        time.sleep(3.0)                       # compile (cached) and some steps
+        seen = _steps_shown(proc, time.monotonic() + 120)   # (a loaded machine: not a sleep)
+        assert "LSTM 2 x 16" in seen, seen
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        _, rest = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = seen + rest.decode(errors="replace")
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "interrupted by SIGINT: " in err and "continue with" in err
     ckpt = checkpoint.load(out)

@@ -198,11 +198,13 @@ def test_cuda_knobs_shape_the_layout():
     assert layout("lstm", 256, "fwd", {})[1].narrow_rows > 0
     assert layout("lstm", 256, "fwd", {"narrow_kib": 1 << 20})[1].narrow_rows == 0
     G, H = 4, 64
-    # (defaults: 2^24 forward, 2^25 for a cell that reduces, 1.5 * 2^26 backward)
+    # (defaults: 2^24 forward, 2^25 for a cell that reduces; backward 2^24, 1.5 * 2^26 for
+    # a cell that reduces)
     for cell, direction, name, tuned, default in (
             ("lstm", "fwd", "step_gemm_mmacs", 96, 16),
             ("layernorm_lstm", "fwd", "step_gemm_reducing_mmacs", 96, 32),
-            ("lstm", "bwd", "step_gemm_bwd_mmacs", 32, 96)):
+            ("lstm", "bwd", "step_gemm_bwd_mmacs", 32, 16),
+            ("layernorm_lstm", "bwd", "step_gemm_reducing_bwd_mmacs", 32, 96)):
         knobs, lay = layout(cell, H, direction, {name: tuned}, gemm="cublas")
         assert knobs == ((name, tuned),)
         assert lay.vendor_step_rows == -(-(tuned << 20) // (G * H * H))
