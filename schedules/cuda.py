@@ -231,9 +231,12 @@ VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 24
 VENDOR_STEP_REDUCING_MACS = KNOBS["step_gemm_reducing_mmacs"].default << 20    # 1 << 25
 VENDOR_STEP_BWD_MACS = KNOBS["step_gemm_bwd_mmacs"].default << 20    # 1 << 24
 VENDOR_STEP_BWD_ROWS = 8
-# ... and for cells that reduce over units 1.5 * 2^26 backward (their
-# folded backward steps were not timed against the GEMM below it)
+# ... and 1.5 * 2^26 for cells that reduce over units (their folded
+# backward steps were not timed against the GEMM below it), and, untuned,
+# for cells of fewer than VENDOR_STEP_BWD_GATES gate blocks (measured with
+# 3 and 4; a one-gate cell's vendor backward has no GPU test below it)
 VENDOR_STEP_REDUCING_BWD_MACS = KNOBS["step_gemm_reducing_bwd_mmacs"].default << 20   # 3 << 25
+VENDOR_STEP_BWD_GATES = 3
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
 # times faster than fp32's, and from H = fused_bwd_below the Halide
 # backward step is two kernels anyway, so the GEMM replaces one of them
@@ -253,15 +256,20 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     steps' products too from the batch where they reach VENDOR_STEP_MACS
     (VENDOR_STEP_REDUCING_MACS for a cell that reduces over units,
     VENDOR_STEP_MACS_TENSOR in TF32 or bf16; backward VENDOR_STEP_BWD_MACS
-    from VENDOR_STEP_BWD_ROWS rows, VENDOR_STEP_REDUCING_BWD_MACS; where
-    tuned, the knobs step_gemm_mmacs, step_gemm_reducing_mmacs,
+    from VENDOR_STEP_BWD_ROWS rows, VENDOR_STEP_REDUCING_BWD_MACS for cells
+    that reduce or (untuned) have fewer than VENDOR_STEP_BWD_GATES gates;
+    where tuned, the knobs step_gemm_mmacs, step_gemm_reducing_mmacs,
     step_gemm_tensor_mmacs, with _bwd_ backward, in 2^20)."""
     fp32, fwd = precision == "fp32", direction == "fwd"
     reducing = reduces and fp32
     name = ("step_gemm" + ("" if fp32 else "_tensor") + ("_reducing" if reducing else "")
             + ("" if fwd else "_bwd") + "_mmacs")
     macs = _knob(knobs, name) << 20
-    least = VENDOR_STEP_BWD_ROWS if fp32 and not fwd and not reducing else 1
+    least = 1
+    if fp32 and not fwd and not reducing:
+        least = VENDOR_STEP_BWD_ROWS
+        if gates < VENDOR_STEP_BWD_GATES and name not in (knobs or {}):
+            macs = VENDOR_STEP_REDUCING_BWD_MACS
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(least, -(-macs // (gates * H * H))),
                    vendor_step_splits=step_splits(H) if fwd and fp32 else 1)
