@@ -4,10 +4,12 @@ on two CUDA streams at once, and as a wavefront of chunks of steps (layer
 between them), against torch.nn.LSTM of two layers (cuDNN, TF32 off):
 whether running the layers side by side would pay.
 
-    python bench/gpu_layer_streams.py --shapes 512x512x64x100,512x512x128x50 --chunks 2,4,10
+    python bench/gpu_layer_streams.py --shapes 520x512x64x100,520x512x128x50 --chunks 2,4,10
 
-A shape is I x H x B x T with I = H (layer 2 reads layer 1's h). Prints
-median ms of 30 calls after 5, each synchronised.
+A shape is I x H x B x T, layer 1 reading I inputs and layer 2 H; I must
+differ from H, so that the layers are two libraries (a library's cuBLAS
+step buffers serve one call at a time). Prints median ms of 30 calls
+after 5, each synchronised; "C=n" is the chunks x.chunk(n) gives.
 """
 import argparse
 import statistics
@@ -33,18 +35,19 @@ def timed(fn, n=30):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="512x512x64x100,512x512x128x50,1024x1024x64x25")
+    ap.add_argument("--shapes", default="520x512x64x100,520x512x128x50,1032x1024x64x25")
     ap.add_argument("--chunks", default="2,4,10")
     a = ap.parse_args()
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     for shape in a.shapes.split(","):
         K, H, B, T = map(int, shape.split("x"))
-        if K != H:
-            raise SystemExit(f"--shapes {shape}: expected I = H (layer 2 reads layer 1's h)")
+        if K == H:
+            raise SystemExit(f"--shapes {shape}: expected I other than H (two libraries)")
         m1, m2 = ht.LSTM(K, H).cuda(), ht.LSTM(H, H).cuda()
-        cudnn = torch.nn.LSTM(K, H, 2).cuda()
+        cudnn = torch.nn.LSTM(K, H, 2).cuda()   # (its layer 2 reads H, as m2)
         x = torch.randn(T, B, K, device="cuda")
+        x2 = torch.randn(T, B, H, device="cuda")    # layer 2's input in the side-by-side runs
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
         def side_by_side():
@@ -54,7 +57,7 @@ def main():
             with torch.cuda.stream(s1):
                 m1(x)
             with torch.cuda.stream(s2):
-                m2(x)
+                m2(x2)
             cur.wait_stream(s1)
             cur.wait_stream(s2)
 
@@ -69,6 +72,7 @@ def main():
                     done = torch.cuda.Event()
                     done.record(s1)
                 s2.wait_event(done)
+                y1.record_stream(s2)
                 with torch.cuda.stream(s2):
                     _, h2 = m2(y1, h2)
             cur.wait_stream(s1)
@@ -76,10 +80,10 @@ def main():
 
         with torch.no_grad():
             line = [f"{shape}: one layer {timed(lambda: m1(x)):.3f} ms",
-                    f"two in turn {timed(lambda: (m1(x), m2(x))):.3f}",
+                    f"two in turn {timed(lambda: (m1(x), m2(x2))):.3f}",
                     f"two on two streams {timed(side_by_side):.3f}"]
-            line += [f"wavefront C={c} {timed(lambda c=int(c): wavefront(c)):.3f}"
-                     for c in a.chunks.split(",")]
+            line += [f"wavefront C={len(x.chunk(int(c)))} "
+                     f"{timed(lambda c=int(c): wavefront(c)):.3f}" for c in a.chunks.split(",")]
             line.append(f"cuDNN 2 layers {timed(lambda: cudnn(x)):.3f}")
         print(", ".join(line), flush=True)
 

@@ -223,18 +223,21 @@ def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
 # step's time), 2^25 for cells that reduce over units (whose own steps at
 # 2^24 were 1-5% faster); backward 2^24 too, from VENDOR_STEP_BWD_ROWS
 # rows (its GEMM dhg W_hh and a pointwise kernel took 0.67x-0.92x the fused
-# step's time from 2^24 to 1.5 * 2^26 multiply-adds at 8 to 128 rows, H =
-# 256 to 1024, H100; 0.995x at H=256 B=64; at 2 and 4 rows 1.23x and
-# 1.05x: a GEMM of so few rows leaves most multiprocessors idle)
+# step's time from 2^24 to 2^26 multiply-adds at 8 to 128 rows, H = 256 to
+# 1024, H100; 0.995x at H=256 B=64; at 2 and 4 rows 1.23x and 1.05x, at 1
+# row 0.94x: a GEMM of so few rows leaves most multiprocessors idle; the
+# 8 rows keep H = 2048 at 6 and 7 rows, cuBLAS's before, on the fused step,
+# not timed)
 # (bench/RESULTS.md, "Schedule decisions": cuda.VENDOR_STEP_MACS).
 VENDOR_STEP_MACS = KNOBS["step_gemm_mmacs"].default << 20        # 1 << 24
 VENDOR_STEP_REDUCING_MACS = KNOBS["step_gemm_reducing_mmacs"].default << 20    # 1 << 25
 VENDOR_STEP_BWD_MACS = KNOBS["step_gemm_bwd_mmacs"].default << 20    # 1 << 24
 VENDOR_STEP_BWD_ROWS = 8
 # ... and 1.5 * 2^26 for cells that reduce over units (their folded
-# backward steps were not timed against the GEMM below it), and, untuned,
-# for cells of fewer than VENDOR_STEP_BWD_GATES gate blocks (measured with
-# 3 and 4; a one-gate cell's vendor backward has no GPU test below it)
+# backward steps were not timed against the GEMM below it); cells of fewer
+# than VENDOR_STEP_BWD_GATES gate blocks at least that whatever the knob
+# (measured with 3 and 4; a one-gate cell's vendor backward has no GPU test
+# below it)
 VENDOR_STEP_REDUCING_BWD_MACS = KNOBS["step_gemm_reducing_bwd_mmacs"].default << 20   # 3 << 25
 VENDOR_STEP_BWD_GATES = 3
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
@@ -257,7 +260,8 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     (VENDOR_STEP_REDUCING_MACS for a cell that reduces over units,
     VENDOR_STEP_MACS_TENSOR in TF32 or bf16; backward VENDOR_STEP_BWD_MACS
     from VENDOR_STEP_BWD_ROWS rows, VENDOR_STEP_REDUCING_BWD_MACS for cells
-    that reduce or (untuned) have fewer than VENDOR_STEP_BWD_GATES gates;
+    that reduce, at least that for cells of fewer than VENDOR_STEP_BWD_GATES
+    gates;
     where tuned, the knobs step_gemm_mmacs, step_gemm_reducing_mmacs,
     step_gemm_tensor_mmacs, with _bwd_ backward, in 2^20)."""
     fp32, fwd = precision == "fp32", direction == "fwd"
@@ -268,8 +272,8 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     least = 1
     if fp32 and not fwd and not reducing:
         least = VENDOR_STEP_BWD_ROWS
-        if gates < VENDOR_STEP_BWD_GATES and name not in (knobs or {}):
-            macs = VENDOR_STEP_REDUCING_BWD_MACS
+        if gates < VENDOR_STEP_BWD_GATES:
+            macs = max(macs, VENDOR_STEP_REDUCING_BWD_MACS)
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(least, -(-macs // (gates * H * H))),
                    vendor_step_splits=step_splits(H) if fwd and fp32 else 1)

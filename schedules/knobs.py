@@ -52,7 +52,9 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # multiply-adds (in 2^20) of a step's product from which it runs as a
 # cuBLAS GEMM, forward and backward, in fp32 and in the tensor-core
 # precisions apart, the fp32 steps of cells that reduce over units apart
-# too (cuda.vendor_layout; 1 << 20: never; the fp32 backward's from 8 rows);
+# too (cuda.vendor_layout; 1 << 20: never; the fp32 backward of cells that
+# do not reduce from 8 rows, and for cells of fewer than 3 gate blocks not
+# below the default of cells that reduce);
 # the W_hh size, in percent of a multiprocessor's shared memory, up to
 # which a forward without a tape runs every step in one kernel
 # (cuda.loop_layout; 1: a W_hh of 2 KiB on an H100, about never). Their
