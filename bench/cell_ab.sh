@@ -26,10 +26,14 @@ for v in "$@"; do
   if [ -n "$patch" ]; then
     patch -s -p1 -d "$tree" < "$patch" || { echo "$patch does not apply" >&2; exit 1; }
   fi
+  declare -A built=()
   for cell in ${CELLS:-lstm gru}; do
     for s in "${rows[@]}"; do
       read -r I H B T <<< "$s"
-      log=$tree/$cell-$H.log
+      # one library folder per cell, I and H (shapes of other B or T share it)
+      [ -n "${built[$cell-$I-$H]:-}" ] && continue
+      built[$cell-$I-$H]=1
+      log=$tree/$cell-$I-$H.log
       # (from inside the copy: `python3 -c` puts the working directory
       # first on sys.path, ahead of PYTHONPATH)
       (cd "$tree" && HALSTM_CACHE=$tree/cache PYTHONPATH="$tree:${PYTHONPATH:-}" python3 -c \
