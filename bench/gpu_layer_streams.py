@@ -8,29 +8,16 @@ whether running the layers side by side would pay.
 
 A shape is I x H x B x T, layer 1 reading I inputs and layer 2 H; I must
 differ from H, so that the layers are two libraries (a library's cuBLAS
-step buffers serve one call at a time). Prints median ms of 30 calls
-after 5, each synchronised; "C=n" is the chunks x.chunk(n) gives.
+step buffers serve one call at a time). Prints median ms of 30
+interleaved rounds after 5 (halstm.benchmark.alternating), each call
+synchronised; "C=n" is the chunks x.chunk(n) gives.
 """
 import argparse
-import statistics
-import time
 
 import torch
 
 import halstm.torch as ht
-
-
-def timed(fn, n=30):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
+from halstm.benchmark import alternating
 
 
 def main():
@@ -78,14 +65,15 @@ def main():
             cur.wait_stream(s1)
             cur.wait_stream(s2)
 
+        calls = {"one layer": lambda: m1(x), "two in turn": lambda: (m1(x), m2(x2)),
+                 "two on two streams": side_by_side}
+        calls.update({f"wavefront C={len(x.chunk(int(c)))}": lambda c=int(c): wavefront(c)
+                      for c in a.chunks.split(",")})
+        calls["cuDNN 2 layers"] = lambda: cudnn(x)
         with torch.no_grad():
-            line = [f"{shape}: one layer {timed(lambda: m1(x)):.3f} ms",
-                    f"two in turn {timed(lambda: (m1(x), m2(x2))):.3f}",
-                    f"two on two streams {timed(side_by_side):.3f}"]
-            line += [f"wavefront C={len(x.chunk(int(c)))} "
-                     f"{timed(lambda c=int(c): wavefront(c)):.3f}" for c in a.chunks.split(",")]
-            line.append(f"cuDNN 2 layers {timed(lambda: cudnn(x)):.3f}")
-        print(", ".join(line), flush=True)
+            ms = alternating(calls, rounds=35, warmup=5, sync=torch.cuda.synchronize)
+        print(f"{shape}: " + ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in ms.items()),
+              flush=True)
 
 
 if __name__ == "__main__":
