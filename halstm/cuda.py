@@ -170,6 +170,46 @@ def synchronize() -> None:
     driver().call("cuCtxSynchronize")
 
 
+class Stream:
+    """A CUDA stream of device 0's primary context that does not wait for
+    the legacy default stream (CU_STREAM_NON_BLOCKING): work queued on two
+    such streams may run at once. after(other) orders it after the work
+    queued so far on `other` (a Stream, or None: the legacy stream)."""
+
+    def __init__(self):
+        d = driver()
+        h = _P()
+        d.call("cuStreamCreate", ctypes.byref(h), 1)
+        self.handle = h.value
+
+    def after(self, other: "Stream | None") -> None:
+        d = driver()
+        ev = _P()
+        d.call("cuEventCreate", ctypes.byref(ev), 2)          # CU_EVENT_DISABLE_TIMING
+        try:
+            d.call("cuEventRecord", ev, _P(other.handle if other else None))
+            d.call("cuStreamWaitEvent", _P(self.handle), ev, 0)
+        finally:
+            d.lib.cuEventDestroy_v2(ev)     # (released once the wait is done)
+
+    def __del__(self):
+        if _driver is not None and self.handle:
+            _driver.lib.cuStreamDestroy_v2(_P(self.handle))
+
+
+def legacy_after(streams) -> None:
+    """Order the legacy default stream after the work queued on `streams`."""
+    d = driver()
+    for s in streams:
+        ev = _P()
+        d.call("cuEventCreate", ctypes.byref(ev), 2)
+        try:
+            d.call("cuEventRecord", ev, _P(s.handle))
+            d.call("cuStreamWaitEvent", _P(None), ev, 0)
+        finally:
+            d.lib.cuEventDestroy_v2(ev)
+
+
 def mem_info() -> tuple[int, int]:
     """(free, total) bytes of device memory."""
     free, total = _SZ(), _SZ()

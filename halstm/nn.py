@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import aot, cuda, machine
-from . import memory, projected, runtime
+from . import memory, projected, runtime, wavefront
 from .runtime import Library, step_batch_sizes
 
 _PARAMS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
@@ -491,7 +491,10 @@ class _RNN:
         D, L, save = self.num_directions, self.num_layers, is_grad_enabled()
         tape, masks, inp = [], [], x                 # tape[layer * D + d]
         ends = []                                    # [layer * D + d][state]: (B, H) or None
-        for layer in range(L):
+        n = self._wavefront_chunks(T, B, ids, rows)
+        if n > 1:
+            inp = self._wavefront(x, init, n, save, tape, ends)
+        for layer in range(L if n == 1 else 0):
             def one(d, threads):
                 """Direction d of this layer: (y (T, B, H) in time order, tape, end)."""
                 inp_d = inp if d == 0 else self._mem.reverse_time(inp, ns)
@@ -541,6 +544,41 @@ class _RNN:
         if rows is not None:
             return self._seq_out(self._mem.take(inp, rows[1]), host, False, fresh=True), finals
         return self._seq_out(inp, host, taped=save and D == 1), finals
+
+    def _wavefront_chunks(self, T, B, ids, rows) -> int:
+        """The chunks of a GPU stack's wavefront (halstm.wavefront; 1:
+        none): one direction, no projection, lengths or dropout."""
+        if (not self.on_gpu or self.num_directions > 1 or self.proj_size or ids
+                or rows is not None or (self.dropout and self.training)):
+            return 1
+        L, I, H = self.num_layers, self.input_size, self.hidden_size
+        shared = L - 1 if I != H else L
+        return wavefront.chunks(T, B, self.n_gates, H, L, shared, machine.gpu_sms())
+
+    def _wavefront(self, x, init, n, save, tape, ends):
+        """_forward's layers as a wavefront of n chunks (halstm.wavefront):
+        fills tape and ends as the layers one after the other would, and
+        returns the last layer's h over time (T, B, H)."""
+        T, B, H, L = x.shape[0], x.shape[1], self.hidden_size, self.num_layers
+
+        def call(layer):
+            w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
+            lib, vec = self._lib(layer, "fwd"), self._layer_vec(layer)
+            own = [_layer(a, layer) for a in init]
+            return lambda inp, first, out, stream, key: lib.forward(
+                inp, w_ih, b_ih, w_hh, b_hh, own if first is None else first, save=save,
+                vec=vec, stream=stream, pack_key=key, out=out)
+
+        def make(layer):
+            lib = self._lib(layer, "fwd")
+            return (self._mem.empty((len(lib.states), T + 1, B, H)),
+                    self._mem.empty((T, B, lib.S, H)) if save else None)
+        whole = wavefront.forward([call(layer) for layer in range(L)], x, T, n, make)
+        for layer, (states, saved) in enumerate(whole):
+            inp = x if layer == 0 else whole[layer - 1][0][0][1:]
+            tape.append((inp, states, saved))
+            ends.append(None)
+        return whole[-1][0][0][1:]
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:

@@ -277,6 +277,20 @@ class Library:
         base, step = mem.ptr(a), 4 * math.prod(a.shape[1:])
         return (_P * n)(*[base + i * step for i in range(n)])
 
+    def _out(self, out, bs, save: bool, state_shape: tuple, saved_shape: tuple) -> tuple:
+        """forward's `out` checked: (states, saved)."""
+        states, saved = out
+        if bs is not None:
+            raise ValueError("out: expected None with batch_sizes (the steps' rows then vary)")
+        if len(states) != len(self.states) or any(tuple(a.shape) != state_shape
+                                                  for a in states):
+            raise ValueError(f"out: expected {len(self.states)} states of shape {state_shape}, "
+                             f"got {[tuple(a.shape) for a in states]}")
+        if save != (saved is not None) or (save and tuple(saved.shape) != saved_shape):
+            raise ValueError(f"out: expected saved of shape {saved_shape if save else None}, "
+                             f"got {None if saved is None else tuple(saved.shape)}")
+        return list(states), saved
+
     def _initial(self, mem, init, B: int) -> list:
         """The initial states (B, H) as the library reads them (contiguous;
         None: zeros), which it copies into states[:, 0]."""
@@ -324,7 +338,7 @@ class Library:
         return mem.ptr(vec)
 
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None, batch_sizes=None,
-                mem=None, stream=None, threads=None, pack_key=None):
+                mem=None, stream=None, threads=None, pack_key=None, out=None):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array (or None: zeros) per state; vec: the cell's
         vector parameters (V, H), one row per channel (None without).
@@ -345,7 +359,11 @@ class Library:
         hold what they held at an earlier call with an equal key (halstm.torch:
         their storages, data pointers and version counters); a call whose
         key equals that of the last call that packed them into this stream's
-        workspaces reuses those panels instead of packing again."""
+        workspaces reuses those panels instead of packing again.
+        out: None, or (states, saved) to write instead of new arrays (no
+        batch_sizes): a list of NS (T+1, B, H) arrays and a (T, B, S, H)
+        array (None with save=False); an initial state may be the very
+        array states[s][0] (not copied then)."""
         mem = mem or self.mem
         with self._lock:
             T, B, K = self._x_shape(x)
@@ -353,9 +371,13 @@ class Library:
             G, H, S, NS = self.G, self.H, self.S, len(self.states)
             packed = self._packed(bs)
             # (packed, the library zeroes the rows past each step's itself)
-            states = (mem.zeros if bs is not None and not packed else mem.empty)((NS, T + 1, B, H))
+            if out is None:
+                states = (mem.zeros if bs is not None and not packed
+                          else mem.empty)((NS, T + 1, B, H))
+                saved = mem.empty((T, B, S, H)) if save else None
+            else:
+                states, saved = self._out(out, bs, save, (T + 1, B, H), (T, B, S, H))
             init = self._initial(mem, init, B)
-            saved = mem.empty((T, B, S, H)) if save else None
             Hp = self.Hp
             N = step_rows_count(bs, T, B, packed)
             ws = [self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),

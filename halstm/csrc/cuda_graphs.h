@@ -31,8 +31,9 @@ thread_local void *g_stream = nullptr;
 struct Graphs {
     // SLOTS: a training loop alternates two sets of saved states per layer
     // (the tape holds the last forward's while the next one runs), and the
-    // layers after the first share a library: 2 * (layers - 1) keys a loop
-    static constexpr int KEY = 24, SLOTS = 16;
+    // layers after the first share a library: 2 * (layers - 1) keys a loop,
+    // times the chunks of a wavefront (halstm/wavefront.py GRAPHS)
+    static constexpr int KEY = 24, SLOTS = 64;
     struct Slot {
         int n = 0;
         uint64_t key[KEY];
@@ -264,8 +265,11 @@ struct DeviceCopies {
                (pop = (decltype(pop))dlsym(lib, "cuCtxPopCurrent_v2"));
     }
 
-    // dst[0, n) = src[0, n) floats, or zeros where src is NULL
+    // dst[0, n) = src[0, n) floats, or zeros where src is NULL; nothing
+    // where src is dst (a chunk of a time loop whose initial state is the
+    // previous chunk's last, in place)
     int put(float *dst, const float *src, size_t n) {
+        if (src == dst) return 0;
         if (!copy) {
             halide_error(nullptr, "CUDA: halstm_cuda_init has not loaded libcuda's copies");
             return -1;

@@ -89,7 +89,9 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #ifdef HALSTM_CUDA
         if (int rc = g_copies.put(states[s], init[s], n)) return rc;
 #else
-        if (init[s]) std::memcpy(states[s], init[s], n * sizeof(float));
+        if (init[s]) {
+            if (init[s] != states[s]) std::memcpy(states[s], init[s], n * sizeof(float));
+        }
         else std::memset(states[s], 0, n * sizeof(float));
 #endif
     }

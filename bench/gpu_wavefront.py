@@ -1,0 +1,78 @@
+"""A GPU stack's layers as a wavefront of chunks (halstm.wavefront) against
+the layers one after the other: halstm.Recurrent on device arrays, forward
+(no_grad) and forward+backward, each chunk count in interleaved rounds
+(halstm.benchmark.alternating, per-round ratios to 1 chunk), results
+checked against the 1-chunk run first.
+
+    python bench/gpu_wavefront.py --shapes 65x512x64x100x2,512x512x128x50x2 --chunks 1,2,4
+
+A shape is I x H x B x T x L; "auto" in --chunks is wavefront.chunks' choice.
+"""
+import argparse
+import os
+import statistics
+
+import numpy as np
+
+import halstm
+from halstm import cuda, machine, wavefront
+from halstm.benchmark import alternating
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="65x512x64x100x2,512x512x128x50x2")
+    ap.add_argument("--cells", default="lstm")
+    ap.add_argument("--chunks", default="1,2,4,auto")
+    ap.add_argument("--rounds", type=int, default=25)
+    a = ap.parse_args()
+    for cell in a.cells.split(","):
+        for shape in a.shapes.split(","):
+            I, H, B, T, L = map(int, shape.split("x"))
+            m = halstm.Recurrent(cell, I, H, num_layers=L, target="host-cuda", seed=0)
+            rng = np.random.default_rng(0)
+            x = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, I)).astype(np.float32))
+            dy = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, H)).astype(np.float32))
+            G = m.n_gates
+            auto = wavefront.chunks(T, B, G, H, L, L - 1 if I != H else L, machine.gpu_sms())
+
+            def with_chunks(n, fn):
+                def run():
+                    os.environ["HALSTM_WAVEFRONT_CHUNKS"] = str(auto if n == "auto" else n)
+                    try:
+                        return fn()
+                    finally:
+                        del os.environ["HALSTM_WAVEFRONT_CHUNKS"]
+                return run
+
+            def fwd():
+                with halstm.no_grad():
+                    return m(x)[0]
+
+            def fwdbwd():
+                y = m(x)[0]
+                return y, m.backward(dy)
+            ns = a.chunks.split(",")
+            want = with_chunks(1, fwdbwd)()
+            want = (want[0].numpy(), {k: np.asarray(v) for k, v in want[1].items()})
+            for n in ns:
+                y, g = with_chunks(n, fwdbwd)()
+                scale = np.abs(want[0]).max()
+                err = np.abs(y.numpy() - want[0]).max() / scale
+                gerr = max(np.abs(np.asarray(v) - want[1][k]).max() / np.abs(want[1][k]).max()
+                           for k, v in g.items())
+                assert err < 1e-4 and gerr < 1e-4, (shape, n, err, gerr)
+            for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                times = alternating({n: with_chunks(n, fn) for n in ns}, a.rounds, 3,
+                                    cuda.synchronize, per_round=True)
+                line = [f"{cell} {shape} {mode}:"]
+                for n in ns:
+                    ratio = statistics.median(t / b for t, b in zip(times[n], times[ns[0]]))
+                    label = f"auto={auto}" if n == "auto" else f"C={n}"
+                    line.append(f"{label} {statistics.median(times[n]) * 1e3:.3f} ms "
+                                f"({ratio:.3f}x)")
+                print(" ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The layers of a GPU stack as a wavefront: the time loop in chunks of
+steps, each layer on a CUDA stream of its own, layer l's chunk c queued
+after layer l-1's chunk c, so that it runs beside layer l-1's chunk c+1.
+A step of one layer leaves most of an H100 idle at charrnn_512x2's sizes;
+two layers' steps at once fill more of it (bench/RESULTS.md, "Schedule
+decisions": `wavefront.chunks`).
+
+Each chunk is one library call that writes its steps' states and saved
+values into the whole loop's arrays, its initial state the previous
+chunk's last (in place), so the tape is the one of a call over every step.
+"""
+from __future__ import annotations
+
+import os
+
+# A step's product of at most STEP_MACS_PER_SM multiply-adds (B*G*H*H) a
+# multiprocessor (2^27 on 132 SMs, the largest measured: it paid there) ...
+STEP_MACS_PER_SM = 1 << 20
+# ... in chunks of at least CHUNK_MACS multiply-adds of steps' products a
+# layer (each chunk is a library call, with its host time and a projection
+# GEMM of its own: at 2^25 they still paid, at 2^24.6 not), at most
+# MOST_CHUNKS, of equal steps where a count divides T (a chunk's
+# workspaces are kept per shape).
+CHUNK_MACS = 1 << 25
+MOST_CHUNKS = 4
+# A library keeps 64 time loops' CUDA graphs (csrc/cuda_graphs.h SLOTS),
+# each under its pointers: the chunks of the layers that share a library,
+# for two sets of saved states (training), take at most half of them.
+GRAPHS = 32
+
+_streams: list = []     # one a layer, shared by every module (cuBLAS keeps memory per stream)
+
+
+def chunks(T: int, B: int, G: int, H: int, layers: int, shared: int, sms: int) -> int:
+    """How many chunks the time loop of a stack of `layers` layers takes
+    (1: the layers one after the other); `shared`: the most layers of one
+    library. HALSTM_WAVEFRONT_CHUNKS in the environment sets it (for
+    measuring; 1 turns the wavefront off)."""
+    forced = os.environ.get("HALSTM_WAVEFRONT_CHUNKS")
+    if forced:
+        return max(1, min(int(forced), T))
+    step = B * G * H * H
+    if layers < 2 or step > STEP_MACS_PER_SM * sms:
+        return 1
+    n = min(MOST_CHUNKS, GRAPHS // max(shared, 1), T * step // CHUNK_MACS)
+    return next((k for k in range(n, 1, -1) if T % k == 0), n) if n > 1 else 1
+
+
+def bounds(T: int, n: int) -> list:
+    """The first step of each chunk, then T: chunks of ceil(T / n) steps,
+    the last the rest (fewer than n where n does not fit T so)."""
+    size = -(-T // n)
+    return sorted({min(T, size * c) for c in range(n)} | {T})
+
+
+def streams(n: int) -> list:
+    from . import cuda
+    while len(_streams) < n:
+        _streams.append(cuda.Stream())
+    return _streams[:n]
+
+
+def forward(calls, x, T: int, n: int, make) -> list:
+    """Run a stack's layers in n chunks of T steps. calls[l](inp, init,
+    out, stream, pack_key) runs layer l over the steps of inp (init: its
+    initial states, None for layer l's own; out: the (states, saved) views
+    to write); make(l) returns layer l's whole-loop (states (NS, T+1, B,
+    H), saved (T, B, S, H) or None). Returns [(states, saved)] a layer."""
+    from . import cuda
+    L = len(calls)
+    whole = [make(layer) for layer in range(L)]
+    ss = streams(L)
+    for s in ss:                        # after what the legacy stream has queued (x, init)
+        s.after(None)
+    key = object()                      # chunks after the first reuse the packed weights
+    edges = bounds(T, n)
+    try:
+        for c, (t0, t1) in enumerate(zip(edges, edges[1:])):
+            for layer, (states, saved) in enumerate(whole):
+                NS = states.shape[0]
+                inp = x[t0:t1] if layer == 0 else whole[layer - 1][0][0][t0 + 1:t1 + 1]
+                if layer:
+                    ss[layer].after(ss[layer - 1])
+                init = None if c == 0 else [states[s][t0] for s in range(NS)]
+                out = ([states[s][t0:t1 + 1] for s in range(NS)],
+                       None if saved is None else saved[t0:t1])
+                calls[layer](inp, init, out, ss[layer].handle, (key, layer))
+    finally:                            # (the arrays' memory returns to the legacy stream's pool)
+        cuda.legacy_after(ss)
+    return whole

@@ -1,0 +1,70 @@
+"""halstm.wavefront's rule and a library call over a chunk of a time loop
+(runtime.Library.forward's `out`), which the GPU's wavefront is made of;
+the wavefront itself runs in tests/gpu/test_gpu_modules.py."""
+import numpy as np
+import pytest
+
+from halstm import wavefront
+from helpers import B, I, T, assert_close, make
+
+
+def test_chunks_follow_the_step_size_the_loop_and_the_layers(monkeypatch):
+    monkeypatch.delenv("HALSTM_WAVEFRONT_CHUNKS", raising=False)
+    charrnn = dict(T=100, B=64, G=4, H=512, layers=2, shared=1, sms=132)
+    assert wavefront.chunks(**charrnn) == 4
+    assert wavefront.chunks(**charrnn | dict(layers=1)) == 1
+    assert wavefront.chunks(**charrnn | dict(B=128)) == 4           # 2^27 MACs a step
+    assert wavefront.chunks(**charrnn | dict(B=256)) == 1           # 2^28
+    assert wavefront.chunks(**charrnn | dict(B=256, sms=264)) == 4
+    assert wavefront.chunks(**charrnn | dict(T=50, B=2)) == 2       # 3 chunks: not of equal steps
+    assert wavefront.chunks(**charrnn | dict(T=10, B=2)) == 1       # too little work a chunk
+    assert wavefront.chunks(**charrnn | dict(layers=9, shared=9)) == 2   # graph slots: 3
+    monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
+    assert wavefront.chunks(**charrnn | dict(layers=1)) == 3
+    assert wavefront.chunks(**charrnn | dict(T=2)) == 2
+
+
+@pytest.mark.parametrize("T, n", [(7, 3), (100, 4), (5, 4), (1, 1)])
+def test_bounds_cover_every_step_once(T, n):
+    b = wavefront.bounds(T, n)
+    assert b[0] == 0 and b[-1] == T and 2 <= len(b) <= n + 1
+    assert all(x < y for x, y in zip(b, b[1:]))
+    assert len({y - x for x, y in zip(b, b[1:-1])}) <= 1          # equal chunks but the last
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_loop_in_chunks_written_in_place_equals_one_call(cell):
+    """Chunks of a layer's time loop, each writing its states and saved
+    values into the whole loop's arrays from the previous chunk's last
+    state in place, give the one call's results."""
+    m = make(cell, num_layers=1)
+    lib = m._lib(0, "fwd")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    init = [rng.standard_normal((B, m.hidden_size)).astype(np.float32) for _ in lib.states]
+    w = m._layer_weights(0)
+    want_states, want_saved = (np.array(a) for a in lib.forward(x, *w, init))
+    NS, S = len(lib.states), lib.S
+    states = np.full((NS, T + 1, B, m.hidden_size), np.nan, np.float32)
+    saved = np.full((T, B, S, m.hidden_size), np.nan, np.float32)
+    edges = wavefront.bounds(T, 3)
+    for t0, t1 in zip(edges, edges[1:]):
+        first = init if t0 == 0 else [states[s][t0] for s in range(NS)]
+        lib.forward(x[t0:t1], *w, first,
+                    out=([states[s][t0:t1 + 1] for s in range(NS)], saved[t0:t1]))
+    same = dict(rtol=1e-6, atol=1e-7, per_element=True)
+    assert_close("states", states, want_states, **same)
+    assert_close("saved", saved, want_saved, **same)
+
+
+def test_out_of_the_wrong_shape_is_refused():
+    m = make("lstm", num_layers=1)
+    lib = m._lib(0, "fwd")
+    x = np.zeros((T, B, I), np.float32)
+    states = [np.zeros((T, B, m.hidden_size), np.float32)] * 2      # T, not T + 1, rows
+    saved = np.zeros((T, B, lib.S, m.hidden_size), np.float32)
+    with pytest.raises(ValueError, match=r"out: expected 2 states of shape \(8, 3, 37\)"):
+        lib.forward(x, *m._layer_weights(0), [None, None], out=(states, saved))
+    states = [np.zeros((T + 1, B, m.hidden_size), np.float32)] * 2
+    with pytest.raises(ValueError, match="out: expected saved of shape None"):
+        lib.forward(x, *m._layer_weights(0), [None, None], save=False, out=(states, saved))
