@@ -164,12 +164,16 @@ def schedule_knobs(schedule: str) -> dict:
 def _checked_knobs(spec: Spec, knobs) -> tuple:
     """knobs (a mapping or pairs) as sorted pairs: the ones that act on
     spec's direction, cell (whether its step reduces over units),
-    precision and GEMMs (Knob.acts_on) and differ from their defaults (so
-    that a default value is the same library as none); an unknown name or a
+    precision and GEMMs (Knob.acts_on) and differ from their defaults in
+    what the schedule makes of them (Knob.effective: so that a default
+    value, or one that acts as the default, is the same library as none);
+    an unknown name or a
     value that is not a positive int raises ValueError."""
     have = schedule_knobs(spec.schedule)
     reduces = (cells.definition(spec.cell).reduces
                if any(k.reducing or k.pointwise for k in have.values()) else False)
+    gates = (len(cells.definition(spec.cell).gates)
+             if any(k.floor for k in have.values()) else 0)
     out = {}
     for name, value in (knobs.items() if isinstance(knobs, dict) else knobs):
         if name not in have:
@@ -177,8 +181,10 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
                              f"{sorted(have) or 'none'}")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"knobs: {name} expects a positive int, got {value!r}")
-        if (have[name].direction == spec.direction and value != have[name].default
-                and have[name].acts_on(reduces, spec.precision, spec.gemm)):
+        k = have[name]
+        if (k.direction == spec.direction
+                and k.effective(value, gates) != k.effective(k.default, gates)
+                and k.acts_on(reduces, spec.precision, spec.gemm)):
             out[name] = value
     return tuple(sorted(out.items()))
 

@@ -245,8 +245,9 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
         out = {"states": out[0]} if direction == "fwd" else dict(out)
         return {k: v.numpy() if gpu else v for k, v in out.items()}
 
-    bar = tqdm(total=sum(len(have[n].candidates) - 1 for n in wanted), disable=not progress,
-               unit="value", desc="tune")
+    gates = len(cells.definition(cell).gates)
+    bar = tqdm(total=sum(len(_values(have[n], have[n].default, gates)) for n in wanted),
+               disable=not progress, unit="value", desc="tune")
     report = {}
     for direction in aot.DIRECTIONS:
         names_here = [n for n in wanted if have[n].direction == direction]
@@ -263,7 +264,7 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
                 wants[infer] = results(lib_for(direction, ()), direction, infer)
             now = kept.get(name, have[name].default)
             libs, tried = {"base": base}, []
-            values = [v for v in have[name].candidates if v != now]
+            values = _values(have[name], now, gates)
             if time.perf_counter() - start <= budget:
                 bar.set_postfix_str(f"{direction} {name}: building {len(values)} libraries")
                 build_all([spec(direction, {**kept, name: v}) for v in values])
@@ -309,6 +310,18 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
     bar.close()
     store(report, spec0.target)
     return report
+
+
+def _values(knob, now: int, gates: int) -> list:
+    """The candidates of `knob` that tune builds against the value `now`
+    in a cell of `gates` gate blocks: one for each library the schedule
+    makes of them (Knob.effective) other than now's."""
+    seen, out = {knob.effective(now, gates)}, []
+    for v in knob.candidates:
+        if knob.effective(v, gates) not in seen:
+            seen.add(knob.effective(v, gates))
+            out.append(v)
+    return out
 
 
 def report_lines(target: str = "host") -> list[str]:

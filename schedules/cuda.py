@@ -239,7 +239,7 @@ VENDOR_STEP_BWD_ROWS = 8
 # (measured with 3 and 4; a one-gate cell's vendor backward has no GPU test
 # below it)
 VENDOR_STEP_REDUCING_BWD_MACS = KNOBS["step_gemm_reducing_bwd_mmacs"].default << 20   # 3 << 25
-VENDOR_STEP_BWD_GATES = 3
+VENDOR_STEP_BWD_GATES = KNOBS["step_gemm_bwd_mmacs"].floor[0]     # 3 (its floor: the above)
 # Tensor-core precisions (TF32, bf16) from 2^25: their GEMMs run several
 # times faster than fp32's, and from H = fused_bwd_below the Halide
 # backward step is two kernels anyway, so the GEMM replaces one of them
@@ -268,12 +268,8 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     reducing = reduces and fp32
     name = ("step_gemm" + ("" if fp32 else "_tensor") + ("_reducing" if reducing else "")
             + ("" if fwd else "_bwd") + "_mmacs")
-    macs = _knob(knobs, name) << 20
-    least = 1
-    if fp32 and not fwd and not reducing:
-        least = VENDOR_STEP_BWD_ROWS
-        if gates < VENDOR_STEP_BWD_GATES:
-            macs = max(macs, VENDOR_STEP_REDUCING_BWD_MACS)
+    macs = KNOBS[name].effective(_knob(knobs, name), gates) << 20
+    least = VENDOR_STEP_BWD_ROWS if fp32 and not fwd and not reducing else 1
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(least, -(-macs // (gates * H * H))),
                    vendor_step_splits=step_splits(H) if fwd and fp32 else 1)

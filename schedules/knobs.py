@@ -18,6 +18,15 @@ class Knob(NamedTuple):
     tensor_only: bool = False  # acts on the tensor-core precisions ("tf32", "bf16") only
     gemm: str | None = None   # acts only on layers whose non-recurrent GEMMs are this one's
     infer: bool = False       # acts on forwards without a tape only: tune times those
+    floor: tuple | None = None  # (gates, least): in a cell of fewer gate blocks, a value
+    #                             below least acts as least
+
+    def effective(self, value: int, gates: int) -> int:
+        """The value the schedule uses for `value` in a cell of `gates`
+        gate blocks."""
+        if self.floor is not None and gates < self.floor[0]:
+            return max(value, self.floor[1])
+        return value
 
     def acts_on(self, reduces: bool, precision: str, gemm: str = "halide") -> bool:
         """Whether it acts on a layer of a cell that reduces over its
@@ -54,7 +63,8 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # precisions apart, the fp32 steps of cells that reduce over units apart
 # too (cuda.vendor_layout; 1 << 20: never; the fp32 backward of cells that
 # do not reduce from 8 rows, and for cells of fewer than 3 gate blocks not
-# below the default of cells that reduce);
+# below the default of cells that reduce: Knob.floor, so that tune builds
+# none of the values below it there);
 # the W_hh size, in percent of a multiprocessor's shared memory, up to
 # which a forward without a tape runs every step in one kernel
 # (cuda.loop_layout; 1: a W_hh of 2 KiB on an H100, about never). Their
@@ -66,7 +76,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "step_gemm_reducing_mmacs": Knob("fwd", 32, (16, 32, 96, 1 << 20),
                                                   reducing=True, fp32_only=True, gemm="cublas"),
                  "step_gemm_bwd_mmacs": Knob("bwd", 16, (8, 16, 32, 96, 1 << 20), pointwise=True,
-                                             fp32_only=True, gemm="cublas"),
+                                             fp32_only=True, gemm="cublas", floor=(3, 96)),
                  "step_gemm_reducing_bwd_mmacs": Knob("bwd", 96, (32, 96, 1 << 20),
                                                       reducing=True, fp32_only=True,
                                                       gemm="cublas"),

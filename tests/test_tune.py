@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 import halstm
 from halstm import aot, cells, cuda, machine, tuning
+from halstm.schedules import cuda as cuda_schedule
+from halstm.schedules.knobs import KNOBS
 from halstm.cli import main
 from helpers import USER_CELL, H, I, assert_close, needs_bf16
 
@@ -211,6 +213,20 @@ def test_cuda_knobs_shape_the_layout():
         assert layout(cell, H, direction, {}, gemm="cublas")[1].vendor_step_rows == \
             -(-(default << 20) // (G * H * H))
     assert layout("layernorm_lstm", H, "fwd", {"step_gemm_mmacs": 96}, gemm="cublas")[0] == ()
+    # a one-gate cell's backward: at least 1.5 * 2^26 whatever the knob, so values below
+    # it are the default's library, and tune builds only the values past it
+    floor = KNOBS["cuda"]["step_gemm_bwd_mmacs"].floor
+    assert floor[1] << 20 == cuda_schedule.VENDOR_STEP_REDUCING_BWD_MACS
+    for value in (8, 32, 96):
+        knobs_kept, lay = layout("rnn_tanh", H, "bwd", {"step_gemm_bwd_mmacs": value},
+                                 gemm="cublas")
+        assert knobs_kept == () and lay.vendor_step_rows == -(-(96 << 20) // (H * H))
+    assert layout("rnn_tanh", H, "bwd", {"step_gemm_bwd_mmacs": 1 << 20},
+                  gemm="cublas")[0] == (("step_gemm_bwd_mmacs", 1 << 20),)
+    bwd = KNOBS["cuda"]["step_gemm_bwd_mmacs"]
+    assert tuning._values(bwd, 16, 1) == [1 << 20]
+    assert tuning._values(bwd, 16, 4) == [8, 32, 96, 1 << 20]
+    assert tuning._values(bwd, 1 << 20, 1) == [8]
     # loop_shared_pct: one kernel a forward without a tape up to half a multiprocessor's
     # shared memory by default; 1%: practically never; 100%: the LSTM at H = 96 too
     # (144 KiB) where the shared memory is 228 KiB (an H100's; without a GPU the default)
