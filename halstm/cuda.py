@@ -8,7 +8,8 @@ ctypes, and DeviceArray, a float32 array that lives on the GPU.
 DeviceArrays live on device 0 and run in its primary context (the one
 PyTorch and CuPy use), on the legacy default stream, so that halstm's
 kernels, these copies and a peer library's work are ordered with one
-another; halstm.torch runs a CUDA tensor's layer in the primary context of
+another (a stack's layers may run on streams of their own in between,
+halstm.wavefront, whose work the legacy stream then waits for); halstm.torch runs a CUDA tensor's layer in the primary context of
 the tensor's device (context_of), on torch's current stream. A device's
 context is retained at its first use, never before. Errors from
 the driver raise CudaError with the driver's own name and message. No
@@ -177,9 +178,9 @@ class Stream:
     queued so far on `other` (a Stream, or None: the legacy stream)."""
 
     def __init__(self):
-        d = driver()
+        self.handle = None
         h = _P()
-        d.call("cuStreamCreate", ctypes.byref(h), 1)
+        driver().call("cuStreamCreate", ctypes.byref(h), 1)
         self.handle = h.value
 
     def after(self, other: "Stream | None") -> None:

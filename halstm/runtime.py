@@ -167,8 +167,10 @@ class Library:
         same shape on the same stream: fresh ones were faulted in on every
         call (the char LM's backward spent about 15% of its time in page
         faults on the 2-core VM). One per CUDA stream, since calls on two
-        streams may run at once (calls on one stream run in turn). zeros:
-        zero-filled when made (for parts that calls only read). A memory
+        streams may run at once (calls on one stream run in turn); a smaller
+        one than kept is a view of the kept one's first elements. zeros:
+        zero-filled when made (for parts that calls only read; made anew at
+        every other shape). A memory
         whose keep_workspaces is False gets fresh ones every call (torch's
         CUDA graphs: memory made while a graph is recorded belongs to its
         pool, and must not outlive the call)."""
@@ -176,6 +178,13 @@ class Library:
             return (mem.zeros if zeros else mem.empty)(tuple(shape))
         key = (mem.kind, stream, name)
         a = self._ws.get(key)
+        if a is not None and tuple(a.shape) != tuple(shape) and not zeros:
+            n = math.prod(shape)
+            if math.prod(a.shape) >= n:
+                # a prefix of the larger one: nothing freed while a stream may
+                # still use it (halstm.wavefront's last, shorter chunk), the
+                # same pointer for the graphs' keys; the larger one is kept
+                return a.reshape(-1)[:n].reshape(*shape)
         if a is None or tuple(a.shape) != tuple(shape):
             self._ws.pop(key, None)
             a = self._ws[key] = (mem.zeros if zeros else mem.empty)(tuple(shape))
@@ -279,6 +288,8 @@ class Library:
 
     def _out(self, out, bs, save: bool, state_shape: tuple, saved_shape: tuple) -> tuple:
         """forward's `out` checked: (states, saved)."""
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"out: expected (states, saved), got {type(out).__name__}")
         states, saved = out
         if bs is not None:
             raise ValueError("out: expected None with batch_sizes (the steps' rows then vary)")

@@ -315,9 +315,10 @@ def tune(cell: str, K: int, H: int, B: int, T: int, target: str = "host",
 def _values(knob, now: int, gates: int) -> list:
     """The candidates of `knob` that tune builds against the value `now`
     in a cell of `gates` gate blocks: one for each library the schedule
-    makes of them (Knob.effective) other than now's."""
+    makes of them (Knob.effective) other than now's, the default standing
+    for its own."""
     seen, out = {knob.effective(now, gates)}, []
-    for v in knob.candidates:
+    for v in sorted(knob.candidates, key=lambda v: v != knob.default):   # the default first
         if knob.effective(v, gates) not in seen:
             seen.add(knob.effective(v, gates))
             out.append(v)

@@ -23,10 +23,11 @@ STEP_MACS_PER_SM = 1 << 20
 # workspaces are kept per shape).
 CHUNK_MACS = 1 << 25
 MOST_CHUNKS = 4
-# A library keeps 64 time loops' CUDA graphs (csrc/cuda_graphs.h SLOTS),
-# each under its pointers: the chunks of the layers that share a library,
-# for two sets of saved states (training), take at most half of them.
-GRAPHS = 32
+# A library's .so keeps 64 time loops' CUDA graphs (csrc/cuda_graphs.h
+# SLOTS), each under its pointers, for every module using it: the chunks
+# of the layers that share a library take at most GRAPHS keys a set of
+# saved states, a quarter (training alternates two sets).
+GRAPHS = 16
 
 _streams: list = []     # one a layer, shared by every module (cuBLAS keeps memory per stream)
 
@@ -37,12 +38,15 @@ def chunks(T: int, B: int, G: int, H: int, layers: int, shared: int, sms: int) -
     library. HALSTM_WAVEFRONT_CHUNKS in the environment sets it (for
     measuring; 1 turns the wavefront off)."""
     forced = os.environ.get("HALSTM_WAVEFRONT_CHUNKS")
-    if forced:
-        return max(1, min(int(forced), T))
+    if forced is not None and forced.strip():
+        n = int(forced) if forced.strip().isdigit() else 0
+        if n < 1:
+            raise ValueError(f"HALSTM_WAVEFRONT_CHUNKS: expected a positive int, got {forced!r}")
+        return min(n, T)
     step = B * G * H * H
     if layers < 2 or step > STEP_MACS_PER_SM * sms:
         return 1
-    n = min(MOST_CHUNKS, GRAPHS // max(shared, 1), T * step // CHUNK_MACS)
+    n = min(MOST_CHUNKS, GRAPHS // max(shared, 1), T * step // CHUNK_MACS, T)
     return next((k for k in range(n, 1, -1) if T % k == 0), n) if n > 1 else 1
 
 
@@ -54,6 +58,7 @@ def bounds(T: int, n: int) -> list:
 
 
 def streams(n: int) -> list:
+    """The first n of the process's wavefront streams (made as needed)."""
     from . import cuda
     while len(_streams) < n:
         _streams.append(cuda.Stream())

@@ -18,10 +18,17 @@ def test_chunks_follow_the_step_size_the_loop_and_the_layers(monkeypatch):
     assert wavefront.chunks(**charrnn | dict(B=256, sms=264)) == 4
     assert wavefront.chunks(**charrnn | dict(T=50, B=2)) == 2       # 3 chunks: not of equal steps
     assert wavefront.chunks(**charrnn | dict(T=10, B=2)) == 1       # too little work a chunk
-    assert wavefront.chunks(**charrnn | dict(layers=9, shared=9)) == 2   # graph slots: 3
+    assert wavefront.chunks(**charrnn | dict(layers=5, shared=5)) == 2   # graph slots: 3
+    assert wavefront.chunks(**charrnn | dict(T=1, B=256, sms=264)) == 1  # no more than T
     monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
     assert wavefront.chunks(**charrnn | dict(layers=1)) == 3
     assert wavefront.chunks(**charrnn | dict(T=2)) == 2
+    monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "")                   # as unset
+    assert wavefront.chunks(**charrnn) == 4
+    for bad in ("0", "-2", "abc"):
+        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", bad)
+        with pytest.raises(ValueError, match="HALSTM_WAVEFRONT_CHUNKS: expected a positive int"):
+            wavefront.chunks(**charrnn)
 
 
 @pytest.mark.parametrize("T, n", [(7, 3), (100, 4), (5, 4), (1, 1)])
