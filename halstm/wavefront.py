@@ -12,6 +12,7 @@ chunk's last (in place), so the tape is the one of a call over every step.
 from __future__ import annotations
 
 import os
+import threading
 
 # A step's product of at most STEP_MACS_PER_SM multiply-adds (B*G*H*H) a
 # multiprocessor (2^27 on 132 SMs, the largest measured: it paid there) ...
@@ -30,6 +31,7 @@ MOST_CHUNKS = 4
 GRAPHS = 16
 
 _streams: list = []     # one a layer, shared by every module (cuBLAS keeps memory per stream)
+_streams_lock = threading.Lock()
 
 
 def chunks(T: int, B: int, G: int, H: int, layers: int, shared: int, sms: int) -> int:
@@ -60,9 +62,10 @@ def bounds(T: int, n: int) -> list:
 def streams(n: int) -> list:
     """The first n of the process's wavefront streams (made as needed)."""
     from . import cuda
-    while len(_streams) < n:
-        _streams.append(cuda.Stream())
-    return _streams[:n]
+    with _streams_lock:
+        while len(_streams) < n:
+            _streams.append(cuda.Stream())
+        return _streams[:n]
 
 
 def forward(calls, x, T: int, n: int, make) -> list:
