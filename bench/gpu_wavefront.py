@@ -33,8 +33,7 @@ def main():
             rng = np.random.default_rng(0)
             x = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, I)).astype(np.float32))
             dy = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, H)).astype(np.float32))
-            G = m.n_gates
-            auto = wavefront.chunks(T, B, G, H, L, L - 1 if I != H else L, machine.gpu_sms())
+            auto = wavefront.chunks(T, B, m.n_gates, I, H, L, machine.gpu_sms())
 
             def with_chunks(n, fn):
                 def run():

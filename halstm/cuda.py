@@ -9,8 +9,9 @@ DeviceArrays live on device 0 and run in its primary context (the one
 PyTorch and CuPy use), on the legacy default stream, so that halstm's
 kernels, these copies and a peer library's work are ordered with one
 another (a stack's layers may run on streams of their own in between,
-halstm.wavefront, whose work the legacy stream then waits for); halstm.torch runs a CUDA tensor's layer in the primary context of
-the tensor's device (context_of), on torch's current stream. A device's
+halstm.wavefront, whose work the legacy stream then waits for);
+halstm.torch runs a CUDA tensor's layer in the primary context of the
+tensor's device (context_of), on torch's current stream. A device's
 context is retained at its first use, never before. Errors from
 the driver raise CudaError with the driver's own name and message. No
 halide import: a process that only runs cached libraries stays light.
@@ -184,14 +185,7 @@ class Stream:
         self.handle = h.value
 
     def after(self, other: "Stream | None") -> None:
-        d = driver()
-        ev = _P()
-        d.call("cuEventCreate", ctypes.byref(ev), 2)          # CU_EVENT_DISABLE_TIMING
-        try:
-            d.call("cuEventRecord", ev, _P(other.handle if other else None))
-            d.call("cuStreamWaitEvent", _P(self.handle), ev, 0)
-        finally:
-            d.lib.cuEventDestroy_v2(ev)     # (released once the wait is done)
+        _wait(self.handle, other.handle if other else None)
 
     def __del__(self):
         if _driver is not None and self.handle:
@@ -200,15 +194,21 @@ class Stream:
 
 def legacy_after(streams) -> None:
     """Order the legacy default stream after the work queued on `streams`."""
-    d = driver()
     for s in streams:
-        ev = _P()
-        d.call("cuEventCreate", ctypes.byref(ev), 2)
-        try:
-            d.call("cuEventRecord", ev, _P(s.handle))
-            d.call("cuStreamWaitEvent", _P(None), ev, 0)
-        finally:
-            d.lib.cuEventDestroy_v2(ev)
+        _wait(None, s.handle)
+
+
+def _wait(waiter, on) -> None:
+    """Stream `waiter` waits for the work queued so far on stream `on`
+    (handles; None: the legacy stream), through an event."""
+    d = driver()
+    ev = _P()
+    d.call("cuEventCreate", ctypes.byref(ev), 2)          # CU_EVENT_DISABLE_TIMING
+    try:
+        d.call("cuEventRecord", ev, _P(on))
+        d.call("cuStreamWaitEvent", _P(waiter), ev, 0)
+    finally:
+        d.lib.cuEventDestroy_v2(ev)     # (released once the wait is done)
 
 
 def mem_info() -> tuple[int, int]:

@@ -494,37 +494,39 @@ class _RNN:
         n = self._wavefront_chunks(T, B, ids, rows)
         if n > 1:
             inp = self._wavefront(x, init, n, save, tape, ends)
-        for layer in range(L if n == 1 else 0):
-            def one(d, threads):
-                """Direction d of this layer: (y (T, B, H) in time order, tape, end)."""
-                inp_d = inp if d == 0 else self._mem.reverse_time(inp, ns)
-                init_d = [_layer(s, layer * D + d) for s in init]
-                if self.proj_size:
-                    y, end, t = projected.forward(
-                        self._lib(layer, "fwd", extra=self.proj_size), self._lib(layer, "fwd"),
-                        inp_d, self._layer_weights(layer, d), self._layer_proj(layer, d),
-                        init_d, self._layer_vec(layer, d), save, bs)
-                else:
-                    w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer, d)
-                    lib = self._lib(layer, "fwd", ids and layer == 0, lane=d if threads else 0)
-                    states, saved = lib.forward(inp_d, w_ih, b_ih, w_hh, b_hh, init_d, save=save,
-                                                vec=self._layer_vec(layer, d), batch_sizes=bs,
-                                                threads=threads, pack_key=self._pack_key(layer, d))
-                    t, end = (inp_d, states, saved), None
-                    y = states[0][1:]                # this direction's h over time (T, B, H)
-                return (y if d == 0 else self._mem.reverse_time(y, ns)), t, end
+        else:
+            for layer in range(L):
+                def one(d, threads):
+                    """Direction d of this layer: (y (T, B, H) in time order, tape, end)."""
+                    inp_d = inp if d == 0 else self._mem.reverse_time(inp, ns)
+                    init_d = [_layer(s, layer * D + d) for s in init]
+                    if self.proj_size:
+                        y, end, t = projected.forward(
+                            self._lib(layer, "fwd", extra=self.proj_size), self._lib(layer, "fwd"),
+                            inp_d, self._layer_weights(layer, d), self._layer_proj(layer, d),
+                            init_d, self._layer_vec(layer, d), save, bs)
+                    else:
+                        w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer, d)
+                        lib = self._lib(layer, "fwd", ids and layer == 0, lane=d if threads else 0)
+                        states, saved = lib.forward(
+                            inp_d, w_ih, b_ih, w_hh, b_hh, init_d, save=save,
+                            vec=self._layer_vec(layer, d), batch_sizes=bs, threads=threads,
+                            pack_key=self._pack_key(layer, d))
+                        t, end = (inp_d, states, saved), None
+                        y = states[0][1:]                # this direction's h over time (T, B, H)
+                    return (y if d == 0 else self._mem.reverse_time(y, ns)), t, end
 
-            ys = []
-            for y, t, end in self._each_direction(one, self._lib(layer, "fwd",
-                                                                  ids and layer == 0)):
-                ys.append(y)
-                tape.append(t)
-                ends.append(end)
-            inp = ys[0] if D == 1 else self._mem.concat(ys)   # (T, B, D*H)
-            if self.dropout and self.training and layer < L - 1:
-                mask = self._dropout_mask(tuple(inp.shape))
-                masks.append(self._array(mask) if self.on_gpu else mask)
-                inp = self._mem.mul(inp, masks[-1])
+                ys = []
+                for y, t, end in self._each_direction(one, self._lib(layer, "fwd",
+                                                                      ids and layer == 0)):
+                    ys.append(y)
+                    tape.append(t)
+                    ends.append(end)
+                inp = ys[0] if D == 1 else self._mem.concat(ys)   # (T, B, D*H)
+                if self.dropout and self.training and layer < L - 1:
+                    mask = self._dropout_mask(tuple(inp.shape))
+                    masks.append(self._array(mask) if self.on_gpu else mask)
+                    inp = self._mem.mul(inp, masks[-1])
         self._tape = (tape, unbatched, ids, rows, masks)
         finals = []
         for s in range(len(init)):
@@ -552,9 +554,8 @@ class _RNN:
         if (not self.on_gpu or self.precision != "fp32" or self.num_directions > 1
                 or self.proj_size or ids or rows is not None or (self.dropout and self.training)):
             return 1
-        L, I, H = self.num_layers, self.input_size, self.hidden_size
-        shared = L - 1 if I != H else L
-        return wavefront.chunks(T, B, self.n_gates, H, L, shared, machine.gpu_sms())
+        return wavefront.chunks(T, B, self.n_gates, self.input_size, self.hidden_size,
+                                self.num_layers, machine.gpu_sms())
 
     def _wavefront(self, x, init, n, save, tape, ends):
         """_forward's layers as a wavefront of n chunks (halstm.wavefront):

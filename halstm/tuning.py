@@ -319,8 +319,9 @@ def _values(knob, now: int, gates: int) -> list:
     for its own."""
     seen, out = {knob.effective(now, gates)}, []
     for v in sorted(knob.candidates, key=lambda v: v != knob.default):   # the default first
-        if knob.effective(v, gates) not in seen:
-            seen.add(knob.effective(v, gates))
+        e = knob.effective(v, gates)
+        if e not in seen:
+            seen.add(e)
             out.append(v)
     return out
 

@@ -34,10 +34,10 @@ _streams: list = []     # one a layer, shared by every module (cuBLAS keeps memo
 _streams_lock = threading.Lock()
 
 
-def chunks(T: int, B: int, G: int, H: int, layers: int, shared: int, sms: int) -> int:
-    """How many chunks the time loop of a stack of `layers` layers takes
-    (1: the layers one after the other); `shared`: the most layers of one
-    library. HALSTM_WAVEFRONT_CHUNKS in the environment sets it (for
+def chunks(T: int, B: int, G: int, I: int, H: int, layers: int, sms: int) -> int:
+    """How many chunks the time loop of a stack of `layers` layers of
+    input size I (the first) and H (the others) takes (1: the layers one
+    after the other). HALSTM_WAVEFRONT_CHUNKS in the environment sets it (for
     measuring; 1 turns the wavefront off)."""
     forced = os.environ.get("HALSTM_WAVEFRONT_CHUNKS")
     if forced is not None and forced.strip():
@@ -48,7 +48,8 @@ def chunks(T: int, B: int, G: int, H: int, layers: int, shared: int, sms: int) -
     step = B * G * H * H
     if layers < 2 or step > STEP_MACS_PER_SM * sms:
         return 1
-    n = min(MOST_CHUNKS, GRAPHS // max(shared, 1), T * step // CHUNK_MACS, T)
+    shared = layers - 1 if I != H else layers       # the most layers of one library
+    n = min(MOST_CHUNKS, GRAPHS // shared, T * step // CHUNK_MACS, T)
     return next((k for k in range(n, 1, -1) if T % k == 0), n) if n > 1 else 1
 
 

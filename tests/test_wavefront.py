@@ -10,7 +10,7 @@ from helpers import B, I, T, assert_close, make
 
 def test_chunks_follow_the_step_size_the_loop_and_the_layers(monkeypatch):
     monkeypatch.delenv("HALSTM_WAVEFRONT_CHUNKS", raising=False)
-    charrnn = dict(T=100, B=64, G=4, H=512, layers=2, shared=1, sms=132)
+    charrnn = dict(T=100, B=64, G=4, I=65, H=512, layers=2, sms=132)
     assert wavefront.chunks(**charrnn) == 4
     assert wavefront.chunks(**charrnn | dict(layers=1)) == 1
     assert wavefront.chunks(**charrnn | dict(B=128)) == 4           # 2^27 MACs a step
@@ -18,7 +18,7 @@ def test_chunks_follow_the_step_size_the_loop_and_the_layers(monkeypatch):
     assert wavefront.chunks(**charrnn | dict(B=256, sms=264)) == 4
     assert wavefront.chunks(**charrnn | dict(T=50, B=2)) == 2       # 3 chunks: not of equal steps
     assert wavefront.chunks(**charrnn | dict(T=10, B=2)) == 1       # too little work a chunk
-    assert wavefront.chunks(**charrnn | dict(layers=5, shared=5)) == 2   # graph slots: 3
+    assert wavefront.chunks(**charrnn | dict(I=512, layers=5)) == 2   # graph slots: 3
     assert wavefront.chunks(**charrnn | dict(T=1, B=256, sms=264)) == 1  # no more than T
     monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
     assert wavefront.chunks(**charrnn | dict(layers=1)) == 3

@@ -89,10 +89,8 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
 #ifdef HALSTM_CUDA
         if (int rc = g_copies.put(states[s], init[s], n)) return rc;
 #else
-        if (init[s]) {
-            if (init[s] != states[s]) std::memcpy(states[s], init[s], n * sizeof(float));
-        }
-        else std::memset(states[s], 0, n * sizeof(float));
+        if (!init[s]) std::memset(states[s], 0, n * sizeof(float));
+        else if (init[s] != states[s]) std::memcpy(states[s], init[s], n * sizeof(float));
 #endif
     }
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
