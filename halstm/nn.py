@@ -549,9 +549,8 @@ class _RNN:
 
     def _wavefront_chunks(self, T, B, ids, rows) -> int:
         """The chunks of a GPU stack's wavefront (halstm.wavefront; 1:
-        none): float32, one direction, no projection, lengths or dropout
-        (TF32 and bf16 layers were neither timed nor tested so)."""
-        if (not self.on_gpu or self.precision != "fp32" or self.num_directions > 1
+        none): one direction, no projection, lengths or dropout."""
+        if (not self.on_gpu or self.num_directions > 1
                 or self.proj_size or ids or rows is not None or (self.dropout and self.training)):
             return 1
         return wavefront.chunks(T, B, self.n_gates, self.input_size, self.hidden_size,

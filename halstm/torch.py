@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.utils import rnn as rnn_utils
 
-from . import aot, cells, cuda, memory, nn, openmp, runtime
+from . import aot, cells, cuda, machine, memory, nn, openmp, runtime, wavefront
 from .reference import torch_ops
 from .runtime import Library, row_lengths
 
@@ -516,6 +516,117 @@ class _Layer(torch.autograd.Function):
         return _wanted(ctx, (g.get("dx"), g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
                              g.get("dvec"), None, None, None,
                              *[g[k] for k in _state_grad_keys(ctx.spec)]))
+
+
+# ---- a CUDA stack's layers as a wavefront (halstm.wavefront) ---------------
+
+_wavefront_streams: dict = {}     # device -> torch streams, one a layer
+
+
+class _Lanes:
+    """wavefront.Lanes over torch streams of a CUDA `device`: after the
+    work queued on torch's current stream, and before its next. Each
+    layer's call runs with its stream current, so that what the library
+    allocates comes from that stream's pool (torch's allocator reuses a
+    block in the order of the stream it was made on); arrays made on the
+    current stream are read on the lanes before the current stream goes
+    on, so they need no record_stream. On a CPU: the calls in turn (tests
+    run _Stack there)."""
+
+    def __init__(self, device: torch.device, n: int):
+        self.main, self.streams = None, [None] * n
+        if device.type == "cuda":
+            self.main = torch.cuda.current_stream(device)
+            with _lock:
+                made = _wavefront_streams.setdefault(device, [])
+                while len(made) < n:
+                    made.append(torch.cuda.Stream(device))
+                self.streams = made[:n]
+
+    def open(self) -> None:
+        for s in self.streams:
+            if s is not None:
+                s.wait_stream(self.main)
+
+    def chain(self, layer: int) -> None:
+        if self.main is not None:
+            self.streams[layer].wait_stream(self.streams[layer - 1])
+
+    def handle(self, layer: int) -> int | None:
+        return None if self.main is None else self.streams[layer].cuda_stream
+
+    def on(self, layer: int):
+        return contextlib.nullcontext() if self.main is None else torch.cuda.stream(
+            self.streams[layer])
+
+    def close(self) -> None:
+        for s in self.streams:
+            if s is not None:
+                self.main.wait_stream(s)
+
+
+class _Stack(torch.autograd.Function):
+    """A CUDA stack's layers (one direction, no projection, no batch sizes)
+    as a wavefront of n chunks, eagerly: halstm.wavefront, as the numpy
+    API's. Inputs x (T, B, K), n, the layers' specs, save, then per layer
+    w_ih, b_ih, w_hh, b_hh, vec (or None) and per state its initial (B, H)
+    (or None). Outputs y (T, B, H), the last layer's h (a view of its
+    states), then per layer each state's final (B, H) (copies). Backward
+    runs the layers in turn, each as _Layer's."""
+
+    @staticmethod
+    def forward(ctx, x, n, specs, save, *flat):
+        L, per = len(specs), len(flat) // len(specs)
+        layers = [flat[k * per:(k + 1) * per] for k in range(L)]
+        libs = [_library(spec, "fwd", x.device) for spec in specs]
+        x = x.contiguous()
+        T, B = x.shape[0], x.shape[1]
+
+        def call(k):
+            w_ih, b_ih, w_hh, b_hh, vec, *init = layers[k]
+            (lib, mem), key = libs[k], _PackKey.of(False, w_ih, w_hh)
+            return lambda inp, first, out, stream, _: lib.forward(
+                inp, w_ih, b_ih, w_hh, b_hh, list(init) if first is None else first, save=save,
+                vec=vec, mem=mem, stream=stream, pack_key=key, out=out)
+
+        def make(k):
+            lib, mem = libs[k]
+            H = lib.H
+            return (mem.empty((len(lib.states), T + 1, B, H)),
+                    mem.empty((T, B, lib.S, H)) if save else None)
+        whole = wavefront.forward([call(k) for k in range(L)], x, T, n, make,
+                                  _Lanes(x.device, L))
+        ctx.set_materialize_grads(False)
+        ctx.specs, ctx.L = specs, L
+        if save:
+            keep = []
+            for k, (states, saved) in enumerate(whole):
+                w_ih, _, w_hh, _, vec, *_ = layers[k]
+                keep += [x if k == 0 else whole[k - 1][0][0, 1:], w_ih, w_hh, vec, saved, states]
+            ctx.save_for_backward(*keep)
+        return (whole[-1][0][0, 1:],
+                *[states[s, T].clone() for states, _ in whole for s in range(len(states))])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, *dfinals):
+        L, kept = ctx.L, ctx.saved_tensors
+        if not kept:
+            raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
+        NS = len(dfinals) // L
+        grads = [None] * len(ctx.needs_input_grad)
+        for k in reversed(range(L)):
+            x, w_ih, w_hh, vec, saved, states = kept[6 * k:6 * k + 6]
+            g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy,
+                                  list(dfinals[k * NS:(k + 1) * NS]), None, ctx.specs[k],
+                                  k > 0 or ctx.needs_input_grad[0])
+            first = 4 + k * (5 + NS)
+            grads[first:first + 5 + NS] = [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
+                                           g.get("dvec"),
+                                           *[g[s] for s in _state_grad_keys(ctx.specs[k])]]
+            dy = g.get("dx")
+        grads[0] = dy
+        return _wanted(ctx, tuple(grads))
 
 
 def _wanted(ctx, grads: tuple) -> tuple:
@@ -1079,6 +1190,9 @@ class _Recurrent(torch.nn.Module):
         finals = [[] for _ in self._states]
         side = _side_stream(x.device) if D == 2 else None   # (CUDA, eager)
         precision = self._call_precision(x.device)
+        n = self._wavefront_chunks(x, bs)
+        if n > 1:
+            return self._wavefront(x, init, zero, n, save, precision)
         for layer in range(L):
             # each direction's input, initial states and weights, made on the
             # current stream (a leaf's gradient then comes back on it)
@@ -1098,6 +1212,28 @@ class _Recurrent(torch.nn.Module):
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
         # (one layer and direction: its finals are copies already)
         return x, [torch.stack(f) if len(f) > 1 else f[0].unsqueeze(0) for f in finals]
+
+    def _wavefront_chunks(self, x, bs) -> int:
+        """The chunks of a CUDA stack's wavefront (halstm.wavefront; 1: none):
+        eagerly, one direction, no projection, batch sizes or dropout in
+        training (as the numpy API's, nn.Recurrent._wavefront_chunks)."""
+        if (x.device.type != "cuda" or self._directions > 1 or self.proj_size or bs is not None
+                or (self.dropout and self.training) or _traced()):
+            return 1
+        return wavefront.chunks(x.shape[0], x.shape[1], self._gates, self.input_size,
+                                self.hidden_size, self.num_layers, machine.gpu_sms())
+
+    def _wavefront(self, x, init, zero, n, save, precision):
+        """_layers as a wavefront of n chunks (_Stack): y (T, B, H) and per
+        state its finals (L, B, H)."""
+        L, H, NS = self.num_layers, self.hidden_size, len(self._states)
+        specs, flat = [], []
+        for layer in range(L):
+            w_ih, b_ih, w_hh, b_hh, vectors, _ = self._weights(layer, "", zero)
+            specs.append(_spec(self.cell, w_ih.shape[1], H, self.schedule, precision))
+            flat += [w_ih, b_ih, w_hh, b_hh, self._vec(vectors), *[s[layer] for s in init]]
+        y, *finals = _Stack.apply(x, n, tuple(specs), save, *flat)
+        return y, [torch.stack(finals[s::NS]) for s in range(NS)]
 
     @staticmethod
     def _packed_index(batch_sizes) -> np.ndarray:

@@ -11,6 +11,7 @@ chunk's last (in place), so the tape is the one of a call over every step.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -69,18 +70,46 @@ def streams(n: int) -> list:
         return _streams[:n]
 
 
-def forward(calls, x, T: int, n: int, make) -> list:
+class Lanes:
+    """The streams a wavefront's layers run on, one a layer: halstm.cuda's
+    own, after the legacy default stream's work and before its next.
+    (halstm.torch's lanes are torch streams, after and before torch's
+    current one.)"""
+
+    def __init__(self, n: int):
+        self.streams = streams(n)
+
+    def open(self) -> None:
+        for s in self.streams:          # after what the legacy stream has queued (x, init)
+            s.after(None)
+
+    def chain(self, layer: int) -> None:
+        """Layer `layer`'s stream after what layer-1's has queued so far."""
+        self.streams[layer].after(self.streams[layer - 1])
+
+    def handle(self, layer: int) -> int:
+        return self.streams[layer].handle
+
+    def on(self, layer: int):
+        """A context in which layer `layer`'s call runs (its allocations)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:            # (the arrays' memory returns to the legacy stream's pool)
+        from . import cuda
+        cuda.legacy_after(self.streams)
+
+
+def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
     """Run a stack's layers in n chunks of T steps. calls[l](inp, init,
     out, stream, pack_key) runs layer l over the steps of inp (init: its
     initial states, None for layer l's own; out: the (states, saved) views
     to write); make(l) returns layer l's whole-loop (states (NS, T+1, B,
-    H), saved (T, B, S, H) or None). Returns [(states, saved)] a layer."""
-    from . import cuda
+    H), saved (T, B, S, H) or None); lanes: the streams (Lanes' interface;
+    None: Lanes). Returns [(states, saved)] a layer."""
     L = len(calls)
     whole = [make(layer) for layer in range(L)]
-    ss = streams(L)
-    for s in ss:                        # after what the legacy stream has queued (x, init)
-        s.after(None)
+    lanes = lanes or Lanes(L)
+    lanes.open()
     key = object()                      # chunks after the first reuse the packed weights
     edges = bounds(T, n)
     try:
@@ -89,11 +118,12 @@ def forward(calls, x, T: int, n: int, make) -> list:
                 NS = states.shape[0]
                 inp = x[t0:t1] if layer == 0 else whole[layer - 1][0][0][t0 + 1:t1 + 1]
                 if layer:
-                    ss[layer].after(ss[layer - 1])
+                    lanes.chain(layer)
                 init = None if c == 0 else [states[s][t0] for s in range(NS)]
                 out = ([states[s][t0:t1 + 1] for s in range(NS)],
                        None if saved is None else saved[t0:t1])
-                calls[layer](inp, init, out, ss[layer].handle, (key, layer))
-    finally:                            # (the arrays' memory returns to the legacy stream's pool)
-        cuda.legacy_after(ss)
+                with lanes.on(layer):
+                    calls[layer](inp, init, out, lanes.handle(layer), (key, layer))
+    finally:
+        lanes.close()
     return whole

@@ -110,6 +110,46 @@ def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B, proj
         assert_close(f"d {k}", grads[k], want_grads[k])
 
 
+@pytest.mark.parametrize("cell,layers,batch_first,given,finals_only",
+                         [("lstm", 2, True, True, False), ("gru", 3, False, False, False),
+                          ("lstm", 3, False, True, True)])
+def test_a_stack_in_chunks_matches_torch(cell, layers, batch_first, given, finals_only,
+                                         monkeypatch):
+    """The wavefront's form of a stack (_Stack: the time loop in chunks,
+    each a library call into the whole loop's arrays; on a GPU each layer
+    on a stream of its own), here on the CPU: outputs, finals and every
+    gradient as torch.nn's."""
+    from halstm import wavefront
+    monkeypatch.setattr(hnn._Recurrent, "_wavefront_chunks", lambda self, x, bs: 3)
+    calls = []
+    run = wavefront.forward
+    monkeypatch.setattr(wavefront, "forward", lambda *a: calls.append(a[3]) or run(*a))
+    m, ref = _pair(cell, layers, False, batch_first)
+    g = torch.Generator().manual_seed(1)
+    T, B = 8, 3
+    x = torch.randn((B, T, I) if batch_first else (T, B, I), generator=g)
+    hx = tuple(torch.randn(layers, B, H, generator=g) for _ in m._states) if given else None
+    results = []
+    for module in (m, ref):
+        xi = x.clone().requires_grad_()
+        his = None if hx is None else tuple(h.clone().requires_grad_() for h in hx)
+        y, hn = module(xi, his if his is None or cell == "lstm" else his[0])
+        finals = _finals(hn)
+        loss = sum((h * h).sum() for h in finals) if finals_only else weighted_loss(y, hn)
+        loss.backward()
+        grads = {"input": xi.grad} | {n: p.grad for n, p in module.named_parameters()}
+        grads |= {f"hx{i}": h.grad for i, h in enumerate(his or ())}
+        results.append((y, finals, grads))
+    assert calls == [3]
+    (y, finals, grads), (want_y, want_finals, want_grads) = results
+    assert_close("output", y.detach(), want_y.detach())
+    for i, (a, b) in enumerate(zip(finals, want_finals)):
+        assert_close(f"final state {i}", a.detach(), b.detach())
+    assert grads.keys() == want_grads.keys()
+    for k in want_grads:
+        assert_close(f"d {k}", grads[k], want_grads[k])
+
+
 @pytest.mark.parametrize("proj", [0, 5])
 def test_state_dict_both_ways(proj):
     ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=proj)

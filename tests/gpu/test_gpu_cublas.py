@@ -33,6 +33,22 @@ def test_reduced_precision_matches_reference_to_its_precision(precision, cell, c
     assert m.gemm == "cublas" and m.precision == precision
 
 
+@pytest.mark.parametrize("case", ["base", "L3", "hx_and_dstate"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_reduced_precision_wavefront_matches_reference(precision, cell, case, gpu_target,
+                                                       monkeypatch):
+    """A stack in TF32 or bf16 as a wavefront of 3 chunks (halstm.wavefront)."""
+    from halstm import wavefront
+    monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
+    calls = []
+    run = wavefront.forward
+    monkeypatch.setattr(wavefront, "forward", lambda *a: calls.append(a[3]) or run(*a))
+    check_case(cell, case, target=gpu_target, schedule="cuda", precision=precision,
+               rtol=RTOL[precision])
+    assert calls and set(calls) == {3}
+
+
 def test_reduced_precisions_round_as_they_say(gpu_target):
     """TF32 and bf16 round the GEMMs' operands: the outputs differ from
     fp32 cuBLAS's (so the mode is on), by less than their RTOL, and bf16's

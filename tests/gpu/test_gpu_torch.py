@@ -244,6 +244,61 @@ def test_bidirectional_directions_run_beside_each_other():
     assert any(spec.endswith("|1") for spec, _, target in hnn._libs if "cuda" in target)
 
 
+@pytest.mark.parametrize("cell,layers,given,batch_first,finals_only",
+                         [("lstm", 2, False, False, False), ("lstm", 3, True, True, False),
+                          ("gru", 2, True, False, False), ("lstm", 2, True, False, True),
+                          ("layernorm_lstm", 2, False, False, False)])
+def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, finals_only,
+                                             monkeypatch):
+    """A CUDA stack as a wavefront of 3 chunks (halstm.wavefront, _Stack):
+    outputs and every gradient those of the layers in turn, run on a
+    stream other than the default one, bitwise the same when repeated
+    (no race between the lanes), and no warning of a gradient's stream."""
+    from halstm import wavefront
+    torch.manual_seed(0)
+    m = hnn.Recurrent(cell, I, H, num_layers=layers, batch_first=batch_first).cuda()
+    T, B = 8, 5
+    x = torch.randn(*((B, T) if batch_first else (T, B)), I, device="cuda")
+    hx = [torch.randn(layers, B, H, device="cuda") for _ in m._states] if given else None
+    calls = []
+    chunked = wavefront.forward
+    monkeypatch.setattr(wavefront, "forward", lambda *a: calls.append(a[3]) or chunked(*a))
+
+    def step():
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        hi = None if hx is None else [a.clone().requires_grad_() for a in hx]
+        y, hn = m(xi, None if hi is None else hi[0] if len(hi) == 1 else tuple(hi))
+        hn = hn if isinstance(hn, tuple) else (hn,)
+        loss = sum((f * f).sum() for f in hn) if finals_only else weighted_loss(y, hn)
+        loss.backward()
+        return ([y.detach().clone(), *[a.detach().clone() for a in hn], xi.grad]
+                + [p.grad.clone() for p in m.parameters()] + ([a.grad for a in hi] if hi else []))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    runs = []
+    with warnings.catch_warnings(record=True) as seen, torch.cuda.stream(side):
+        warnings.simplefilter("always")
+        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "1")
+        want = step()
+        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
+        for _ in range(3):
+            runs.append(step())
+    torch.cuda.current_stream().wait_stream(side)
+    assert calls == [3] * 3
+    assert not [w for w in seen if "stream" in str(w.message)], [str(w.message) for w in seen]
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert torch.equal(a, b)
+    for k, (a, b) in enumerate(zip(runs[0], want)):
+        assert_close(f"result {k}", a.cpu(), b.cpu(), rtol=1e-4)
+    with torch.no_grad():                # no_grad: the same forward, nothing saved
+        y = m(x, None if hx is None else hx[0] if len(hx) == 1 else tuple(hx))[0]
+    assert calls == [3] * 4
+    assert_close("no_grad y", y.cpu(), runs[0][0].cpu(), rtol=1e-5)
+
+
 def test_compile_reduce_overhead_matches_eager():
     """torch.compile(mode="reduce-overhead") records the layers' kernels
     into torch's CUDA graph (warm-up, recording, replays): outputs and
