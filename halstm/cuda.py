@@ -62,7 +62,9 @@ class _Driver:
         self.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(_U64), _SZ]
         self.lib.cuMemFree_v2.argtypes = [_U64]
         self.lib.cuMemsetD8_v2.argtypes = [_U64, ctypes.c_ubyte, _SZ]
+        self.lib.cuMemsetD8Async.argtypes = [_U64, ctypes.c_ubyte, _SZ, _P]
         self.lib.cuMemcpy2D_v2.argtypes = [ctypes.c_void_p]
+        self.lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.c_void_p, _P]
         self.lib.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(_SZ), ctypes.POINTER(_SZ)]
         self._current = threading.local()
 
@@ -192,6 +194,26 @@ class Stream:
             _driver.lib.cuStreamDestroy_v2(_P(self.handle))
 
 
+_on = threading.local()      # .stream: this thread's stream for fills and copies
+
+
+class on_stream:
+    """A context in which this thread's array fills and device copies
+    (DeviceArray.zero_, copy_2d) are queued on stream `handle` (None: the
+    legacy stream, synchronously as outside), as a library call on that
+    stream is: a wavefront's lane (halstm.wavefront)."""
+
+    def __init__(self, handle: int | None):
+        self.handle = handle
+
+    def __enter__(self):
+        self.before = getattr(_on, "stream", None)
+        _on.stream = self.handle
+
+    def __exit__(self, *exc):
+        _on.stream = self.before
+
+
 def legacy_after(streams) -> None:
     """Order the legacy default stream after the work queued on `streams`."""
     for s in streams:
@@ -317,8 +339,11 @@ class DeviceArray:
 
     def zero_(self) -> "DeviceArray":
         """Fill with zeros, in place; returns self."""
-        if self.size:
+        stream = getattr(_on, "stream", None)
+        if self.size and stream is None:
             driver().call("cuMemsetD8_v2", _U64(self.ptr), 0, self.nbytes)
+        elif self.size:
+            driver().call("cuMemsetD8Async", _U64(self.ptr), 0, self.nbytes, _P(stream))
         return self
 
     @classmethod
@@ -446,7 +471,11 @@ def copy_2d(dst: DeviceArray, dst_pitch: int, src: DeviceArray, src_pitch: int,
     m = _Memcpy2D(srcMemoryType=2, srcDevice=src.ptr + 4 * src_offset, srcPitch=4 * src_pitch,
                   dstMemoryType=2, dstDevice=dst.ptr + 4 * dst_offset, dstPitch=4 * dst_pitch,
                   WidthInBytes=4 * width, Height=height)
-    driver().call("cuMemcpy2D_v2", ctypes.byref(m))
+    stream = getattr(_on, "stream", None)
+    if stream is None:
+        driver().call("cuMemcpy2D_v2", ctypes.byref(m))
+    else:
+        driver().call("cuMemcpy2DAsync_v2", ctypes.byref(m), _P(stream))
 
 
 class _Memcpy2D(ctypes.Structure):

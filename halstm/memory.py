@@ -172,6 +172,11 @@ class Host:
         return np.concatenate(arrays, axis=-1)
 
     @staticmethod
+    def join_time(arrays):
+        """A new array: arrays (T_i, ...) joined along the first axis."""
+        return np.concatenate(arrays, axis=0)
+
+    @staticmethod
     def columns(a, start, w):
         """A contiguous copy of a[..., start:start + w]."""
         return np.ascontiguousarray(a[..., start:start + w])
@@ -266,6 +271,14 @@ class Device:
             w = a.shape[-1]
             self.cuda.copy_2d(out, W, a, w, w, a.size // max(w, 1), dst_offset=start)
             start += w
+        return out
+
+    def join_time(self, arrays):
+        """As Host.join_time: a copy per array."""
+        out, t = self.cuda.empty((sum(a.shape[0] for a in arrays),) + arrays[0].shape[1:]), 0
+        for a in arrays:
+            out[t:t + a.shape[0]] = a
+            t += a.shape[0]
         return out
 
     @staticmethod

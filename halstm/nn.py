@@ -574,12 +574,44 @@ class _RNN:
             lib = self._lib(layer, "fwd")
             return (self._mem.empty((len(lib.states), T + 1, B, H)),
                     self._mem.empty((T, B, lib.S, H)) if save else None)
-        whole = wavefront.forward([call(layer) for layer in range(L)], x, T, n, make)
+        whole = wavefront.forward([call(layer) for layer in range(L)], x, T, n, make,
+                                  wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn())
         for layer, (states, saved) in enumerate(whole):
             inp = x if layer == 0 else whole[layer - 1][0][0][1:]
             tape.append((inp, states, saved))
             ends.append(None)
         return whole[-1][0][0][1:]
+
+    def _wavefront_backward(self, tape, dy, dfinal, n, input_grad) -> list:
+        """The layers' gradients as a wavefront of n chunks
+        (wavefront.backward): per layer the library's dict, the weight
+        gradients summed over the chunks, layer 0's dx (input_grad) joined."""
+        T, L = dy.shape[0], self.num_layers
+
+        def call(layer):
+            inp, states, saved = tape[layer]
+            w_ih, _, w_hh, _ = self._layer_weights(layer)
+            lib, vec = self._lib(layer, "bwd"), self._layer_vec(layer)
+            NS, names = len(lib.states), [f"d{s}0" for s in lib.states]
+            own = [_layer(a, layer) for a in dfinal]
+            return lambda t0, t1, dy_c, after, stream, key: lib.backward(
+                inp[t0:t1], w_ih, w_hh, saved[t0:t1], [states[s][t0:t1 + 1] for s in range(NS)],
+                dy[t0:t1] if dy_c is None else dy_c,
+                own if after is None else [after[k] for k in names],
+                need_dx=input_grad or layer > 0, vec=vec, stream=stream, pack_key=key)
+        lanes = wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn()
+        done = wavefront.backward([call(layer) for layer in range(L)], T, n, lanes)
+        out = []
+        for layer, chunks in enumerate(done):    # (after every lane's work)
+            g = dict(chunks[0])
+            for k in ("dw_ih", "db_ih", "dw_hh", "db_hh", "dvec"):
+                for more in chunks[1:] if k in g else ():
+                    g[k] = self._mem.add(g[k], more[k])
+            g.pop("dx", None)
+            if layer == 0 and input_grad:
+                g["dx"] = self._mem.join_time([c["dx"] for c in chunks])
+            out.append(g)
+        return out
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:
@@ -607,10 +639,14 @@ class _RNN:
         grads = {}
         sizes = [H] + [self.hidden_size] * (len(dfinal) - 1)    # h's units, the others'
         dinit = [None if L * D == 1 else self._mem.empty((L * D, B, n)) for n in sizes]
+        n = 1 if masks else self._wavefront_chunks(T, B, ids, rows)
+        chunked = self._wavefront_backward(tape, dy, dfinal, n, input_grad) if n > 1 else None
         for layer in reversed(range(L)):
             def one(d, threads):
                 """Direction d of this layer's gradients (the library's keys;
                 dx in time order)."""
+                if chunked is not None:
+                    return chunked[layer]
                 dy_d = dy if D == 1 else self._mem.columns(dy, d * H, H)
                 if d:
                     dy_d = self._mem.reverse_time(dy_d, ns)

@@ -530,8 +530,11 @@ class _Lanes:
     allocates comes from that stream's pool (torch's allocator reuses a
     block in the order of the stream it was made on); arrays made on the
     current stream are read on the lanes before the current stream goes
-    on, so they need no record_stream. On a CPU: the calls in turn (tests
-    run _Stack there)."""
+    on, so they need no record_stream, and those the lanes make are read
+    on the current stream only after close() and freed after it (a lane
+    reuses their blocks only after its next open(), which waits for the
+    current stream). On a CPU: the calls in turn (tests run _Stack
+    there)."""
 
     def __init__(self, device: torch.device, n: int):
         self.main, self.streams = None, [None] * n
@@ -548,9 +551,9 @@ class _Lanes:
             if s is not None:
                 s.wait_stream(self.main)
 
-    def chain(self, layer: int) -> None:
+    def chain(self, layer: int, on: int) -> None:
         if self.main is not None:
-            self.streams[layer].wait_stream(self.streams[layer - 1])
+            self.streams[layer].wait_stream(self.streams[on])
 
     def handle(self, layer: int) -> int | None:
         return None if self.main is None else self.streams[layer].cuda_stream
@@ -572,7 +575,8 @@ class _Stack(torch.autograd.Function):
     w_ih, b_ih, w_hh, b_hh, vec (or None) and per state its initial (B, H)
     (or None). Outputs y (T, B, H), the last layer's h (a view of its
     states), then per layer each state's final (B, H) (copies). Backward
-    runs the layers in turn, each as _Layer's."""
+    runs as a wavefront of the same chunks (wavefront.backward), the
+    weight gradients summed over the chunks on the current stream."""
 
     @staticmethod
     def forward(ctx, x, n, specs, save, *flat):
@@ -597,7 +601,7 @@ class _Stack(torch.autograd.Function):
         whole = wavefront.forward([call(k) for k in range(L)], x, T, n, make,
                                   _Lanes(x.device, L))
         ctx.set_materialize_grads(False)
-        ctx.specs, ctx.L = specs, L
+        ctx.specs, ctx.L, ctx.chunks = specs, L, n
         if save:
             keep = []
             for k, (states, saved) in enumerate(whole):
@@ -614,18 +618,34 @@ class _Stack(torch.autograd.Function):
         if not kept:
             raise RuntimeError("halstm: backward through a layer run without saving (save=False)")
         NS = len(dfinals) // L
-        grads = [None] * len(ctx.needs_input_grad)
-        for k in reversed(range(L)):
+        x0 = kept[0]
+        T, B = x0.shape[0], x0.shape[1]
+        libs = [_library(spec, "bwd", x0.device) for spec in ctx.specs]
+        if dy is None:                   # (a loss of the finals alone)
+            dy = x0.new_zeros((T, B, libs[-1][0].H))
+        dy = dy.contiguous()
+
+        def call(k):
             x, w_ih, w_hh, vec, saved, states = kept[6 * k:6 * k + 6]
-            g = _library_backward(x, w_ih, w_hh, vec, saved, states, dy,
-                                  list(dfinals[k * NS:(k + 1) * NS]), None, ctx.specs[k],
-                                  k > 0 or ctx.needs_input_grad[0])
+            (lib, mem), names = libs[k], _state_grad_keys(ctx.specs[k])
+            own = [None if d is None else d.contiguous() for d in dfinals[k * NS:(k + 1) * NS]]
+            need_dx = k > 0 or ctx.needs_input_grad[0]
+            return lambda t0, t1, dy_c, after, stream, key: lib.backward(
+                x[t0:t1], w_ih, w_hh, saved[t0:t1], [states[s, t0:t1 + 1] for s in range(NS)],
+                dy[t0:t1] if dy_c is None else dy_c,
+                own if after is None else [after[n] for n in names], need_dx=need_dx, vec=vec,
+                mem=mem, stream=stream, pack_key=key)
+        done = wavefront.backward([call(k) for k in range(L)], T, ctx.chunks,
+                                  _Lanes(x0.device, L))
+        grads = [None] * len(ctx.needs_input_grad)
+        for k, chunks in enumerate(done):        # (on the current stream, after every lane)
             first = 4 + k * (5 + NS)
-            grads[first:first + 5 + NS] = [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
-                                           g.get("dvec"),
-                                           *[g[s] for s in _state_grad_keys(ctx.specs[k])]]
-            dy = g.get("dx")
-        grads[0] = dy
+            grads[first:first + 5 + NS] = [
+                *[sum(c[n] for c in chunks) for n in ("dw_ih", "db_ih", "dw_hh", "db_hh")],
+                sum(c["dvec"] for c in chunks) if "dvec" in chunks[0] else None,
+                *[chunks[0][n] for n in _state_grad_keys(ctx.specs[k])]]
+        if ctx.needs_input_grad[0]:
+            grads[0] = torch.cat([c["dx"] for c in done[0]])
         return _wanted(ctx, tuple(grads))
 
 

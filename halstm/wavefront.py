@@ -8,6 +8,10 @@ decisions": `wavefront.chunks`).
 Each chunk is one library call that writes its steps' states and saved
 values into the whole loop's arrays, its initial state the previous
 chunk's last (in place), so the tape is the one of a call over every step.
+Backward runs the same way from the last chunk down (backward): a chunk's
+call takes the chunk's rows of the tape and the state gradients the chunk
+after it left, and gives the chunk's dx and its share of the weight
+gradients, which the caller sums.
 """
 from __future__ import annotations
 
@@ -83,20 +87,42 @@ class Lanes:
         for s in self.streams:          # after what the legacy stream has queued (x, init)
             s.after(None)
 
-    def chain(self, layer: int) -> None:
-        """Layer `layer`'s stream after what layer-1's has queued so far."""
-        self.streams[layer].after(self.streams[layer - 1])
+    def chain(self, layer: int, on: int) -> None:
+        """Layer `layer`'s stream after what layer `on`'s has queued so far."""
+        self.streams[layer].after(self.streams[on])
 
     def handle(self, layer: int) -> int:
         return self.streams[layer].handle
 
     def on(self, layer: int):
-        """A context in which layer `layer`'s call runs (its allocations)."""
-        return contextlib.nullcontext()
+        """A context in which layer `layer`'s call runs: the array fills and
+        copies a library call makes around its kernels queue on its stream."""
+        from . import cuda
+        return cuda.on_stream(self.streams[layer].handle)
 
     def close(self) -> None:            # (the arrays' memory returns to the legacy stream's pool)
         from . import cuda
         cuda.legacy_after(self.streams)
+
+
+class InTurn:
+    """Lanes without streams: the chunks' calls one after the other (a CPU
+    stack's, which tests run)."""
+
+    def open(self) -> None:
+        pass
+
+    def chain(self, layer: int, on: int) -> None:
+        pass
+
+    def handle(self, layer: int) -> None:
+        return None
+
+    def on(self, layer: int):
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
 
 
 def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
@@ -118,7 +144,7 @@ def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
                 NS = states.shape[0]
                 inp = x[t0:t1] if layer == 0 else whole[layer - 1][0][0][t0 + 1:t1 + 1]
                 if layer:
-                    lanes.chain(layer)
+                    lanes.chain(layer, layer - 1)
                 init = None if c == 0 else [states[s][t0] for s in range(NS)]
                 out = ([states[s][t0:t1 + 1] for s in range(NS)],
                        None if saved is None else saved[t0:t1])
@@ -127,3 +153,37 @@ def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
     finally:
         lanes.close()
     return whole
+
+
+def backward(calls, T: int, n: int, lanes=None) -> list:
+    """A stack's backward in n chunks of T steps, the top layer's last
+    chunk first: calls[l](t0, t1, dy, after, stream, pack_key) runs layer
+    l's backward over steps [t0, t1) and returns the library's dict (dy:
+    None for the top layer, the caller's; below it the layer above's dx of
+    the chunk; after: the dict of layer l's chunk after this one, whose
+    d<state>0 are this chunk's final-state gradients, None for the last
+    chunk). Layer l's chunk c is queued after layer l+1's chunk c, so that
+    it runs beside layer l+1's chunk c-1. Each chunk's dict is kept until
+    every lane's work is queued on the caller's stream (lanes' interface as
+    forward's). Returns per layer its chunks' dicts in time order."""
+    L = len(calls)
+    lanes = lanes or Lanes(L)
+    edges = bounds(T, n)
+    C = len(edges) - 1
+    done = [[None] * C for _ in range(L)]
+    key = object()                      # chunks after the first reuse the packed weights
+    lanes.open()
+    try:
+        for c in reversed(range(C)):
+            for layer in reversed(range(L)):
+                dy = None
+                if layer < L - 1:
+                    lanes.chain(layer, layer + 1)
+                    dy = done[layer + 1][c]["dx"]
+                with lanes.on(layer):
+                    done[layer][c] = calls[layer](edges[c], edges[c + 1], dy,
+                                                  done[layer][c + 1] if c < C - 1 else None,
+                                                  lanes.handle(layer), (key, layer))
+    finally:
+        lanes.close()
+    return done

@@ -1,11 +1,12 @@
-"""halstm.wavefront's rule and a library call over a chunk of a time loop
-(runtime.Library.forward's `out`), which the GPU's wavefront is made of;
-the wavefront itself runs in tests/gpu/test_gpu_modules.py."""
+"""halstm.wavefront's rule, a library call over a chunk of a time loop
+(runtime.Library.forward's `out`), which the GPU's wavefront is made of,
+and a CPU stack's forward and backward in chunks (the wavefront's calls,
+in turn); the wavefront itself runs in tests/gpu/test_gpu_modules.py."""
 import numpy as np
 import pytest
 
-from halstm import wavefront
-from helpers import B, I, T, assert_close, make
+from halstm import nn, wavefront
+from helpers import B, I, T, assert_close, check_case, make
 
 
 def test_chunks_follow_the_step_size_the_loop_and_the_layers(monkeypatch):
@@ -75,3 +76,21 @@ def test_out_of_the_wrong_shape_is_refused():
     states = [np.zeros((T + 1, B, m.hidden_size), np.float32)] * 2
     with pytest.raises(ValueError, match="out: expected saved of shape None"):
         lib.forward(x, *m._layer_weights(0), [None, None], save=False, out=(states, saved))
+
+
+@pytest.mark.parametrize("case", ["base", "L3", "hx_and_dstate", "batch_first_hx_dstate", "T1",
+                                  "unbatched_hx_dstate", "no_bias"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_stack_in_chunks_matches_reference(cell, case, monkeypatch):
+    """A CPU stack's forward and backward as the wavefront's chunks
+    (wavefront.forward / backward with InTurn lanes: the chunks' calls in
+    turn, the weight gradients summed over the chunks), against the
+    reference."""
+    monkeypatch.setattr(nn._RNN, "_wavefront_chunks", lambda self, *a: 3)
+    calls = []
+    for name in ("forward", "backward"):
+        run = getattr(wavefront, name)
+        monkeypatch.setattr(wavefront, name,
+                            lambda *a, run=run, name=name: calls.append(name) or run(*a))
+    check_case(cell, case)
+    assert calls == ["forward", "backward"]
