@@ -306,9 +306,29 @@ class _Allocation:
         # (not weakref.finalize: a forward makes several arrays, and its
         # bookkeeping cost about 3 us each, before the kernels could start)
         try:
-            _pool.give(self.ptr, self.nbytes)
+            held = getattr(_on, "held", None)
+            if held is not None:       # (freed while lanes may still use it: hold_frees)
+                held.append((self.ptr, self.nbytes))
+            else:
+                _pool.give(self.ptr, self.nbytes)
         except Exception:      # interpreter shutdown: the pool may be gone already
             pass
+
+
+def hold_frees() -> None:
+    """Keep the blocks this thread frees out of the pool until give_held():
+    the pool is ordered by the legacy stream alone, and a block freed while
+    a wavefront's lanes may still use it (a library call's temporary) must
+    not come back to another array before they are done."""
+    _on.held = []
+
+
+def give_held() -> None:
+    """Return the blocks held since hold_frees() to the pool (once the
+    legacy stream waits for the lanes that used them)."""
+    held, _on.held = getattr(_on, "held", None) or [], None
+    for ptr, nbytes in held:
+        _pool.give(ptr, nbytes)
 
 
 class DeviceArray:

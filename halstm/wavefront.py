@@ -84,6 +84,8 @@ class Lanes:
         self.streams = streams(n)
 
     def open(self) -> None:
+        from . import cuda
+        cuda.hold_frees()               # (until the legacy stream waits for the lanes)
         for s in self.streams:          # after what the legacy stream has queued (x, init)
             s.after(None)
 
@@ -102,7 +104,10 @@ class Lanes:
 
     def close(self) -> None:            # (the arrays' memory returns to the legacy stream's pool)
         from . import cuda
-        cuda.legacy_after(self.streams)
+        try:
+            cuda.legacy_after(self.streams)
+        finally:
+            cuda.give_held()
 
 
 class InTurn:
