@@ -200,8 +200,9 @@ _on = threading.local()      # .stream: this thread's stream for fills and copie
 class on_stream:
     """A context in which this thread's array fills and device copies
     (DeviceArray.zero_, copy_2d) are queued on stream `handle` (None: the
-    legacy stream, synchronously as outside), as a library call on that
-    stream is: a wavefront's lane (halstm.wavefront)."""
+    legacy stream, as outside), as a library call on that stream is, and
+    its allocations take blocks as lanes_open says: a wavefront's lane
+    (halstm.wavefront)."""
 
     def __init__(self, handle: int | None):
         self.handle = handle
@@ -253,7 +254,8 @@ class _Pool:
     time loops are cached under their pointers."""
 
     def __init__(self):
-        self.free: dict[int, list[int]] = {}
+        self.free: dict[int, list[tuple[int, int]]] = {}   # size -> [(ptr, epoch freed)]
+        self.epoch = 0                  # wavefronts begun (lanes_open)
         self.lock = threading.Lock()
 
     @staticmethod
@@ -261,13 +263,15 @@ class _Pool:
         step = 2 << 20 if nbytes > 1 << 20 else 512
         return max(-(-int(nbytes) // step) * step, step)
 
-    def take(self, nbytes: int) -> int:
+    def take(self, nbytes: int, before: int | None = None) -> int:
+        """A block of nbytes; before: one freed before that epoch only."""
         size = self.size(nbytes)
         with self.lock:
             blocks = self.free.get(size)
-            if blocks:
-                blocks.remove(ptr := min(blocks))
-                return ptr
+            fit = [b for b in blocks or () if before is None or b[1] < before]
+            if fit:
+                blocks.remove(block := min(fit))
+                return block[0]
         ptr = _U64()
         try:
             driver().call("cuMemAlloc_v2", ctypes.byref(ptr), size)
@@ -278,12 +282,17 @@ class _Pool:
 
     def give(self, ptr: int, nbytes: int) -> None:
         with self.lock:
-            self.free.setdefault(self.size(nbytes), []).append(ptr)
+            self.free.setdefault(self.size(nbytes), []).append((ptr, self.epoch))
+
+    def next_epoch(self) -> int:
+        with self.lock:
+            self.epoch += 1
+            return self.epoch
 
     def release(self) -> None:
         """Free every cached block (they are unused)."""
         with self.lock:
-            blocks = [p for ps in self.free.values() for p in ps]
+            blocks = [p for ps in self.free.values() for p, _ in ps]
             self.free.clear()
         for p in blocks:
             try:
@@ -300,14 +309,16 @@ class _Allocation:
     """One pooled device block, returned when the last array viewing it goes away."""
 
     def __init__(self, nbytes: int):
-        self.ptr, self.nbytes = _pool.take(nbytes), nbytes
+        lane = getattr(_on, "stream", None) is not None
+        self.ptr = _pool.take(nbytes, getattr(_on, "epoch", None) if lane else None)
+        self.nbytes = nbytes
 
     def __del__(self):
         # (not weakref.finalize: a forward makes several arrays, and its
         # bookkeeping cost about 3 us each, before the kernels could start)
         try:
             held = getattr(_on, "held", None)
-            if held is not None:       # (freed while lanes may still use it: hold_frees)
+            if held is not None:       # (freed while lanes may still use it: lanes_open)
                 held.append((self.ptr, self.nbytes))
             else:
                 _pool.give(self.ptr, self.nbytes)
@@ -315,19 +326,25 @@ class _Allocation:
             pass
 
 
-def hold_frees() -> None:
-    """Keep the blocks this thread frees out of the pool until give_held():
-    the pool is ordered by the legacy stream alone, and a block freed while
-    a wavefront's lanes may still use it (a library call's temporary) must
-    not come back to another array before they are done."""
+def lanes_open() -> None:
+    """A wavefront begins on this thread (halstm.wavefront.Lanes.open),
+    before its lanes wait for the legacy stream. The pool is ordered by the
+    legacy stream alone, so until lanes_close() the blocks this thread
+    frees stay out of it (a lane may still use them: a library call's
+    temporary), and an allocation inside a lane (on_stream) takes only a
+    block freed before this call, whose uses on the legacy stream, by any
+    thread, the lanes wait for. (A wavefront's peak memory holds those
+    temporaries.)"""
     _on.held = []
+    _on.epoch = _pool.next_epoch()
 
 
-def give_held() -> None:
-    """Return the blocks held since hold_frees() to the pool (once the
-    legacy stream waits for the lanes that used them)."""
-    held, _on.held = getattr(_on, "held", None) or [], None
-    for ptr, nbytes in held:
+def lanes_close(waited: bool) -> None:
+    """The wavefront ends: the blocks held since lanes_open() go back to the
+    pool once the legacy stream waits for the lanes (waited); else (a
+    failed wait) they are dropped."""
+    held, _on.held, _on.epoch = getattr(_on, "held", None) or [], None, None
+    for ptr, nbytes in held if waited else ():
         _pool.give(ptr, nbytes)
 
 

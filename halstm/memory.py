@@ -275,10 +275,11 @@ class Device:
 
     def join_time(self, arrays):
         """As Host.join_time: a copy per array."""
-        out, t = self.cuda.empty((sum(a.shape[0] for a in arrays),) + arrays[0].shape[1:]), 0
+        out = self.cuda.empty((sum(a.shape[0] for a in arrays),) + arrays[0].shape[1:])
+        row, start = out.size // max(out.shape[0], 1), 0      # floats a step
         for a in arrays:
-            out[t:t + a.shape[0]] = a
-            t += a.shape[0]
+            self.cuda.copy_2d(out, row, a, row, row, a.shape[0], dst_offset=start)
+            start += a.size
         return out
 
     @staticmethod

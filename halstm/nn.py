@@ -549,7 +549,8 @@ class _RNN:
 
     def _wavefront_chunks(self, T, B, ids, rows) -> int:
         """The chunks of a GPU stack's wavefront (halstm.wavefront; 1:
-        none): one direction, no projection, lengths or dropout."""
+        none): one direction, no projection, lengths, one-hot class
+        indices or dropout in training."""
         if (not self.on_gpu or self.num_directions > 1
                 or self.proj_size or ids or rows is not None or (self.dropout and self.training)):
             return 1
@@ -601,17 +602,9 @@ class _RNN:
                 need_dx=input_grad or layer > 0, vec=vec, stream=stream, pack_key=key)
         lanes = wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn()
         done = wavefront.backward([call(layer) for layer in range(L)], T, n, lanes)
-        out = []
-        for layer, chunks in enumerate(done):    # (after every lane's work)
-            g = dict(chunks[0])
-            for k in ("dw_ih", "db_ih", "dw_hh", "db_hh", "dvec"):
-                for more in chunks[1:] if k in g else ():
-                    g[k] = self._mem.add(g[k], more[k])
-            g.pop("dx", None)
-            if layer == 0 and input_grad:
-                g["dx"] = self._mem.join_time([c["dx"] for c in chunks])
-            out.append(g)
-        return out
+        return [wavefront.gradients(chunks, self._mem.add, self._mem.join_time,  # (after the lanes)
+                                    layer == 0 and input_grad)
+                for layer, chunks in enumerate(done)]
 
     def _backward(self, dy, dfinal, input_grad=True):
         if self._tape is None:
@@ -639,14 +632,13 @@ class _RNN:
         grads = {}
         sizes = [H] + [self.hidden_size] * (len(dfinal) - 1)    # h's units, the others'
         dinit = [None if L * D == 1 else self._mem.empty((L * D, B, n)) for n in sizes]
-        n = 1 if masks else self._wavefront_chunks(T, B, ids, rows)
-        chunked = self._wavefront_backward(tape, dy, dfinal, n, input_grad) if n > 1 else None
+        n_chunks = 1 if masks else self._wavefront_chunks(T, B, ids, rows)
+        chunked = (self._wavefront_backward(tape, dy, dfinal, n_chunks, input_grad)
+                   if n_chunks > 1 else None)      # per layer its gradients (dx: layer 0's)
         for layer in reversed(range(L)):
             def one(d, threads):
                 """Direction d of this layer's gradients (the library's keys;
                 dx in time order)."""
-                if chunked is not None:
-                    return chunked[layer]
                 dy_d = dy if D == 1 else self._mem.columns(dy, d * H, H)
                 if d:
                     dy_d = self._mem.reverse_time(dy_d, ns)
@@ -670,8 +662,9 @@ class _RNN:
                 return g
 
             dx = None                                       # (T, B, K) summed over directions
-            for d, g in enumerate(self._each_direction(one, self._lib(layer, "bwd",
-                                                                     ids and layer == 0))):
+            gs = ([chunked[layer]] if chunked is not None else
+                  self._each_direction(one, self._lib(layer, "bwd", ids and layer == 0)))
+            for d, g in enumerate(gs):
                 sfx = self._suffix(layer, d)
                 if "dw_hr" in g:
                     grads[f"weight_hr{sfx}"] = g["dw_hr"]

@@ -521,51 +521,57 @@ class _Layer(torch.autograd.Function):
 # ---- a CUDA stack's layers as a wavefront (halstm.wavefront) ---------------
 
 _wavefront_streams: dict = {}     # device -> torch streams, one a layer
+_last_main: dict = {}             # device -> the current stream of its last wavefront
+
+
+def _lanes(device: torch.device, n: int):
+    """The lanes of a wavefront of n layers on `device`: _Lanes on a GPU,
+    on a CPU the calls in turn (tests run _Stack there)."""
+    return _Lanes(device, n) if device.type == "cuda" else wavefront.InTurn()
 
 
 class _Lanes:
-    """wavefront.Lanes over torch streams of a CUDA `device`: after the
-    work queued on torch's current stream, and before its next. Each
+    """wavefront.Lanes over torch streams of a CUDA `device`, after the
+    work queued on torch's current stream and before its next. Each
     layer's call runs with its stream current, so that what the library
     allocates comes from that stream's pool (torch's allocator reuses a
-    block in the order of the stream it was made on); arrays made on the
-    current stream are read on the lanes before the current stream goes
-    on, so they need no record_stream, and those the lanes make are read
-    on the current stream only after close() and freed after it (a lane
-    reuses their blocks only after its next open(), which waits for the
-    current stream). On a CPU: the calls in turn (tests run _Stack
-    there)."""
+    block in the order of the stream it was made on). Arrays made on the
+    current stream before open() are freed only after close(), which
+    orders the current stream after every lane: they need no
+    record_stream. Arrays the lanes make are read on the current stream
+    after close(); a lane reuses their blocks only after a later open(),
+    which waits for that wavefront's current stream and for the last one's
+    (a caller that keeps such an array longer records it on its stream:
+    _Stack.backward's initial-state gradients)."""
 
     def __init__(self, device: torch.device, n: int):
-        self.main, self.streams = None, [None] * n
-        if device.type == "cuda":
-            self.main = torch.cuda.current_stream(device)
-            with _lock:
-                made = _wavefront_streams.setdefault(device, [])
-                while len(made) < n:
-                    made.append(torch.cuda.Stream(device))
-                self.streams = made[:n]
+        self.device, self.main = device, torch.cuda.current_stream(device)
+        with _lock:
+            made = _wavefront_streams.setdefault(device, [])
+            while len(made) < n:
+                made.append(torch.cuda.Stream(device))
+            self.streams = made[:n]
 
     def open(self) -> None:
+        last = _last_main.get(self.device)
         for s in self.streams:
-            if s is not None:
-                s.wait_stream(self.main)
+            s.wait_stream(self.main)
+            if last is not None and last != self.main:
+                s.wait_stream(last)
 
     def chain(self, layer: int, on: int) -> None:
-        if self.main is not None:
-            self.streams[layer].wait_stream(self.streams[on])
+        self.streams[layer].wait_stream(self.streams[on])
 
-    def handle(self, layer: int) -> int | None:
-        return None if self.main is None else self.streams[layer].cuda_stream
+    def handle(self, layer: int) -> int:
+        return self.streams[layer].cuda_stream
 
     def on(self, layer: int):
-        return contextlib.nullcontext() if self.main is None else torch.cuda.stream(
-            self.streams[layer])
+        return torch.cuda.stream(self.streams[layer])
 
     def close(self) -> None:
         for s in self.streams:
-            if s is not None:
-                self.main.wait_stream(s)
+            self.main.wait_stream(s)
+        _last_main[self.device] = self.main
 
 
 class _Stack(torch.autograd.Function):
@@ -599,7 +605,7 @@ class _Stack(torch.autograd.Function):
             return (mem.empty((len(lib.states), T + 1, B, H)),
                     mem.empty((T, B, lib.S, H)) if save else None)
         whole = wavefront.forward([call(k) for k in range(L)], x, T, n, make,
-                                  _Lanes(x.device, L))
+                                  _lanes(x.device, L))
         ctx.set_materialize_grads(False)
         ctx.specs, ctx.L, ctx.chunks = specs, L, n
         if save:
@@ -635,17 +641,20 @@ class _Stack(torch.autograd.Function):
                 dy[t0:t1] if dy_c is None else dy_c,
                 own if after is None else [after[n] for n in names], need_dx=need_dx, vec=vec,
                 mem=mem, stream=stream, pack_key=key)
-        done = wavefront.backward([call(k) for k in range(L)], T, ctx.chunks,
-                                  _Lanes(x0.device, L))
+        lanes = _lanes(x0.device, L)
+        done = wavefront.backward([call(k) for k in range(L)], T, ctx.chunks, lanes)
         grads = [None] * len(ctx.needs_input_grad)
         for k, chunks in enumerate(done):        # (on the current stream, after every lane)
+            g = wavefront.gradients(chunks, torch.add, torch.cat,
+                                    k == 0 and ctx.needs_input_grad[0])
+            dinit = [g[n] for n in _state_grad_keys(ctx.specs[k])]
+            for a in dinit if x0.device.type == "cuda" else ():
+                a.record_stream(lanes.main)  # (a lane's array, kept by the caller)
             first = 4 + k * (5 + NS)
-            grads[first:first + 5 + NS] = [
-                *[sum(c[n] for c in chunks) for n in ("dw_ih", "db_ih", "dw_hh", "db_hh")],
-                sum(c["dvec"] for c in chunks) if "dvec" in chunks[0] else None,
-                *[chunks[0][n] for n in _state_grad_keys(ctx.specs[k])]]
-        if ctx.needs_input_grad[0]:
-            grads[0] = torch.cat([c["dx"] for c in done[0]])
+            grads[first:first + 5 + NS] = [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
+                                           g.get("dvec"), *dinit]
+            if k == 0:
+                grads[0] = g.get("dx")
         return _wanted(ctx, tuple(grads))
 
 

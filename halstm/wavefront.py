@@ -16,6 +16,7 @@ gradients, which the caller sums.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -43,7 +44,8 @@ def chunks(T: int, B: int, G: int, I: int, H: int, layers: int, sms: int) -> int
     """How many chunks the time loop of a stack of `layers` layers of
     input size I (the first) and H (the others) takes (1: the layers one
     after the other). HALSTM_WAVEFRONT_CHUNKS in the environment sets it (for
-    measuring; 1 turns the wavefront off)."""
+    measuring; 1 turns the wavefront off; a stack of one layer then runs
+    in chunks too)."""
     forced = os.environ.get("HALSTM_WAVEFRONT_CHUNKS")
     if forced is not None and forced.strip():
         n = int(forced) if forced.strip().isdigit() else 0
@@ -85,7 +87,7 @@ class Lanes:
 
     def open(self) -> None:
         from . import cuda
-        cuda.hold_frees()               # (until the legacy stream waits for the lanes)
+        cuda.lanes_open()               # (the pool's blocks: until close)
         for s in self.streams:          # after what the legacy stream has queued (x, init)
             s.after(None)
 
@@ -104,10 +106,12 @@ class Lanes:
 
     def close(self) -> None:            # (the arrays' memory returns to the legacy stream's pool)
         from . import cuda
+        waited = False
         try:
             cuda.legacy_after(self.streams)
+            waited = True
         finally:
-            cuda.give_held()
+            cuda.lanes_close(waited)
 
 
 class InTurn:
@@ -140,10 +144,10 @@ def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
     L = len(calls)
     whole = [make(layer) for layer in range(L)]
     lanes = lanes or Lanes(L)
-    lanes.open()
     key = object()                      # chunks after the first reuse the packed weights
     edges = bounds(T, n)
     try:
+        lanes.open()
         for c, (t0, t1) in enumerate(zip(edges, edges[1:])):
             for layer, (states, saved) in enumerate(whole):
                 NS = states.shape[0]
@@ -169,16 +173,17 @@ def backward(calls, T: int, n: int, lanes=None) -> list:
     d<state>0 are this chunk's final-state gradients, None for the last
     chunk). Layer l's chunk c is queued after layer l+1's chunk c, so that
     it runs beside layer l+1's chunk c-1. Each chunk's dict is kept until
-    every lane's work is queued on the caller's stream (lanes' interface as
-    forward's). Returns per layer its chunks' dicts in time order."""
+    close() orders the caller's stream after every lane (lanes' interface
+    as forward's). Returns per layer its chunks' dicts in time order
+    (gradients() makes a layer's whole-loop gradients of them)."""
     L = len(calls)
     lanes = lanes or Lanes(L)
     edges = bounds(T, n)
     C = len(edges) - 1
     done = [[None] * C for _ in range(L)]
     key = object()                      # chunks after the first reuse the packed weights
-    lanes.open()
     try:
+        lanes.open()
         for c in reversed(range(C)):
             for layer in reversed(range(L)):
                 dy = None
@@ -192,3 +197,17 @@ def backward(calls, T: int, n: int, lanes=None) -> list:
     finally:
         lanes.close()
     return done
+
+
+def gradients(chunks, add, join, dx: bool) -> dict:
+    """One layer's gradients from its chunks' dicts (time order): the
+    weight gradients (dw_ih, db_ih, dw_hh, db_hh, dvec) summed by add, the
+    initial states' (d<state>0) the first chunk's, and with dx the
+    chunks' dx joined along time by join."""
+    g = {k: v for k, v in chunks[0].items() if k != "dx"}
+    for k in ("dw_ih", "db_ih", "dw_hh", "db_hh", "dvec"):
+        if k in g:
+            g[k] = functools.reduce(add, [c[k] for c in chunks])
+    if dx:
+        g["dx"] = join([c["dx"] for c in chunks])
+    return g

@@ -39,6 +39,20 @@ def test_pool_size_classes():
     assert size(5 << 20) == 6 << 20
 
 
+def test_a_lane_takes_only_blocks_freed_before_its_wavefront():
+    """A wavefront's lanes waited for the legacy stream's work queued
+    before it began, so an allocation inside a lane takes only a block
+    freed before then (another thread's later free may still be in use
+    on the legacy stream); the lowest address first otherwise."""
+    pool = cuda._Pool()
+    pool.give(0x3000, 512)
+    epoch = pool.next_epoch()           # a wavefront begins
+    pool.give(0x1000, 512)              # freed after it began
+    pool.give(0x2000, 512)
+    assert pool.take(512, before=epoch) == 0x3000
+    assert pool.take(512) == 0x1000 and pool.take(512) == 0x2000
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("H", [37, 128, 512])
 def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):

@@ -150,6 +150,26 @@ def test_a_stack_in_chunks_matches_torch(cell, layers, batch_first, given, final
         assert_close(f"d {k}", grads[k], want_grads[k])
 
 
+@pytest.mark.parametrize("cell,bias", [("layernorm_lstm", True), ("gru", False)])
+def test_a_stack_in_chunks_matches_one_call(cell, bias, monkeypatch):
+    """_Stack (chunks) against the layers in turn for a cell with vector
+    parameters and for a stack without biases, on the CPU."""
+    torch.manual_seed(0)
+    m = hnn.Recurrent(cell, I, H, num_layers=2, bias=bias)
+    x = torch.randn(8, 3, I)
+    runs = []
+    for n in (1, 3):
+        monkeypatch.setattr(hnn._Recurrent, "_wavefront_chunks", lambda self, x, bs, n=n: n)
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        y, hn = m(xi)
+        weighted_loss(y, hn).backward()
+        runs.append([y.detach(), *[a.detach() for a in _finals(hn)], xi.grad]
+                    + [p.grad for p in m.parameters()])
+    for k, (a, b) in enumerate(zip(*runs)):
+        assert_close(f"result {k}", a, b, rtol=1e-5)
+
+
 @pytest.mark.parametrize("proj", [0, 5])
 def test_state_dict_both_ways(proj):
     ref = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=proj)

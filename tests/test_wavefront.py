@@ -94,3 +94,27 @@ def test_a_stack_in_chunks_matches_reference(cell, case, monkeypatch):
                             lambda *a, run=run, name=name: calls.append(name) or run(*a))
     check_case(cell, case)
     assert calls == ["forward", "backward"]
+
+
+def test_a_layernorm_stack_in_chunks_matches_one_call(monkeypatch):
+    """A cell with vector parameters (their gradients summed over the
+    chunks, as the matrices'), a stack without matrix biases: chunks
+    against the layers in turn, both on the CPU."""
+    import halstm
+    rng = np.random.default_rng(3)
+    m = halstm.Recurrent("layernorm_lstm", I, 37, num_layers=2, seed=1)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    h0 = [0.5 * rng.standard_normal((2, B, 37)).astype(np.float32) for _ in range(2)]
+    dy = rng.standard_normal((T, B, 37)).astype(np.float32)
+    dc = rng.standard_normal((2, B, 37)).astype(np.float32)
+    runs = []
+    for n in (1, 3):
+        monkeypatch.setattr(nn._RNN, "_wavefront_chunks", lambda self, *a, n=n: n)
+        y, (h, c) = m(x, tuple(h0))
+        runs.append(((y, h, c), m.backward(dy, None, dc)))
+    (want, want_g), (got, got_g) = runs
+    for name, a, b in zip(("y", "h_n", "c_n"), got, want):
+        assert_close(name, a, b, rtol=1e-5)
+    assert got_g.keys() == want_g.keys() and "ln_c_weight_l1" in got_g
+    for k in want_g:
+        assert_close(k, got_g[k], want_g[k], rtol=1e-5)
