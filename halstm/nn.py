@@ -561,21 +561,15 @@ class _RNN:
         """_forward's layers as a wavefront of n chunks (halstm.wavefront):
         fills tape and ends as the layers one after the other would, and
         returns the last layer's h over time (T, B, H)."""
-        T, B, H, L = x.shape[0], x.shape[1], self.hidden_size, self.num_layers
-
-        def call(layer):
-            w_ih, b_ih, w_hh, b_hh = self._layer_weights(layer)
-            lib, vec = self._lib(layer, "fwd"), self._layer_vec(layer)
-            own = [_layer(a, layer) for a in init]
-            return lambda inp, first, out, stream, key: lib.forward(
-                inp, w_ih, b_ih, w_hh, b_hh, own if first is None else first, save=save,
-                vec=vec, stream=stream, pack_key=key, out=out)
-
-        def make(layer):
-            lib = self._lib(layer, "fwd")
-            return (self._mem.empty((len(lib.states), T + 1, B, H)),
-                    self._mem.empty((T, B, lib.S, H)) if save else None)
-        whole = wavefront.forward([call(layer) for layer in range(L)], x, T, n, make,
+        T, B, L = x.shape[0], x.shape[1], self.num_layers
+        libs = [self._lib(layer, "fwd") for layer in range(L)]
+        calls = [wavefront.forward_call(libs[layer], self._layer_weights(layer),
+                                        [_layer(a, layer) for a in init], save,
+                                        self._layer_vec(layer))
+                 for layer in range(L)]
+        whole = wavefront.forward(calls, x, T, n,
+                                  lambda layer: wavefront.whole_loop(libs[layer], T, B, save,
+                                                                     self._mem),
                                   wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn())
         for layer, (states, saved) in enumerate(whole):
             inp = x if layer == 0 else whole[layer - 1][0][0][1:]
@@ -588,20 +582,14 @@ class _RNN:
         (wavefront.backward): per layer the library's dict, the weight
         gradients summed over the chunks, layer 0's dx (input_grad) joined."""
         T, L = dy.shape[0], self.num_layers
-
-        def call(layer):
-            inp, states, saved = tape[layer]
+        calls = []
+        for layer in range(L):
             w_ih, _, w_hh, _ = self._layer_weights(layer)
-            lib, vec = self._lib(layer, "bwd"), self._layer_vec(layer)
-            NS, names = len(lib.states), [f"d{s}0" for s in lib.states]
-            own = [_layer(a, layer) for a in dfinal]
-            return lambda t0, t1, dy_c, after, stream, key: lib.backward(
-                inp[t0:t1], w_ih, w_hh, saved[t0:t1], [states[s][t0:t1 + 1] for s in range(NS)],
-                dy[t0:t1] if dy_c is None else dy_c,
-                own if after is None else [after[k] for k in names],
-                need_dx=input_grad or layer > 0, vec=vec, stream=stream, pack_key=key)
+            calls.append(wavefront.backward_call(
+                self._lib(layer, "bwd"), tape[layer], w_ih, w_hh, self._layer_vec(layer), dy,
+                [_layer(a, layer) for a in dfinal], input_grad or layer > 0))
         lanes = wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn()
-        done = wavefront.backward([call(layer) for layer in range(L)], T, n, lanes)
+        done = wavefront.backward(calls, T, n, lanes)
         return [wavefront.gradients(chunks, self._mem.add, self._mem.join_time,  # (after the lanes)
                                     layer == 0 and input_grad)
                 for layer, chunks in enumerate(done)]

@@ -591,21 +591,14 @@ class _Stack(torch.autograd.Function):
         libs = [_library(spec, "fwd", x.device) for spec in specs]
         x = x.contiguous()
         T, B = x.shape[0], x.shape[1]
-
-        def call(k):
-            w_ih, b_ih, w_hh, b_hh, vec, *init = layers[k]
-            (lib, mem), key = libs[k], _PackKey.of(False, w_ih, w_hh)
-            return lambda inp, first, out, stream, _: lib.forward(
-                inp, w_ih, b_ih, w_hh, b_hh, list(init) if first is None else first, save=save,
-                vec=vec, mem=mem, stream=stream, pack_key=key, out=out)
-
-        def make(k):
+        calls = []
+        for k, (w_ih, b_ih, w_hh, b_hh, vec, *init) in enumerate(layers):
             lib, mem = libs[k]
-            H = lib.H
-            return (mem.empty((len(lib.states), T + 1, B, H)),
-                    mem.empty((T, B, lib.S, H)) if save else None)
-        whole = wavefront.forward([call(k) for k in range(L)], x, T, n, make,
-                                  _lanes(x.device, L))
+            calls.append(wavefront.forward_call(lib, (w_ih, b_ih, w_hh, b_hh), list(init), save,
+                                                vec, mem, _PackKey.of(False, w_ih, w_hh)))
+        whole = wavefront.forward(
+            calls, x, T, n, lambda k: wavefront.whole_loop(libs[k][0], T, B, save, libs[k][1]),
+            _lanes(x.device, L))
         ctx.set_materialize_grads(False)
         ctx.specs, ctx.L, ctx.chunks = specs, L, n
         if save:
@@ -630,19 +623,15 @@ class _Stack(torch.autograd.Function):
         if dy is None:                   # (a loss of the finals alone)
             dy = x0.new_zeros((T, B, libs[-1][0].H))
         dy = dy.contiguous()
-
-        def call(k):
+        calls = []
+        for k in range(L):
             x, w_ih, w_hh, vec, saved, states = kept[6 * k:6 * k + 6]
-            (lib, mem), names = libs[k], _state_grad_keys(ctx.specs[k])
+            lib, mem = libs[k]
             own = [None if d is None else d.contiguous() for d in dfinals[k * NS:(k + 1) * NS]]
-            need_dx = k > 0 or ctx.needs_input_grad[0]
-            return lambda t0, t1, dy_c, after, stream, key: lib.backward(
-                x[t0:t1], w_ih, w_hh, saved[t0:t1], [states[s, t0:t1 + 1] for s in range(NS)],
-                dy[t0:t1] if dy_c is None else dy_c,
-                own if after is None else [after[n] for n in names], need_dx=need_dx, vec=vec,
-                mem=mem, stream=stream, pack_key=key)
+            calls.append(wavefront.backward_call(lib, (x, states, saved), w_ih, w_hh, vec, dy, own,
+                                                 k > 0 or ctx.needs_input_grad[0], mem))
         lanes = _lanes(x0.device, L)
-        done = wavefront.backward([call(k) for k in range(L)], T, ctx.chunks, lanes)
+        done = wavefront.backward(calls, T, ctx.chunks, lanes)
         grads = [None] * len(ctx.needs_input_grad)
         for k, chunks in enumerate(done):        # (on the current stream, after every lane)
             g = wavefront.gradients(chunks, torch.add, torch.cat,

@@ -164,6 +164,41 @@ def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
     return whole
 
 
+def forward_call(lib, weights, init, save: bool, vec, mem=None, pack_key=None):
+    """forward()'s calls[l] for a layer of library lib: weights (w_ih,
+    b_ih, w_hh, b_hh), init its initial states (its first chunk's), vec,
+    mem as Library.forward's; pack_key the caller's (None: the
+    wavefront's, one a forward)."""
+    def call(inp, first, out, stream, key):
+        return lib.forward(inp, *weights, init if first is None else first, save=save, vec=vec,
+                           mem=mem, stream=stream, pack_key=pack_key or key, out=out)
+    return call
+
+
+def whole_loop(lib, T: int, B: int, save: bool, mem):
+    """forward()'s make(l) for a layer of library lib: its whole loop's
+    states (NS, T+1, B, H) and saved (T, B, S, H) (None without save)."""
+    return (mem.empty((len(lib.states), T + 1, B, lib.H)),
+            mem.empty((T, B, lib.S, lib.H)) if save else None)
+
+
+def backward_call(lib, tape, w_ih, w_hh, vec, dy, dfinal, need_dx: bool, mem=None):
+    """backward()'s calls[l] for a layer of library lib: tape its (x (T, B,
+    K), states (NS, T+1, B, H), saved (T, B, S, H)); dy (T, B, H) the
+    caller's (read by the top layer's calls); dfinal its final states'
+    gradients (its last chunk's); vec, need_dx, mem as Library.backward's."""
+    x, states, saved = tape
+    NS, names = len(lib.states), [f"d{s}0" for s in lib.states]
+
+    def call(t0, t1, dy_chunk, after, stream, key):
+        return lib.backward(x[t0:t1], w_ih, w_hh, saved[t0:t1],
+                            [states[s][t0:t1 + 1] for s in range(NS)],
+                            dy[t0:t1] if dy_chunk is None else dy_chunk,
+                            dfinal if after is None else [after[k] for k in names],
+                            need_dx=need_dx, vec=vec, mem=mem, stream=stream, pack_key=key)
+    return call
+
+
 def backward(calls, T: int, n: int, lanes=None) -> list:
     """A stack's backward in n chunks of T steps, the top layer's last
     chunk first: calls[l](t0, t1, dy, after, stream, pack_key) runs layer
