@@ -557,6 +557,11 @@ class _RNN:
         return wavefront.chunks(T, B, self.n_gates, self.input_size, self.hidden_size,
                                 self.num_layers, machine.gpu_sms())
 
+    def _lanes(self):
+        """The streams a wavefront's layers run on: one a layer on a GPU, on
+        a CPU the calls in turn (tests run the chunks there)."""
+        return wavefront.Lanes(self.num_layers) if self.on_gpu else wavefront.InTurn()
+
     def _wavefront(self, x, init, n, save, tape, ends):
         """_forward's layers as a wavefront of n chunks (halstm.wavefront):
         fills tape and ends as the layers one after the other would, and
@@ -570,7 +575,7 @@ class _RNN:
         whole = wavefront.forward(calls, x, T, n,
                                   lambda layer: wavefront.whole_loop(libs[layer], T, B, save,
                                                                      self._mem),
-                                  wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn())
+                                  self._lanes())
         for layer, (states, saved) in enumerate(whole):
             inp = x if layer == 0 else whole[layer - 1][0][0][1:]
             tape.append((inp, states, saved))
@@ -588,8 +593,7 @@ class _RNN:
             calls.append(wavefront.backward_call(
                 self._lib(layer, "bwd"), tape[layer], w_ih, w_hh, self._layer_vec(layer), dy,
                 [_layer(a, layer) for a in dfinal], input_grad or layer > 0))
-        lanes = wavefront.Lanes(L) if self.on_gpu else wavefront.InTurn()
-        done = wavefront.backward(calls, T, n, lanes)
+        done = wavefront.backward(calls, T, n, self._lanes())
         return [wavefront.gradients(chunks, self._mem.add, self._mem.join_time,  # (after the lanes)
                                     layer == 0 and input_grad)
                 for layer, chunks in enumerate(done)]

@@ -78,6 +78,18 @@ def make(cell, num_layers=L, seed=0, **kw):
     return CLASSES[cell](I, H, num_layers=num_layers, seed=seed, **kw)
 
 
+def record_wavefronts(monkeypatch) -> dict:
+    """Record the chunk count of every halstm.wavefront.forward and
+    backward call from here on: {"forward": [n, ...], "backward": [...]}."""
+    from halstm import wavefront
+    seen = {"forward": [], "backward": []}
+    for name, at in (("forward", 3), ("backward", 2)):      # (n's place in the arguments)
+        run = getattr(wavefront, name)
+        monkeypatch.setattr(wavefront, name, lambda *a, run=run, name=name, at=at:
+                            seen[name].append(a[at]) or run(*a))
+    return seen
+
+
 def call(module, cell, x, hx=None, **kw):
     """Run the module; returns (y, [final states]) in the module's layout."""
     if cell == "lstm":

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import halstm  # noqa: E402
 import halstm.torch as hnn  # noqa: E402
-from helpers import H, I, assert_close, host_has_bf16, weighted_loss  # noqa: E402
+from helpers import H, I, assert_close, host_has_bf16, record_wavefronts, weighted_loss  # noqa: E402
 
 PEERS = {"lstm": (hnn.LSTM, torch.nn.LSTM, {}), "gru": (hnn.GRU, torch.nn.GRU, {}),
          "rnn_tanh": (hnn.RNN, torch.nn.RNN, {}),
@@ -101,7 +101,12 @@ def test_matches_torch(cell, layers, bidir, batch_first, given, form, T, B, proj
         if his is not None:
             grads |= {f"hx{i}": h.grad for i, h in enumerate(his)}
         results.append((out, finals, grads))
-    (out, finals, grads), (want_out, want_finals, want_grads) = results
+    _assert_match(*results)
+
+
+def _assert_match(got, want):
+    """(output, finals, gradients by name) of halstm.torch and torch.nn."""
+    (out, finals, grads), (want_out, want_finals, want_grads) = got, want
     assert_close("output", out.detach(), want_out.detach())
     for i, (a, b) in enumerate(zip(finals, want_finals)):
         assert_close(f"final state {i}", a.detach(), b.detach())
@@ -119,11 +124,8 @@ def test_a_stack_in_chunks_matches_torch(cell, layers, batch_first, given, final
     each a library call into the whole loop's arrays; on a GPU each layer
     on a stream of its own), here on the CPU: outputs, finals and every
     gradient as torch.nn's."""
-    from halstm import wavefront
     monkeypatch.setattr(hnn._Recurrent, "_wavefront_chunks", lambda self, x, bs: 3)
-    calls = []
-    run = wavefront.forward
-    monkeypatch.setattr(wavefront, "forward", lambda *a: calls.append(a[3]) or run(*a))
+    seen = record_wavefronts(monkeypatch)
     m, ref = _pair(cell, layers, False, batch_first)
     g = torch.Generator().manual_seed(1)
     T, B = 8, 3
@@ -140,14 +142,8 @@ def test_a_stack_in_chunks_matches_torch(cell, layers, batch_first, given, final
         grads = {"input": xi.grad} | {n: p.grad for n, p in module.named_parameters()}
         grads |= {f"hx{i}": h.grad for i, h in enumerate(his or ())}
         results.append((y, finals, grads))
-    assert calls == [3]
-    (y, finals, grads), (want_y, want_finals, want_grads) = results
-    assert_close("output", y.detach(), want_y.detach())
-    for i, (a, b) in enumerate(zip(finals, want_finals)):
-        assert_close(f"final state {i}", a.detach(), b.detach())
-    assert grads.keys() == want_grads.keys()
-    for k in want_grads:
-        assert_close(f"d {k}", grads[k], want_grads[k])
+    assert seen["forward"] == [3]
+    _assert_match(*results)
 
 
 @pytest.mark.parametrize("cell,bias", [("layernorm_lstm", True), ("gru", False)])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from halstm import cublas
-from helpers import B, H, I, T, call, backward, check_case, make
+from helpers import B, H, I, T, call, backward, check_case, make, record_wavefronts
 
 pytestmark = pytest.mark.skipif(cublas.library() is None, reason="cuBLAS is not installed")
 
@@ -39,14 +39,11 @@ def test_reduced_precision_matches_reference_to_its_precision(precision, cell, c
 def test_reduced_precision_wavefront_matches_reference(precision, cell, case, gpu_target,
                                                        monkeypatch):
     """A stack in TF32 or bf16 as a wavefront of 3 chunks (halstm.wavefront)."""
-    from halstm import wavefront
     monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
-    calls = []
-    run = wavefront.forward
-    monkeypatch.setattr(wavefront, "forward", lambda *a: calls.append(a[3]) or run(*a))
+    seen = record_wavefronts(monkeypatch)
     check_case(cell, case, target=gpu_target, schedule="cuda", precision=precision,
                rtol=RTOL[precision])
-    assert calls and set(calls) == {3}
+    assert seen["forward"] and set(seen["forward"]) == {3}
 
 
 def test_reduced_precisions_round_as_they_say(gpu_target):

@@ -6,7 +6,8 @@ import pytest
 import halstm
 from halstm import cuda, schedules
 from helpers import (B, CASES, CLASSES, H, I, L, STATES, T, assert_close, backward, call,
-                     check_case, check_lengths_against_alone, check_no_grad, make, ref_run)
+                     check_case, check_lengths_against_alone, check_no_grad, make,
+                     record_wavefronts, ref_run)
 
 GPU = [n for n in schedules.names() if "gpu" in schedules.families(n)]
 PUT = {"numpy": lambda a: a, "device": cuda.DeviceArray.from_numpy}
@@ -371,17 +372,11 @@ def test_no_grad_reads_a_device_input_in_place(batch_first, gpu_target):
 def test_layers_as_a_wavefront_match_reference(cell, case, gpu_target, monkeypatch):
     """The layers in chunks of steps on streams of their own
     (halstm.wavefront), forward and gradients, against the reference."""
-    from halstm import wavefront
     monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
-    calls = []
-    for name in ("forward", "backward"):
-        run = getattr(wavefront, name)
-        n = 3 if name == "forward" else 2          # (the chunks' argument)
-        monkeypatch.setattr(wavefront, name, lambda *a, run=run, n=n, name=name:
-                            calls.append((name, a[n])) or run(*a))
+    seen = record_wavefronts(monkeypatch)
     check_case(cell, case, target=gpu_target, schedule="cuda", put=PUT["device"])
     steps = CASES[case].get("T", T)
-    assert calls == [("forward", min(3, steps)), ("backward", min(3, steps))]
+    assert seen == {"forward": [min(3, steps)], "backward": [min(3, steps)]}
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])

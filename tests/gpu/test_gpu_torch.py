@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import halstm.torch as hnn  # noqa: E402
-from helpers import H, I, assert_close, weighted_loss  # noqa: E402
+from helpers import H, I, assert_close, record_wavefronts, weighted_loss  # noqa: E402
 
 # cell, layers, bidirectional, packed, I, H, T, B
 CASES = [("lstm", 2, True, True, I, H, 7, 5), ("lstm", 1, False, False, I, H, 1, 1),
@@ -254,15 +254,12 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
     outputs and every gradient those of the layers in turn, run on a
     stream other than the default one, bitwise the same when repeated
     (no race between the lanes), and no warning of a gradient's stream."""
-    from halstm import wavefront
     torch.manual_seed(0)
     m = hnn.Recurrent(cell, I, H, num_layers=layers, batch_first=batch_first).cuda()
     T, B = 8, 5
     x = torch.randn(*((B, T) if batch_first else (T, B)), I, device="cuda")
     hx = [torch.randn(layers, B, H, device="cuda") for _ in m._states] if given else None
-    calls = []
-    chunked = wavefront.forward
-    monkeypatch.setattr(wavefront, "forward", lambda *a: calls.append(a[3]) or chunked(*a))
+    seen = record_wavefronts(monkeypatch)
 
     def step():
         m.zero_grad()
@@ -286,7 +283,7 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
         for _ in range(3):
             runs.append(step())
     torch.cuda.current_stream().wait_stream(side)
-    assert calls == [3] * 3
+    assert seen["forward"] == [3] * 3
     assert not [w for w in seen if "stream" in str(w.message)], [str(w.message) for w in seen]
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
@@ -295,7 +292,7 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
         assert_close(f"result {k}", a.cpu(), b.cpu(), rtol=1e-4)
     with torch.no_grad():                # no_grad: the same forward, nothing saved
         y = m(x, None if hx is None else hx[0] if len(hx) == 1 else tuple(hx))[0]
-    assert calls == [3] * 4
+    assert seen["forward"] == [3] * 4
     assert_close("no_grad y", y.cpu(), runs[0][0].cpu(), rtol=1e-5)
 
 
