@@ -215,6 +215,11 @@ class on_stream:
         _on.stream = self.before
 
 
+def lane_stream() -> int | None:
+    """The stream of this thread's on_stream context (None: the legacy one)."""
+    return getattr(_on, "stream", None)
+
+
 def legacy_after(streams) -> None:
     """Order the legacy default stream after the work queued on `streams`."""
     for s in streams:

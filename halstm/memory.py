@@ -186,8 +186,8 @@ class Host:
         return a + b
 
     @staticmethod
-    def mul(a, b):
-        return a * b
+    def mul(a, b, out=None):
+        return np.multiply(a, b, out=out)
 
 
 class Device:
@@ -303,8 +303,8 @@ class Device:
     def add(self, a, b):
         return self._ops().add(a, b)
 
-    def mul(self, a, b):
-        return self._ops().mul(a, b)
+    def mul(self, a, b, out=None):
+        return self._ops().mul(a, b, out)
 
 
 def for_device(device: str):

@@ -493,7 +493,7 @@ class _RNN:
         ends = []                                    # [layer * D + d][state]: (B, H) or None
         n = self._wavefront_chunks(T, B, ids, rows)
         if n > 1:
-            inp = self._wavefront(x, init, n, save, tape, ends)
+            inp = self._wavefront(x, init, n, save, tape, ends, masks)
         else:
             for layer in range(L):
                 def one(d, threads):
@@ -549,10 +549,10 @@ class _RNN:
 
     def _wavefront_chunks(self, T, B, ids, rows) -> int:
         """The chunks of a GPU stack's wavefront (halstm.wavefront; 1:
-        none): one direction, no projection, lengths, one-hot class
-        indices or dropout in training."""
+        none): one direction, no projection, lengths or one-hot class
+        indices."""
         if (not self.on_gpu or self.num_directions > 1
-                or self.proj_size or ids or rows is not None or (self.dropout and self.training)):
+                or self.proj_size or ids or rows is not None):
             return 1
         return wavefront.chunks(T, B, self.n_gates, self.input_size, self.hidden_size,
                                 self.num_layers, machine.gpu_sms())
@@ -562,11 +562,21 @@ class _RNN:
         a CPU the calls in turn (tests run the chunks there)."""
         return wavefront.Lanes(self.num_layers) if self.on_gpu else wavefront.InTurn()
 
-    def _wavefront(self, x, init, n, save, tape, ends):
+    def _wavefront(self, x, init, n, save, tape, ends, masks):
         """_forward's layers as a wavefront of n chunks (halstm.wavefront):
-        fills tape and ends as the layers one after the other would, and
-        returns the last layer's h over time (T, B, H)."""
+        fills tape, ends and, with dropout in training, masks as the layers
+        one after the other would, and returns the last layer's h over time
+        (T, B, H)."""
         T, B, L = x.shape[0], x.shape[1], self.num_layers
+        fed = []                         # fed[l - 1]: layer l's input (T, B, H), masked
+        if self.dropout and self.training:
+            for _ in range(L - 1):       # (the masks of the layers in turn, in their order)
+                mask = self._dropout_mask((T, B, self.hidden_size))
+                masks.append(self._array(mask) if self.on_gpu else mask)
+                fed.append(self._mem.empty((T, B, self.hidden_size)))
+
+        def feed(layer, h, t0, t1):
+            return self._mem.mul(h, masks[layer - 1][t0:t1], out=fed[layer - 1][t0:t1])
         libs = [self._lib(layer, "fwd") for layer in range(L)]
         calls = [wavefront.forward_call(libs[layer], self._layer_weights(layer),
                                         [_layer(a, layer) for a in init], save,
@@ -575,17 +585,19 @@ class _RNN:
         whole = wavefront.forward(calls, x, T, n,
                                   lambda layer: wavefront.whole_loop(libs[layer], T, B, save,
                                                                      self._mem),
-                                  self._lanes())
+                                  self._lanes(), feed if fed else None)
         for layer, (states, saved) in enumerate(whole):
-            inp = x if layer == 0 else whole[layer - 1][0][0][1:]
+            inp = x if layer == 0 else fed[layer - 1] if fed else whole[layer - 1][0][0][1:]
             tape.append((inp, states, saved))
             ends.append(None)
         return whole[-1][0][0][1:]
 
-    def _wavefront_backward(self, tape, dy, dfinal, n, input_grad) -> list:
+    def _wavefront_backward(self, tape, dy, dfinal, n, input_grad, masks) -> list:
         """The layers' gradients as a wavefront of n chunks
         (wavefront.backward): per layer the library's dict, the weight
-        gradients summed over the chunks, layer 0's dx (input_grad) joined."""
+        gradients summed over the chunks, layer 0's dx (input_grad) joined;
+        masks: the forward's dropout masks (layer l's dy is layer l+1's dx
+        times masks[l])."""
         T, L = dy.shape[0], self.num_layers
         calls = []
         for layer in range(L):
@@ -593,7 +605,8 @@ class _RNN:
             calls.append(wavefront.backward_call(
                 self._lib(layer, "bwd"), tape[layer], w_ih, w_hh, self._layer_vec(layer), dy,
                 [_layer(a, layer) for a in dfinal], input_grad or layer > 0))
-        done = wavefront.backward(calls, T, n, self._lanes())
+        feed = (lambda layer, dx, t0, t1: self._mem.mul(dx, masks[layer][t0:t1])) if masks else None
+        done = wavefront.backward(calls, T, n, self._lanes(), feed)
         return [wavefront.gradients(chunks, self._mem.add, self._mem.join_time,  # (after the lanes)
                                     layer == 0 and input_grad)
                 for layer, chunks in enumerate(done)]
@@ -624,8 +637,8 @@ class _RNN:
         grads = {}
         sizes = [H] + [self.hidden_size] * (len(dfinal) - 1)    # h's units, the others'
         dinit = [None if L * D == 1 else self._mem.empty((L * D, B, n)) for n in sizes]
-        n_chunks = 1 if masks else self._wavefront_chunks(T, B, ids, rows)
-        chunked = (self._wavefront_backward(tape, dy, dfinal, n_chunks, input_grad)
+        n_chunks = self._wavefront_chunks(T, B, ids, rows)
+        chunked = (self._wavefront_backward(tape, dy, dfinal, n_chunks, input_grad, masks)
                    if n_chunks > 1 else None)      # per layer its gradients (dx: layer 0's)
         for layer in reversed(range(L)):
             def one(d, threads):
@@ -672,7 +685,9 @@ class _RNN:
                         dinit[i][layer * D + d] = g[f"d{s}0"]
                 if "dx" in g:
                     dx = g["dx"] if dx is None else self._mem.add(dx, g["dx"])
-            dy = dx if layer == 0 or not masks else self._mem.mul(dx, masks[layer - 1])
+            if masks and layer and dx is not None:      # (chunks: layer 0's dx alone)
+                dx = self._mem.mul(dx, masks[layer - 1])
+            dy = dx
         grads = {k: self._result(grads[k], host) for k in self._params}   # state_dict order
         if rows is not None:                                # back to the caller's order
             dinit = [self._mem.take(d, rows[1]) for d in dinit]

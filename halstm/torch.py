@@ -577,7 +577,8 @@ class _Lanes:
 class _Stack(torch.autograd.Function):
     """A CUDA stack's layers (one direction, no projection, no batch sizes)
     as a wavefront of n chunks, eagerly: halstm.wavefront, as the numpy
-    API's. Inputs x (T, B, K), n, the layers' specs, save, then per layer
+    API's. Inputs x (T, B, K), n, the layers' specs, save, the dropout
+    masks between layers (L-1 of (T, B, H), or none), then per layer
     w_ih, b_ih, w_hh, b_hh, vec (or None) and per state its initial (B, H)
     (or None). Outputs y (T, B, H), the last layer's h (a view of its
     states), then per layer each state's final (B, H) (copies). Backward
@@ -585,12 +586,16 @@ class _Stack(torch.autograd.Function):
     weight gradients summed over the chunks on the current stream."""
 
     @staticmethod
-    def forward(ctx, x, n, specs, save, *flat):
+    def forward(ctx, x, n, specs, save, masks, *flat):
         L, per = len(specs), len(flat) // len(specs)
         layers = [flat[k * per:(k + 1) * per] for k in range(L)]
         libs = [_library(spec, "fwd", x.device) for spec in specs]
         x = x.contiguous()
         T, B = x.shape[0], x.shape[1]
+        fed = [torch.empty_like(m) for m in masks]      # fed[k - 1]: layer k's input, masked
+
+        def feed(k, h, t0, t1):                         # (on layer k's lane)
+            return torch.mul(h, masks[k - 1][t0:t1], out=fed[k - 1][t0:t1])
         calls = []
         for k, (w_ih, b_ih, w_hh, b_hh, vec, *init) in enumerate(layers):
             lib, mem = libs[k]
@@ -598,14 +603,15 @@ class _Stack(torch.autograd.Function):
                                                 vec, mem, _PackKey.of(False, w_ih, w_hh)))
         whole = wavefront.forward(
             calls, x, T, n, lambda k: wavefront.whole_loop(libs[k][0], T, B, save, libs[k][1]),
-            _lanes(x.device, L))
+            _lanes(x.device, L), feed if masks else None)
         ctx.set_materialize_grads(False)
-        ctx.specs, ctx.L, ctx.chunks = specs, L, n
+        ctx.specs, ctx.L, ctx.chunks, ctx.masks = specs, L, n, masks
         if save:
             keep = []
             for k, (states, saved) in enumerate(whole):
                 w_ih, _, w_hh, _, vec, *_ = layers[k]
-                keep += [x if k == 0 else whole[k - 1][0][0, 1:], w_ih, w_hh, vec, saved, states]
+                inp = x if k == 0 else fed[k - 1] if masks else whole[k - 1][0][0, 1:]
+                keep += [inp, w_ih, w_hh, vec, saved, states]
             ctx.save_for_backward(*keep)
         return (whole[-1][0][0, 1:],
                 *[states[s, T].clone() for states, _ in whole for s in range(len(states))])
@@ -631,7 +637,9 @@ class _Stack(torch.autograd.Function):
             calls.append(wavefront.backward_call(lib, (x, states, saved), w_ih, w_hh, vec, dy, own,
                                                  k > 0 or ctx.needs_input_grad[0], mem))
         lanes = _lanes(x0.device, L)
-        done = wavefront.backward(calls, T, ctx.chunks, lanes)
+        masks = ctx.masks
+        done = wavefront.backward(calls, T, ctx.chunks, lanes,
+                                  (lambda k, dx, t0, t1: dx * masks[k][t0:t1]) if masks else None)
         grads = [None] * len(ctx.needs_input_grad)
         for k, chunks in enumerate(done):        # (on the current stream, after every lane)
             g = wavefront.gradients(chunks, torch.add, torch.cat,
@@ -639,7 +647,7 @@ class _Stack(torch.autograd.Function):
             dinit = [g[n] for n in _state_grad_keys(ctx.specs[k])]
             for a in dinit if x0.device.type == "cuda" else ():
                 a.record_stream(lanes.main)  # (a lane's array, kept by the caller)
-            first = 4 + k * (5 + NS)
+            first = 5 + k * (5 + NS)              # (after x, n, specs, save, masks)
             grads[first:first + 5 + NS] = [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
                                            g.get("dvec"), *dinit]
             if k == 0:
@@ -1233,10 +1241,10 @@ class _Recurrent(torch.nn.Module):
 
     def _wavefront_chunks(self, x, bs) -> int:
         """The chunks of a CUDA stack's wavefront (halstm.wavefront; 1: none):
-        eagerly, one direction, no projection, batch sizes or dropout in
-        training (as the numpy API's, nn.Recurrent._wavefront_chunks)."""
+        eagerly, one direction, no projection or batch sizes (as the numpy
+        API's, nn.Recurrent._wavefront_chunks)."""
         if (x.device.type != "cuda" or self._directions > 1 or self.proj_size or bs is not None
-                or (self.dropout and self.training) or _traced()):
+                or _traced()):
             return 1
         return wavefront.chunks(x.shape[0], x.shape[1], self._gates, self.input_size,
                                 self.hidden_size, self.num_layers, machine.gpu_sms())
@@ -1245,12 +1253,17 @@ class _Recurrent(torch.nn.Module):
         """_layers as a wavefront of n chunks (_Stack): y (T, B, H) and per
         state its finals (L, B, H)."""
         L, H, NS = self.num_layers, self.hidden_size, len(self._states)
+        masks = ()                       # (drawn as the layers in turn draw theirs)
+        if self.dropout and self.training:
+            ones = x.new_ones((x.shape[0], x.shape[1], H), dtype=torch.float32)
+            masks = tuple(torch.nn.functional.dropout(ones, self.dropout, training=True)
+                          for _ in range(L - 1))
         specs, flat = [], []
         for layer in range(L):
             w_ih, b_ih, w_hh, b_hh, vectors, _ = self._weights(layer, "", zero)
             specs.append(_spec(self.cell, w_ih.shape[1], H, self.schedule, precision))
             flat += [w_ih, b_ih, w_hh, b_hh, self._vec(vectors), *[s[layer] for s in init]]
-        y, *finals = _Stack.apply(x, n, tuple(specs), save, *flat)
+        y, *finals = _Stack.apply(x, n, tuple(specs), save, masks, *flat)
         return y, [torch.stack(finals[s::NS]) for s in range(NS)]
 
     @staticmethod

@@ -134,13 +134,15 @@ class InTurn:
         pass
 
 
-def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
+def forward(calls, x, T: int, n: int, make, lanes=None, feed=None) -> list:
     """Run a stack's layers in n chunks of T steps. calls[l](inp, init,
     out, stream, pack_key) runs layer l over the steps of inp (init: its
     initial states, None for layer l's own; out: the (states, saved) views
     to write); make(l) returns layer l's whole-loop (states (NS, T+1, B,
     H), saved (T, B, S, H) or None); lanes: the streams (Lanes' interface;
-    None: Lanes). Returns [(states, saved)] a layer."""
+    None: Lanes); feed(l, h, t0, t1), where given, makes layer l's input
+    of steps [t0, t1) from layer l-1's h of those steps (h (t1-t0, B, H);
+    dropout), on layer l's lane. Returns [(states, saved)] a layer."""
     L = len(calls)
     whole = [make(layer) for layer in range(L)]
     lanes = lanes or Lanes(L)
@@ -158,6 +160,8 @@ def forward(calls, x, T: int, n: int, make, lanes=None) -> list:
                 out = ([states[s][t0:t1 + 1] for s in range(NS)],
                        None if saved is None else saved[t0:t1])
                 with lanes.on(layer):
+                    if layer and feed is not None:
+                        inp = feed(layer, inp, t0, t1)
                     calls[layer](inp, init, out, lanes.handle(layer), (key, layer))
     finally:
         lanes.close()
@@ -199,7 +203,7 @@ def backward_call(lib, tape, w_ih, w_hh, vec, dy, dfinal, need_dx: bool, mem=Non
     return call
 
 
-def backward(calls, T: int, n: int, lanes=None) -> list:
+def backward(calls, T: int, n: int, lanes=None, feed=None) -> list:
     """A stack's backward in n chunks of T steps, the top layer's last
     chunk first: calls[l](t0, t1, dy, after, stream, pack_key) runs layer
     l's backward over steps [t0, t1) and returns the library's dict (dy:
@@ -209,7 +213,9 @@ def backward(calls, T: int, n: int, lanes=None) -> list:
     chunk). Layer l's chunk c is queued after layer l+1's chunk c, so that
     it runs beside layer l+1's chunk c-1. Each chunk's dict is kept until
     close() orders the caller's stream after every lane (lanes' interface
-    as forward's). Returns per layer its chunks' dicts in time order
+    as forward's). feed(l, dx, t0, t1), where given, makes layer l's dy of
+    steps [t0, t1) from layer l+1's dx of those steps (dropout's mask), on
+    layer l's lane. Returns per layer its chunks' dicts in time order
     (gradients() makes a layer's whole-loop gradients of them)."""
     L = len(calls)
     lanes = lanes or Lanes(L)
@@ -226,6 +232,8 @@ def backward(calls, T: int, n: int, lanes=None) -> list:
                     lanes.chain(layer, layer + 1)
                     dy = done[layer + 1][c]["dx"]
                 with lanes.on(layer):
+                    if dy is not None and feed is not None:
+                        dy = feed(layer, dy, edges[c], edges[c + 1])
                     done[layer][c] = calls[layer](edges[c], edges[c + 1], dy,
                                                   done[layer][c + 1] if c < C - 1 else None,
                                                   lanes.handle(layer), (key, layer))

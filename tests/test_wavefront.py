@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from halstm import nn, wavefront
-from helpers import B, I, T, assert_close, check_case, make, record_wavefronts
+from helpers import B, H, I, T, assert_close, check_case, make, record_wavefronts
 
 
 def test_chunks_follow_the_step_size_the_loop_and_the_layers(monkeypatch):
@@ -112,5 +112,31 @@ def test_a_layernorm_stack_in_chunks_matches_one_call(monkeypatch):
     for name, a, b in zip(("y", "h_n", "c_n"), got, want):
         assert_close(name, a, b, rtol=1e-5)
     assert got_g.keys() == want_g.keys() and "ln_c_weight_l1" in got_g
+    for k in want_g:
+        assert_close(k, got_g[k], want_g[k], rtol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_stack_with_dropout_in_chunks_matches_the_layers_in_turn(cell, monkeypatch):
+    """Dropout between layers in training: the chunks take the masks the
+    layers in turn take (the same seed), mask each chunk of a layer's input
+    and of its dy, and give the same outputs and gradients."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    runs = []
+    for n in (1, 3):
+        monkeypatch.setattr(nn._RNN, "_wavefront_chunks", lambda self, *a, n=n: n)
+        seen = record_wavefronts(monkeypatch)
+        m = make(cell, num_layers=3, dropout=0.4, seed=7)
+        y, _ = m(x)
+        masks = m._tape[-1]
+        assert len(masks) == 2 and all((k == 0).any() and (k != 0).any() for k in masks)
+        runs.append((y, m.backward(dy, *[None] * len(m._state_names))))
+        assert seen == ({"forward": [], "backward": []} if n == 1 else
+                        {"forward": [3], "backward": [3]})
+    (want, want_g), (got, got_g) = runs
+    assert_close("y", got, want, rtol=1e-5)
+    assert got_g.keys() == want_g.keys()
     for k in want_g:
         assert_close(k, got_g[k], want_g[k], rtol=1e-5)

@@ -108,6 +108,8 @@ class Kernels:
         L.halstm_add.argtypes = L.halstm_mul.argtypes = [_I, _P, _P, _P]
 
     def _call(self, name, *args):
+        if self.on_gpu:     # (a wavefront's lane inside cuda.on_stream, else the legacy stream)
+            self._lib.halstm_cuda_set_stream(cuda.lane_stream())
         self._shared.check(getattr(self._lib, name)(*args),
                            f"char LM kernel {name} ({self.manifest['target']})")
 
@@ -148,14 +150,14 @@ class Kernels:
         """a + b, a new array of their shape."""
         return self._elementwise("halstm_add", a, b)
 
-    def mul(self, a, b):
-        """a * b, a new array of their shape."""
-        return self._elementwise("halstm_mul", a, b)
+    def mul(self, a, b, out=None):
+        """a * b, into out (of their shape) or a new array."""
+        return self._elementwise("halstm_mul", a, b, out)
 
-    def _elementwise(self, name, a, b):
-        out = self.mem.empty(tuple(a.shape))
+    def _elementwise(self, name, a, b, out=None):
+        out = self.mem.empty(tuple(a.shape)) if out is None else out
         self._call(name, a.size, self.mem.ptr(a), self._check("b", b, a.shape),
-                   self.mem.ptr(out))
+                   self._check("out", out, a.shape))
         return out
 
     def head(self, y, w, b, targets, scale: float):

@@ -380,6 +380,30 @@ def test_layers_as_a_wavefront_match_reference(cell, case, gpu_target, monkeypat
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_a_wavefront_with_dropout_matches_the_layers_in_turn(cell, gpu_target, monkeypatch):
+    """Dropout in training: the masks applied chunk by chunk on the lanes
+    (the array kernels on a lane's stream), forward and every gradient
+    those of the layers in turn with the same seed (the same masks)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((T, B, I)).astype(np.float32)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    seen = record_wavefronts(monkeypatch)
+    runs = []
+    for n in ("1", "3"):
+        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", n)
+        m = make(cell, num_layers=3, target=gpu_target, dropout=0.4, seed=7)
+        y, finals = call(m, cell, x)
+        runs.append(([y, *finals], backward(m, cell, dy)))
+    assert seen == {"forward": [3], "backward": [3]}
+    (want, want_g), (got, got_g) = runs
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert_close(f"result {k}", a, b, rtol=1e-5)
+    assert got_g.keys() == want_g.keys()
+    for k in want_g:
+        assert_close(k, got_g[k], want_g[k], rtol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_no_grad_wavefront_matches_a_training_forward(cell, gpu_target, monkeypatch):
     monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "2")
     check_no_grad(cell, target=gpu_target)

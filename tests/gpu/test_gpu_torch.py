@@ -244,18 +244,21 @@ def test_bidirectional_directions_run_beside_each_other():
     assert any(spec.endswith("|1") for spec, _, target in hnn._libs if "cuda" in target)
 
 
-@pytest.mark.parametrize("cell,layers,given,batch_first,finals_only",
-                         [("lstm", 2, False, False, False), ("lstm", 3, True, True, False),
-                          ("gru", 2, True, False, False), ("lstm", 2, True, False, True),
-                          ("layernorm_lstm", 2, False, False, False)])
+@pytest.mark.parametrize("cell,layers,given,batch_first,finals_only,dropout",
+                         [("lstm", 2, False, False, False, 0), ("lstm", 3, True, True, False, 0),
+                          ("gru", 2, True, False, False, 0), ("lstm", 2, True, False, True, 0),
+                          ("layernorm_lstm", 2, False, False, False, 0),
+                          ("lstm", 3, False, False, False, 0.3), ("gru", 2, True, True, False, 0.5)])
 def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, finals_only,
-                                             monkeypatch):
+                                             dropout, monkeypatch):
     """A CUDA stack as a wavefront of 3 chunks (halstm.wavefront, _Stack):
-    outputs and every gradient those of the layers in turn, run on a
-    stream other than the default one, bitwise the same when repeated
-    (no race between the lanes), and no warning of a gradient's stream."""
+    outputs and every gradient those of the layers in turn (with dropout:
+    of 2 chunks, the same masks), run on a stream other than the default
+    one, bitwise the same when repeated (no race between the lanes), and
+    no warning of a gradient's stream."""
     torch.manual_seed(0)
-    m = hnn.Recurrent(cell, I, H, num_layers=layers, batch_first=batch_first).cuda()
+    m = hnn.Recurrent(cell, I, H, num_layers=layers, batch_first=batch_first,
+                      dropout=dropout).cuda()
     T, B = 8, 5
     x = torch.randn(*((B, T) if batch_first else (T, B)), I, device="cuda")
     hx = [torch.randn(layers, B, H, device="cuda") for _ in m._states] if given else None
@@ -263,6 +266,7 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
 
     def step():
         m.zero_grad()
+        torch.manual_seed(7)                    # (the dropout masks)
         xi = x.clone().requires_grad_()
         hi = None if hx is None else [a.clone().requires_grad_() for a in hx]
         y, hn = m(xi, None if hi is None else hi[0] if len(hi) == 1 else tuple(hi))
@@ -275,24 +279,25 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     runs = []
-    with warnings.catch_warnings(record=True) as seen, torch.cuda.stream(side):
+    with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(side):
         warnings.simplefilter("always")
-        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "1")
+        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "2" if dropout else "1")
         want = step()
         monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
         for _ in range(3):
             runs.append(step())
     torch.cuda.current_stream().wait_stream(side)
-    assert seen["forward"] == [3] * 3
-    assert not [w for w in seen if "stream" in str(w.message)], [str(w.message) for w in seen]
+    assert seen["forward"] == ([2] if dropout else []) + [3] * 3
+    assert not [w for w in caught if "stream" in str(w.message)], [str(w.message) for w in caught]
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert torch.equal(a, b)
     for k, (a, b) in enumerate(zip(runs[0], want)):
         assert_close(f"result {k}", a.cpu(), b.cpu(), rtol=1e-4)
+    torch.manual_seed(7)                 # (the same masks)
     with torch.no_grad():                # no_grad: the same forward, nothing saved
         y = m(x, None if hx is None else hx[0] if len(hx) == 1 else tuple(hx))[0]
-    assert seen["forward"] == [3] * 4
+    assert seen["forward"] == ([2] if dropout else []) + [3] * 4
     assert_close("no_grad y", y.cpu(), runs[0][0].cpu(), rtol=1e-5)
 
 
