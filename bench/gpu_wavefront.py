@@ -7,7 +7,9 @@ checked against the 1-chunk run first.
     python bench/gpu_wavefront.py --shapes 65x512x64x100x2,512x512x128x50x2 --chunks 1,2,4
 
 A shape is I x H x B x T x L; "auto" in --chunks is wavefront.chunks' choice;
---precision fp32, tf32 or bf16 (results checked to that precision's tolerance).
+--precision fp32, tf32 or bf16 (results checked to that precision's tolerance);
+--dropout P between layers (training mode; each check on a fresh module of
+the same seed: the same masks).
 """
 import argparse
 import os
@@ -27,12 +29,16 @@ def main():
     ap.add_argument("--chunks", default="1,2,4,auto")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"))
+    ap.add_argument("--dropout", type=float, default=0.0)
     a = ap.parse_args()
     for cell in a.cells.split(","):
         for shape in a.shapes.split(","):
             I, H, B, T, L = map(int, shape.split("x"))
-            m = halstm.Recurrent(cell, I, H, num_layers=L, target="host-cuda", seed=0,
-                                precision=a.precision)
+
+            def module():
+                return halstm.Recurrent(cell, I, H, num_layers=L, target="host-cuda", seed=0,
+                                        precision=a.precision, dropout=a.dropout)
+            m = module()
             rng = np.random.default_rng(0)
             x = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, I)).astype(np.float32))
             dy = cuda.DeviceArray.from_numpy(rng.standard_normal((T, B, H)).astype(np.float32))
@@ -51,14 +57,14 @@ def main():
                 with halstm.no_grad():
                     return m(x)[0]
 
-            def fwdbwd():
+            def fwdbwd(m=m):
                 y = m(x)[0]
                 return y, m.backward(dy)
             ns = a.chunks.split(",")
-            want = with_chunks(1, fwdbwd)()
+            want = with_chunks(1, lambda: fwdbwd(module()))()
             want = (want[0].numpy(), {k: np.asarray(v) for k, v in want[1].items()})
             for n in ns:
-                y, g = with_chunks(n, fwdbwd)()
+                y, g = with_chunks(n, lambda: fwdbwd(module()))()
                 scale = np.abs(want[0]).max()
                 err = np.abs(y.numpy() - want[0]).max() / scale
                 gerr = max(np.abs(np.asarray(v) - want[1][k]).max() / np.abs(want[1][k]).max()
@@ -68,7 +74,8 @@ def main():
             for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
                 times = alternating({n: with_chunks(n, fn) for n in ns}, a.rounds, 3,
                                     cuda.synchronize, per_round=True)
-                line = [f"{cell} {a.precision} {shape} {mode}:"]
+                line = [f"{cell} {a.precision} {shape} {mode}"
+                        + (f" dropout {a.dropout}" if a.dropout else "") + ":"]
                 for n in ns:
                     ratio = statistics.median(t / b for t, b in zip(times[n], times[ns[0]]))
                     label = f"auto={auto}" if n == "auto" else f"C={n}"
