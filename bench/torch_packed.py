@@ -33,4 +33,4 @@ for k in calls:
 med = alternating(calls, 8, 2, sync)
 for k, v in med.items(): print(f"{k:16s} interleaved {v*1e3:8.3f} ms")
 if dev == "cuda":
-    for key, lib in hnn._libs.items(): print(key, lib.graph_stats())
+    for key, lib in hnn.kernels._libs.items(): print(key, lib.graph_stats())

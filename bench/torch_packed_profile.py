@@ -32,4 +32,4 @@ for name, inp, d in (("padded", x, dy), ("packed", p, dp)):
         for _ in range(5): run(inp, d)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=40))
-for key, lib in hnn._libs.items(): print(key, lib.graph_stats())
+for key, lib in hnn.kernels._libs.items(): print(key, lib.graph_stats())

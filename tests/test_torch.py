@@ -124,7 +124,7 @@ def test_a_stack_in_chunks_matches_torch(cell, layers, batch_first, given, final
     each a library call into the whole loop's arrays; on a GPU each layer
     on a stream of its own), here on the CPU: outputs, finals and every
     gradient as torch.nn's."""
-    monkeypatch.setattr(hnn._Recurrent, "_wavefront_chunks", lambda self, x, bs: 3)
+    monkeypatch.setattr(hnn.modules._Recurrent, "_wavefront_chunks", lambda self, x, bs: 3)
     seen = record_wavefronts(monkeypatch)
     m, ref = _pair(cell, layers, False, batch_first)
     g = torch.Generator().manual_seed(1)
@@ -155,7 +155,8 @@ def test_a_stack_in_chunks_matches_one_call(cell, bias, monkeypatch):
     x = torch.randn(8, 3, I)
     runs = []
     for n in (1, 3):
-        monkeypatch.setattr(hnn._Recurrent, "_wavefront_chunks", lambda self, x, bs, n=n: n)
+        monkeypatch.setattr(hnn.modules._Recurrent, "_wavefront_chunks",
+                            lambda self, x, bs, n=n: n)
         m.zero_grad()
         xi = x.clone().requires_grad_()
         y, hn = m(xi)
@@ -176,7 +177,8 @@ def test_a_stack_with_dropout_in_chunks_matches_one_call(cell, monkeypatch):
     x = torch.randn(8, 3, I)
     runs = []
     for n, training in ((1, True), (3, True), (3, False)):
-        monkeypatch.setattr(hnn._Recurrent, "_wavefront_chunks", lambda self, x, bs, n=n: n)
+        monkeypatch.setattr(hnn.modules._Recurrent, "_wavefront_chunks",
+                            lambda self, x, bs, n=n: n)
         m.train(training)
         m.zero_grad()
         torch.manual_seed(7)
@@ -342,10 +344,10 @@ def test_gradcheck(cell, form):
 
 
 def _threads_chosen(monkeypatch, m, x) -> str:
-    """hnn._threads after m(x) as the first CPU call of the process."""
-    monkeypatch.setattr(hnn, "_threads", None)
+    """hnn.kernels._threads after m(x) as the first CPU call of the process."""
+    monkeypatch.setattr(hnn.kernels, "_threads", None)
     m(x)
-    return hnn._threads
+    return hnn.kernels._threads
 
 
 def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, request):
@@ -369,8 +371,8 @@ def test_cpu_kernels_run_on_torchs_openmp_team_where_it_spins(monkeypatch, reque
         assert _threads_chosen(monkeypatch, m, x) == "openmp"
         assert runtime._openmp == openmp.loaded()
         shared = m(x)[0]
-        (lib, _), = [v for k, v in hnn._found.items() if k[1] == "fwd" and k[2].type == "cpu"
-                     and k[0].startswith(f"lstm|{I}|41|")]
+        (lib, _), = [v for k, v in hnn.kernels._found.items()
+                     if k[1] == "fwd" and k[2].type == "cpu" and k[0].startswith(f"lstm|{I}|41|")]
         assert lib.step_threads() == 3 and lib.steps_shared()
         assert torch.equal(own, shared)
         # the team is torch's whole pool (a smaller one would end its threads)
@@ -833,7 +835,7 @@ def test_bidirectional_directions_run_at_once(monkeypatch, own_threads):
     and 1), forward and backward, with results bitwise those of the first
     call (directions in turn) and as torch.nn's (packed, 2 layers)."""
     monkeypatch.setenv("HALSTM_TORCH_THREADS", "own")   # (on torch's team: in turn)
-    monkeypatch.setattr(hnn, "_threads", None)
+    monkeypatch.setattr(hnn.kernels, "_threads", None)
     monkeypatch.setenv("HL_NUM_THREADS", "4")
     m, ref = _pair("lstm", 2, True, False, seed=3)
     x = torch.randn(7, 5, I, generator=torch.Generator().manual_seed(4))
@@ -845,7 +847,7 @@ def test_bidirectional_directions_run_at_once(monkeypatch, own_threads):
         runs.append([out.detach(), *[f.detach() for f in finals], xi.grad]
                     + [p.grad.clone() for p in module.parameters()])
         module.zero_grad()
-    lanes = {spec.rsplit("|", 1)[1] for spec, _, target in hnn._libs
+    lanes = {spec.rsplit("|", 1)[1] for spec, _, target in hnn.kernels._libs
              if spec.startswith(f"lstm|{2 * H}|") and target == "host"}
     assert lanes == {"0", "1"}, lanes
     for k, (a, b, want) in enumerate(zip(*runs)):

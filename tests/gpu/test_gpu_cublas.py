@@ -90,7 +90,7 @@ def test_torch_module_in_reduced_precision(precision, gpu_target):
     # runs it (AMX or AVX512-BF16)
     m = m.cpu()
     got, _ = m(x)
-    if precision == "bf16" and ht._cpu_runs_bf16("lstm"):
+    if precision == "bf16" and ht.kernels._cpu_runs_bf16("lstm"):
         assert (got.detach() - want.detach()).abs().max().item() < rtol * scale
     else:
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)

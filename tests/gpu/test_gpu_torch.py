@@ -241,7 +241,7 @@ def test_bidirectional_directions_run_beside_each_other():
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert torch.equal(a, b)
-    assert any(spec.endswith("|1") for spec, _, target in hnn._libs if "cuda" in target)
+    assert any(spec.endswith("|1") for spec, _, target in hnn.kernels._libs if "cuda" in target)
 
 
 @pytest.mark.parametrize("cell,layers,given,batch_first,finals_only,dropout",
