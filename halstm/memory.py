@@ -189,6 +189,13 @@ class Host:
     def mul(a, b, out=None):
         return np.multiply(a, b, out=out)
 
+    @staticmethod
+    def dropout_mask(shape, p: float, key0: int, key1: int):
+        """A dropout mask (halstm.reference.dropout_mask), by the host's
+        array kernels (halstm.model.library)."""
+        from .model import library
+        return _dropout_mask(library.kernels("host"), shape, p, key0, key1)
+
 
 class Device:
     """Arrays of a CUDA library: halstm.cuda.DeviceArray."""
@@ -305,6 +312,16 @@ class Device:
 
     def mul(self, a, b, out=None):
         return self._ops().mul(a, b, out)
+
+    def dropout_mask(self, shape, p: float, key0: int, key1: int):
+        """As Host.dropout_mask, on the GPU."""
+        return _dropout_mask(self._ops(), shape, p, key0, key1)
+
+
+def _dropout_mask(kernels, shape, p: float, key0: int, key1: int):
+    from .reference import dropout_params
+    threshold, scale = dropout_params(p)
+    return kernels.dropout(shape, key0, key1, threshold, scale)
 
 
 def for_device(device: str):

@@ -27,8 +27,9 @@ bf16 operands and fp32 sums, on AMX tiles or as vdpbf16ps dot products
 (halstm.bf16).
 
 lengths= (a length per sequence), bidirectional=True and dropout=p
-(between layers, in training mode: train() / eval(); masks from numpy's
-generator seeded by `seed`, the same on every target) run on every
+(between layers, in training mode: train() / eval(); masks hashed where
+the layers run from keys numpy's generator seeded by `seed` draws, the
+same on every target) run on every
 target; proj_size=P (LSTM: h = W_hr m of P units, see halstm.projected)
 on CPU targets (on a GPU, halstm.torch has it).
 """
@@ -459,10 +460,12 @@ class _RNN:
         return order, np.argsort(order), ls, step_batch_sizes(ls, T)
 
     def _dropout_mask(self, shape):
-        """A dropout mask: 0 with probability p, else 1/(1-p)."""
-        p = self.dropout
-        keep = self._rng.random(shape, dtype=np.float32) >= p
-        return keep.astype(np.float32) / np.float32(1 - p) if p < 1 else keep.astype(np.float32)
+        """A dropout mask of this module's kind: 0 with probability p, else
+        1/(1-p), made where the layers run from a key the module's seeded
+        generator draws (the same bits on every target:
+        halstm.reference.dropout_mask)."""
+        key0, key1 = (int(k) for k in self._rng.integers(0, 1 << 32, size=2, dtype=np.uint64))
+        return self._mem.dropout_mask(shape, self.dropout, key0, key1)
 
     def _each_direction(self, fn, lib) -> list:
         """[fn(d, threads) for every direction d]: a CPU module's two
@@ -524,8 +527,7 @@ class _RNN:
                     ends.append(end)
                 inp = ys[0] if D == 1 else self._mem.concat(ys)   # (T, B, D*H)
                 if self.dropout and self.training and layer < L - 1:
-                    mask = self._dropout_mask(tuple(inp.shape))
-                    masks.append(self._array(mask) if self.on_gpu else mask)
+                    masks.append(self._dropout_mask(tuple(inp.shape)))
                     inp = self._mem.mul(inp, masks[-1])
         self._tape = (tape, unbatched, ids, rows, masks)
         finals = []
@@ -571,8 +573,7 @@ class _RNN:
         fed = []                         # fed[l - 1]: layer l's input (T, B, H), masked
         if self.dropout and self.training:
             for _ in range(L - 1):       # (the masks of the layers in turn, in their order)
-                mask = self._dropout_mask((T, B, self.hidden_size))
-                masks.append(self._array(mask) if self.on_gpu else mask)
+                masks.append(self._dropout_mask((T, B, self.hidden_size)))
                 fed.append(self._mem.empty((T, B, self.hidden_size)))
 
         def feed(layer, h, t0, t1):

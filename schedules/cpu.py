@@ -1060,7 +1060,7 @@ def _elementwise(p, target):
 
 
 adam = sgd = _update
-add = mul = _elementwise
+add = mul = dropout = _elementwise
 
 
 def rows(p, target):

@@ -1231,4 +1231,4 @@ def _elementwise(p, target):
     _model_tile1(p.stage("out"), p.vars["i"], 256)
 
 
-add = mul = _elementwise
+add = mul = dropout = _elementwise

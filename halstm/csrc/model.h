@@ -15,6 +15,7 @@ int halstm_model_onehot(HB, HB);
 int halstm_model_rows(HB, HB, HB);
 int halstm_model_add(HB, HB, HB);
 int halstm_model_mul(HB, HB, HB);
+int halstm_model_dropout(uint32_t, uint32_t, uint32_t, float, HB);
 
 // src (R, n); idx (M) int32 -> out (M, n): row idx[m] of src, zeros where idx[m] < 0
 int halstm_rows(int R, int M, int n, const float *src, const void *idx, float *out) {
@@ -33,6 +34,15 @@ int halstm_mul(int n, const float *a, const float *b, float *out) {
     g_error[0] = 0;
     View va(a, {{n, 1}}), vb(b, {{n, 1}}), vout(out, {{n, 1}});
     return halstm_model_mul(va.hb(), vb.hb(), vout.hb());
+}
+
+// out (n): a dropout mask, scale where the hash of (key0, key1, i) keeps
+// element i (its top 24 bits >= threshold), else 0 (halstm/model/kernels.py)
+int halstm_dropout(int n, uint32_t key0, uint32_t key1, uint32_t threshold, float scale,
+                   float *out) {
+    g_error[0] = 0;
+    View vout(out, {{n, 1}});
+    return halstm_model_dropout(key0, key1, threshold, scale, vout.hb());
 }
 
 // ids (N) int32 -> out (N, V): one-hot rows (all zero where an id is not in [0, V))

@@ -15,6 +15,10 @@ need on a GPU, as Halide algorithms (no schedules).
            where idx[m] < 0 (time reversal, batch reorders)
     add    a, b (n,) -> out (n,) = a + b
     mul    a, b (n,) -> out (n,) = a * b (dropout masks)
+    dropout key0, key1, threshold (uint32), scale -> out (n,) = scale where
+           hash(key, i) >> 8 >= threshold, else 0: a dropout mask of
+           P(0) = threshold / 2^24, the same bits on every target
+           (halstm.reference: dropout_hash, and dropout_mask in numpy)
 
 Shapes above are numpy's; Halide's axes are the reverse (runtime.py). Sizes
 are runtime values: one compiled library serves every model. Stages are
@@ -28,8 +32,9 @@ from dataclasses import dataclass, field
 import halide as hl
 
 from ..pipeline import Stages
+from ..reference import dropout_hash
 
-KINDS = ("head", "sumsq", "adam", "sgd", "onehot", "rows", "add", "mul")
+KINDS = ("head", "sumsq", "adam", "sgd", "onehot", "rows", "add", "mul", "dropout")
 SUMSQ_LANES = 1024     # sumsq: partial sums over g(j), g(j + LANES), ...
 
 
@@ -206,6 +211,16 @@ def _add() -> Pipe:
 
 def _mul() -> Pipe:
     return _elementwise("mul", lambda a, b: a * b)
+
+
+def _dropout() -> Pipe:
+    key0, key1, threshold = (hl.Param(hl.UInt(32), s) for s in ("key0", "key1", "threshold"))
+    scale = hl.Param(hl.Float(32), "scale")
+    i = hl.Var("i")
+    u = dropout_hash(hl.cast(hl.UInt(32), i), key0, key1, hl.u32)
+    out = hl.Func("out")
+    out[i] = hl.select((u >> 8) >= threshold, scale, hl.f32(0))
+    return Pipe("dropout", [key0, key1, threshold, scale], [out], {"out": out}, {"i": i})
 
 
 def _sgd() -> Pipe:

@@ -106,6 +106,8 @@ class Kernels:
         L.halstm_onehot.argtypes = [_I, _I, _P, _P]
         L.halstm_rows.argtypes = [_I, _I, _I, _P, _P, _P]
         L.halstm_add.argtypes = L.halstm_mul.argtypes = [_I, _P, _P, _P]
+        L.halstm_dropout.argtypes = [_I, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, _F,
+                                     _P]
 
     def _call(self, name, *args):
         if self.on_gpu:     # (a wavefront's lane inside cuda.on_stream, else the legacy stream)
@@ -153,6 +155,13 @@ class Kernels:
     def mul(self, a, b, out=None):
         """a * b, into out (of their shape) or a new array."""
         return self._elementwise("halstm_mul", a, b, out)
+
+    def dropout(self, shape, key0: int, key1: int, threshold: int, scale: float):
+        """A new dropout mask of shape (see kernels.py: dropout)."""
+        out = self.mem.empty(tuple(shape))
+        self._call("halstm_dropout", out.size, key0, key1, threshold, float(scale),
+                   self.mem.ptr(out))
+        return out
 
     def _elementwise(self, name, a, b, out=None):
         out = self.mem.empty(tuple(a.shape)) if out is None else out

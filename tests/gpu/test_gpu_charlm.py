@@ -121,3 +121,13 @@ def test_training_on_the_gpu_matches_the_cpu(cell, tmp_path, gpu_target):
                  rtol=2e-3, atol=0, per_element=True)
     model = CharLM.from_config(ckpt.config.replace(target="host"), len(corpus.vocab))
     model.load_parameters(ckpt.params)
+
+
+def test_dropout_kernel_gives_the_cpu_bits(gpu_model_kernels):
+    """The GPU's dropout masks are the CPU's (halstm.reference.dropout_mask)
+    bit for bit."""
+    from halstm.reference import dropout_mask, dropout_params
+    for p in (0.2, 0.7):
+        threshold, scale = dropout_params(p)
+        got = gpu_model_kernels.dropout((33, 5, 129), 77, 2**31 + 5, threshold, scale)
+        np.testing.assert_array_equal(got.numpy(), dropout_mask((33, 5, 129), p, 77, 2**31 + 5))
