@@ -308,6 +308,25 @@ class _Pool:
 
 _pool = _Pool()
 empty_cache = _pool.release
+_oom_callbacks = [empty_cache]
+
+
+def on_out_of_memory(fn) -> None:
+    """fn() runs, with this pool's release, where a library's own device
+    allocation (cuBLAS's workspace, its buffers) finds no memory, before
+    the library tries once more: an allocator that caches blocks gives them
+    back (halstm.torch: torch.cuda.empty_cache)."""
+    _oom_callbacks.append(fn)
+
+
+@ctypes.CFUNCTYPE(None)
+def oom_hook() -> None:
+    """The libraries' hook (halstm_cuda_set_oom_hook): every callback."""
+    for fn in _oom_callbacks:
+        try:
+            fn()
+        except Exception:   # (a callback's failure leaves the retry to fail alone)
+            pass
 
 
 class _Allocation:

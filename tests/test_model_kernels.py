@@ -115,7 +115,7 @@ def test_cuda_schedules_compile_without_gpu(tmp_path):
     m = library.build(CUDA_TARGET, tmp_path)
     assert m["device"] == "cuda" and (tmp_path / m["library"]).is_file()
     assert m["pipelines"] == [f"halstm_model_{x}" for x in ("head", "sumsq", "adam", "sgd", "onehot",
-                                                             "rows", "add", "mul")]
+                                                             "rows", "add", "mul", "dropout")]
 
 
 def test_trainer_with_the_head_pipeline_matches_numpy_and_resumes(monkeypatch, tmp_path):

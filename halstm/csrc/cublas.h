@@ -146,11 +146,18 @@ struct Cublas {
     uint64_t alloc(size_t bytes, const char *what) {
         void *prev;
         uint64_t p = 0;
-        if (push(call_context())) return 0;
-        int st = mem_alloc(&p, bytes);
-        pop(&prev);
-        if (st) fail(what, st);
-        return st ? 0 : p;
+        for (int attempt = 0; attempt < 2; attempt++) {
+            if (push(call_context())) return 0;
+            int st = g_fail_allocs > 0 && g_fail_allocs-- > 0 ? 2 : mem_alloc(&p, bytes);
+            pop(&prev);
+            if (!st) return p;
+            if (st != 2 || !g_oom_hook || attempt) {     // (2: CUDA_ERROR_OUT_OF_MEMORY)
+                fail(what, st);
+                return 0;
+            }
+            g_oom_hook();    // the caller's caches give their blocks back; then once more
+        }
+        return 0;
     }
 
     // The memory of this thread's calls on g_stream in its context (under

@@ -27,6 +27,14 @@ void *call_context() { return t_context ? t_context : g_context; }
 // NULL: legacy). Per thread, so that threads calling one library at once
 // (the GIL is released in ctypes calls) each keep their own stream.
 thread_local void *g_stream = nullptr;
+// Called where a device allocation of the library's own (cuBLAS's
+// workspace, its buffers) failed for lack of memory, before it is tried
+// once more: the caller's allocators give back the blocks they cache
+// (halstm_cuda_set_oom_hook; halstm.cuda.on_out_of_memory).
+void (*g_oom_hook)(void) = nullptr;
+// The next allocations of the library's own that fail as out of memory
+// without trying (halstm_cuda_fail_allocs: tests of the hook).
+std::atomic<int> g_fail_allocs{0};
 
 struct Graphs {
     // SLOTS: a training loop alternates two sets of saved states per layer
@@ -364,6 +372,14 @@ int halstm_cuda_init(void *context) {
 // (NULL: the legacy default stream); a caller keeps calls on several
 // streams from overlapping.
 void halstm_cuda_set_stream(void *stream) { g_stream = stream; }
+
+// The function called where the library's own device allocation finds
+// no memory, before it tries once more (NULL: none).
+void halstm_cuda_set_oom_hook(void (*hook)(void)) { g_oom_hook = hook; }
+
+// Make the library's next n own device allocations fail as out of memory
+// (tests: each failure calls the hook, and the retry allocates).
+void halstm_cuda_fail_allocs(int n) { g_fail_allocs = n; }
 
 // The CUcontext this library's next calls from the calling thread run in
 // (NULL: halstm_cuda_init's): the primary context of the device whose

@@ -85,6 +85,15 @@ def _context(device: torch.device) -> int:
     return cuda.driver().context_of(index)
 
 
+def _torch_empty_cache() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# A library's own device allocation (cuBLAS's workspace) that finds no
+# memory retries after torch's allocator gives back the blocks it caches.
+cuda.on_out_of_memory(_torch_empty_cache)
+
 _libs: dict = {}
 _mems: dict = {}
 _lock = threading.Lock()

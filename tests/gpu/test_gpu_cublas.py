@@ -1,6 +1,8 @@
 """The vendor-GEMM path (halstm.cublas): the projection and the gradient
 GEMMs by cuBLAS, in fp32, TF32 and bf16, against the reference and against
 Halide's own GEMMs."""
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -275,3 +277,43 @@ def test_backward_without_input_gradient_skips_dx(gpu_target):
     for a, b in zip(with_dx, without):
         assert torch.equal(a, b)
     assert n_without < n_with, (n_without, n_with)
+
+
+def test_an_allocation_without_memory_retries_after_the_caches_give_back(gpu_target,
+                                                                       monkeypatch):
+    """Where a library's own device allocation (cuBLAS's workspace, made at
+    a thread's first call on a stream) finds no memory, the library calls
+    halstm.cuda's hook (its pool's and torch's caches give their blocks
+    back) and tries once more: the call succeeds, its results unchanged. A
+    second failure is a KernelError naming the allocation."""
+    import threading
+    from halstm import cuda
+    from halstm.errors import KernelError
+    called = []
+    monkeypatch.setattr(cuda, "_oom_callbacks", cuda._oom_callbacks + [lambda: called.append(1)])
+    m = make("lstm", num_layers=1, target=gpu_target, seed=3)
+    x = np.random.default_rng(3).standard_normal((T, B, I)).astype(np.float32)
+    want = call(m, "lstm", x)[0]
+    lib = m._lib(0, "fwd")._lib
+    lib.halstm_cuda_fail_allocs.argtypes = [ctypes.c_int]
+
+    def in_a_new_thread():               # (a thread's first call: a workspace of its own)
+        out = []
+
+        def run():
+            try:
+                out.append(call(m, "lstm", x)[0])
+            except KernelError as e:
+                out.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out[0]
+    lib.halstm_cuda_fail_allocs(1)
+    np.testing.assert_array_equal(in_a_new_thread(), want)
+    assert called == [1]
+    lib.halstm_cuda_fail_allocs(2)
+    err = in_a_new_thread()
+    assert isinstance(err, KernelError) and "cuMemAlloc of cuBLAS's workspace" in str(err), err
+    assert called == [1, 1]
+    lib.halstm_cuda_fail_allocs(0)
