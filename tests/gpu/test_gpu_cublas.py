@@ -297,23 +297,32 @@ def test_an_allocation_without_memory_retries_after_the_caches_give_back(gpu_tar
     lib = m._lib(0, "fwd")._lib
     lib.halstm_cuda_fail_allocs.argtypes = [ctypes.c_int]
 
-    def in_a_new_thread():               # (a thread's first call: a workspace of its own)
-        out = []
+    hold, threads = threading.Event(), []
+
+    def in_a_new_thread():               # (a thread's first call: a workspace of its own;
+        out, done = [], threading.Event()  # the threads live on: their ids are not reused)
 
         def run():
             try:
                 out.append(call(m, "lstm", x)[0])
             except KernelError as e:
                 out.append(e)
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
+            done.set()
+            hold.wait()
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+        done.wait()
         return out[0]
-    lib.halstm_cuda_fail_allocs(1)
-    np.testing.assert_array_equal(in_a_new_thread(), want)
-    assert called == [1]
-    lib.halstm_cuda_fail_allocs(2)
-    err = in_a_new_thread()
-    assert isinstance(err, KernelError) and "cuMemAlloc of cuBLAS's workspace" in str(err), err
-    assert called == [1, 1]
+    try:
+        lib.halstm_cuda_fail_allocs(1)
+        np.testing.assert_array_equal(in_a_new_thread(), want)
+        assert called == [1]
+        lib.halstm_cuda_fail_allocs(2)
+        err = in_a_new_thread()
+        assert isinstance(err, KernelError) and "cuMemAlloc of cuBLAS's workspace" in str(err), err
+        assert called == [1, 1]
+    finally:
+        hold.set()
+        for t in threads:
+            t.join()
     lib.halstm_cuda_fail_allocs(0)
