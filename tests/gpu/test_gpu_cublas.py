@@ -282,47 +282,36 @@ def test_backward_without_input_gradient_skips_dx(gpu_target):
 def test_an_allocation_without_memory_retries_after_the_caches_give_back(gpu_target,
                                                                        monkeypatch):
     """Where a library's own device allocation (cuBLAS's workspace, made at
-    a thread's first call on a stream) finds no memory, the library calls
+    a call on a stream new to it) finds no memory, the library calls
     halstm.cuda's hook (its pool's and torch's caches give their blocks
     back) and tries once more: the call succeeds, its results unchanged. A
     second failure is a KernelError naming the allocation."""
-    import threading
     from halstm import cuda
     from halstm.errors import KernelError
     called = []
     monkeypatch.setattr(cuda, "_oom_callbacks", cuda._oom_callbacks + [lambda: called.append(1)])
     m = make("lstm", num_layers=1, target=gpu_target, seed=3)
-    x = np.random.default_rng(3).standard_normal((T, B, I)).astype(np.float32)
-    want = call(m, "lstm", x)[0]
-    lib = m._lib(0, "fwd")._lib
-    lib.halstm_cuda_fail_allocs.argtypes = [ctypes.c_int]
+    lib = m._lib(0, "fwd")
+    x = cuda.DeviceArray.from_numpy(
+        np.random.default_rng(3).standard_normal((T, B, I)).astype(np.float32))
+    streams = []                         # (kept: a live stream's handle is not reused)
 
-    hold, threads = threading.Event(), []
-
-    def in_a_new_thread():               # (a thread's first call: a workspace of its own;
-        out, done = [], threading.Event()  # the threads live on: their ids are not reused)
-
-        def run():
-            try:
-                out.append(call(m, "lstm", x)[0])
-            except KernelError as e:
-                out.append(e)
-            done.set()
-            hold.wait()
-        threads.append(threading.Thread(target=run))
-        threads[-1].start()
-        done.wait()
-        return out[0]
+    def on_a_new_stream():               # (a workspace of its own)
+        streams.append(cuda.Stream())
+        states, _ = lib.forward(x, *m._layer_weights(0), [None, None], save=False,
+                                stream=streams[-1].handle)
+        cuda.synchronize()
+        return states.numpy()
+    want = on_a_new_stream()
+    fail = lib._lib.halstm_cuda_fail_allocs
+    fail.argtypes = [ctypes.c_int]
     try:
-        lib.halstm_cuda_fail_allocs(1)
-        np.testing.assert_array_equal(in_a_new_thread(), want)
+        fail(1)
+        np.testing.assert_array_equal(on_a_new_stream(), want)
         assert called == [1]
-        lib.halstm_cuda_fail_allocs(2)
-        err = in_a_new_thread()
-        assert isinstance(err, KernelError) and "cuMemAlloc of cuBLAS's workspace" in str(err), err
+        fail(2)
+        with pytest.raises(KernelError, match="cuMemAlloc of cuBLAS's workspace"):
+            on_a_new_stream()
         assert called == [1, 1]
     finally:
-        hold.set()
-        for t in threads:
-            t.join()
-    lib.halstm_cuda_fail_allocs(0)
+        fail(0)
