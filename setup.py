@@ -8,7 +8,8 @@ setup(
     license="MIT",
     # schedules/ is a top-level folder in the repository, installed as
     # halstm.schedules so that it cannot clash with another package.
-    packages=["halstm", "halstm.cells", "halstm.model", "halstm.schedules", "halstm.torch"],
+    packages=["halstm", "halstm.cells", "halstm.model", "halstm.pipeline", "halstm.schedules",
+              "halstm.torch"],
     package_dir={"halstm": "halstm", "halstm.schedules": "schedules"},
     package_data={"halstm": ["csrc/*.cpp", "csrc/*.h", "bench_shapes.json"]},
     install_requires=[

@@ -192,8 +192,8 @@ def _checked_knobs(spec: Spec, knobs) -> tuple:
 def code_files() -> list[Path]:
     """The sources that decide a layer library's code."""
     import halstm.schedules as sched
-    files = [_HERE / "pipeline.py", _HERE / "aot.py", _HERE / "layout.py", _HERE / "driver.py",
-             _HERE / "bf16.py"]
+    files = [_HERE / "aot.py", _HERE / "layout.py", _HERE / "driver.py", _HERE / "bf16.py"]
+    files += sorted((_HERE / "pipeline").glob("*.py"))
     files += sorted((_HERE / "cells").glob("*.py"))
     files += sorted(Path(sched.__file__).parent.glob("*.py"))
     return files + driver.sources()

@@ -120,7 +120,7 @@ def step(p):
 
 
 def step_bwd(p):
-    """A backward step with its product on AMX tiles (pipeline.py
+    """A backward step with its product on AMX tiles (pipeline/backward.py
     _step_bwd_bf16), as step: per panel of units, the product for every
     row (tiles of 16 rows), then the pointwise backward on tiles of one
     panel x 16 rows; dhg_next's bf16 rows first, once a call. The driver's
@@ -194,7 +194,7 @@ def step_narrow(p, panels: int):
 
 
 def grad_operands(p) -> bool:
-    """The backward's product operands in bf16 (pipeline._bf16_grads), each
+    """The backward's product operands in bf16 (pipeline.grads._bf16_grads), each
     computed whole: d^T and the x and h pairs in tiles of 16 rows, their
     transposes in registers; W_ih^T's panels and dxp's rows (unless the
     input is one-hot: returns whether it is)."""
@@ -218,7 +218,7 @@ def grad_operands(p) -> bool:
 
 
 def grads(p):
-    """The backward's products on AMX tiles (pipeline._bf16_grads): the
+    """The backward's products on AMX tiles (pipeline.grads._bf16_grads): the
     operands in bf16 first (grad_operands); dx as the projection (tiles of
     16 rows x one panel of inputs, rows in chunks, one parallel loop over
     (chunk, panel)); dW the rows' chunks outermost (the layout's

@@ -84,7 +84,7 @@ def step(p, rows: int, panels: int) -> None:
 
 
 def step_bwd(p, rows: int, panels: int) -> None:
-    """A backward step (pipeline.py _step_bwd_bf16): per tile of `panels`
+    """A backward step (pipeline/backward.py _step_bwd_bf16): per tile of `panels`
     panels of units x `rows` rows, the product dh = W_hh^T dhg_next in
     registers, then the pointwise backward on the tile; dhg_next's bf16
     rows first, once a call. The driver's threads take ranges of tiles
@@ -105,7 +105,7 @@ def _tiles(p, unit, rows: int, panels: int, weight: str, bf_rows: str) -> tuple:
 
 
 def grads(p, rows: int, panels: int, chunk: int) -> None:
-    """The backward's products (pipeline._bf16_grads): the operands in bf16
+    """The backward's products (pipeline.grads._bf16_grads): the operands in bf16
     first, as amx.grads; dx in tiles of `rows` rows x `panels` panels of
     inputs, rows in chunks of `chunk` tiles, one parallel loop over (chunk,
     tile of panels); dW the rows' chunks outermost (the layout's

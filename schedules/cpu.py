@@ -758,7 +758,7 @@ def _dh_tiles(p, target, narrow=True) -> tuple:
 
 def step_bwd_fused(p, target):
     """A backward step as one loop nest over tiles of its units k and rows
-    (pipeline.py _step_bwd_fused): per tile, the product dh = W_hh^T
+    (pipeline/backward.py _step_bwd_fused): per tile, the product dh = W_hh^T
     dhg_next in registers (the tiles of step_bwd's product), then the
     pointwise backward of those units and rows and its stores. Each of the
     driver's threads computes the pointwise part of its own units only

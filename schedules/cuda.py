@@ -996,7 +996,7 @@ def step_bwd(p, target):
 
 
 def step_bwd_fused(p, target):
-    """One kernel a backward step (pipeline.py _step_bwd_fused): the product
+    """One kernel a backward step (pipeline/backward.py _step_bwd_fused): the product
     dh = W_hh^T dhg as in step_bwd, and the thread that finishes dh(k, b)
     runs the previous step's pointwise backward at (k, b) and stores it (the
     output Tuple). step_bwd takes two kernels a step. Used below H = 512,

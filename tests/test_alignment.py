@@ -7,7 +7,7 @@ wherever it starts), so a caller's array at any address reaches the
 compiled code. Halide assumes its own allocations are vector-aligned: a
 pipeline that read back an output buffer as if it were one emitted aligned
 AVX-512 loads that faulted on a buffer numpy owned, at a hidden size that
-is a multiple of the vector width (see pipeline._output).
+is a multiple of the vector width (see pipeline.common._output).
 
 The modules copy a caller's float arrays (to 16-byte boundaries, as numpy
 allocates), so the layer test below calls runtime.Library itself: every

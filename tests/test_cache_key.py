@@ -53,7 +53,7 @@ def _reword_docstrings_and_comments(pkg: Path) -> None:
                     + "\n# a comment at the end\n")
     _append(pkg / "schedules" / "cpu.py", "\n# a note on a decision\n")
     _append(pkg / "csrc" / "forward.h", "\n// a note\n/* and a block\n   comment */\n")
-    pipe = pkg / "pipeline.py"
+    pipe = pkg / "pipeline" / "forward.py"
     pipe.write_text(pipe.read_text().replace("\n\n\ndef ", "\n\n\n# note\ndef ", 1))
 
 

@@ -181,7 +181,7 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
 #endif
     };
 #if HALSTM_FUSED_BWD
-    // One call a step (pipeline.py _step_bwd_fused): call t (T-1 down to -1)
+    // One call a step (pipeline/backward.py _step_bwd_fused): call t (T-1 down to -1)
     // finishes step t+1's product and runs step t's pointwise backward.
     // fused_ws: zeros (B, G, H): dhg_next of the first call; add (2, B, HP):
     // the dh_add rows passed from call to call; dh (B, HP): dh of calls

@@ -11,7 +11,7 @@
 
 #ifdef HALSTM_CUBLAS
 #if HALSTM_BF16
-extern "C" int halstm_to_bf16(halide_buffer_t *, halide_buffer_t *);   // (pipeline.py)
+extern "C" int halstm_to_bf16(halide_buffer_t *, halide_buffer_t *);   // (pipeline/grads.py)
 #endif
 namespace {
 

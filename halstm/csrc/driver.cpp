@@ -1,6 +1,6 @@
 // The compiled library's driver: owns the time loop, so that one call from
 // Python runs a whole layer over a sequence. Compiled by aot.py together with
-// the Halide pipelines of pipeline.py (halstm_pack, halstm_proj, halstm_step, halstm_step_infer;
+// the Halide pipelines of halstm/pipeline (halstm_pack, halstm_proj, halstm_step, halstm_step_infer;
 // halstm_step_bwd, halstm_grads) and one Halide runtime.
 //
 // Built with -DHALSTM_MODEL (the char LM's head and optimizer pipelines of

@@ -121,7 +121,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     const int64_t XP_ROW = G * HP;
 #endif
     auto xp_rows = [&](int64_t n0, int rows) {
-#if HALSTM_XP_PANELS   // (HP/P, N, G, P): panels of P units (pipeline.py _xp_out)
+#if HALSTM_XP_PANELS   // (HP/P, N, G, P): panels of P units (pipeline/forward.py _xp_out)
         return View(xp + n0 * XP_ROW, {{P, 1}, {G, P}, {rows, G * P}, {HP / P, N * G * P}});
 #else                  // (N, G, HP)
         return View(xp + n0 * XP_ROW, {{HP, 1}, {G, HP}, {rows, G * HP}});

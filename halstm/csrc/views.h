@@ -93,7 +93,7 @@ View dstate_row(const float *base, int i, int B, int units, int rows) {
     return View(base + (int64_t)i * B * HP, {{units, 1}, {rows, HP}});
 }
 
-// Panels (n/P, ..., P) of a weight as packed by pipeline.py: dims innermost first.
+// Panels (n/P, ..., P) of a weight as packed by halstm/pipeline: dims innermost first.
 // (HP/P, G/PG, n_red, PG, P): ji, gate in its group, (group, red), jo (Pipe.panel_extents)
 View panels_t(const float *w, int n_red) {
     return View(w, {{P, 1}, {PG, P}, {G / PG * n_red, PG * P}, {HP / P, n_red * G * P}});
