@@ -294,28 +294,50 @@ class _Pool:
             self.epoch += 1
             return self.epoch
 
-    def release(self) -> None:
-        """Free every cached block (they are unused)."""
+    def release(self, free=None) -> None:
+        """Free every cached block (they are unused); free(ptr) frees one
+        (default: cuMemFree in device 0's primary context). A block whose
+        free fails stays cached."""
+        free = free or (lambda p: driver().call("cuMemFree_v2", _U64(p)))
         with self.lock:
-            blocks = [p for ps in self.free.values() for p, _ in ps]
+            blocks = [(size, b) for size, bs in self.free.items() for b in bs]
             self.free.clear()
-        for p in blocks:
+        kept = []
+        for size, b in blocks:
             try:
-                driver().call("cuMemFree_v2", _U64(p))
-            except CudaError:   # a broken context at exit: nothing more to do
-                pass
+                free(b[0])
+            except CudaError:   # (a broken context at exit)
+                kept.append((size, b))
+        with self.lock:
+            for size, b in kept:
+                self.free.setdefault(size, []).append(b)
 
 
 _pool = _Pool()
 empty_cache = _pool.release
-_oom_callbacks = [empty_cache]
+
+
+def _release_in_a_call() -> None:
+    """The pool's release from a library's hook, on a thread whose current
+    context is whatever its caller's is: device 0's primary context pushed
+    for the frees, then popped (the thread's context as it was)."""
+    d = driver()
+    d.check(d.lib.cuCtxPushCurrent_v2(_P(d.context)), "cuCtxPushCurrent")
+    try:
+        _pool.release(lambda p: d.check(d.lib.cuMemFree_v2(_U64(p)), "cuMemFree"))
+    finally:
+        d.lib.cuCtxPopCurrent_v2(ctypes.byref(_P()))
+
+
+_oom_callbacks = [_release_in_a_call]
 
 
 def on_out_of_memory(fn) -> None:
     """fn() runs, with this pool's release, where a library's own device
     allocation (cuBLAS's workspace, its buffers) finds no memory, before
     the library tries once more: an allocator that caches blocks gives them
-    back (halstm.torch: torch.cuda.empty_cache)."""
+    back (halstm.torch: torch.cuda.empty_cache). It runs inside the
+    library's call and must not call a halstm library."""
     _oom_callbacks.append(fn)
 
 

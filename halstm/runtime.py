@@ -85,9 +85,11 @@ class SharedLibrary:
             rc = self.lib.halstm_cuda_init(self.mem.context if context is None else context)
             if rc:
                 raise KernelError(f"halstm_cuda_init failed with code {rc}")
-            self.lib.halstm_cuda_set_oom_hook.argtypes = [_P]
-            from . import cuda      # (imported only where a CUDA library is used)
-            self.lib.halstm_cuda_set_oom_hook(ctypes.cast(cuda.oom_hook, _P))
+            hook = getattr(self.lib, "halstm_cuda_set_oom_hook", None)   # (older builds: none)
+            if hook is not None:
+                from . import cuda      # (imported only where a CUDA library is used)
+                hook.argtypes = [_P]
+                hook(ctypes.cast(cuda.oom_hook, _P))
         else:
             self.lib.halstm_use_openmp.argtypes = [_P] * len(openmp.NAMES)
             _cpu_libraries.add(self)

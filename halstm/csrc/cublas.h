@@ -143,21 +143,38 @@ struct Cublas {
     }
 
     // Device memory, in the calling thread's context (0 where it fails).
+    // Out of memory (CUDA_ERROR_OUT_OF_MEMORY, 2) with a hook set, before
+    // the hook has run for this call: 0 and t_out_of_memory, no error
+    // (retried() calls the hook, unlocked, then the call once more).
     uint64_t alloc(size_t bytes, const char *what) {
         void *prev;
         uint64_t p = 0;
-        for (int attempt = 0; attempt < 2; attempt++) {
-            if (push(call_context())) return 0;
-            int st = g_fail_allocs > 0 && g_fail_allocs-- > 0 ? 2 : mem_alloc(&p, bytes);
-            pop(&prev);
-            if (!st) return p;
-            if (st != 2 || !g_oom_hook || attempt) {     // (2: CUDA_ERROR_OUT_OF_MEMORY)
-                fail(what, st);
-                return 0;
-            }
-            g_oom_hook();    // the caller's caches give their blocks back; then once more
+        if (push(call_context())) return 0;
+        int st = g_fail_allocs > 0 && g_fail_allocs-- > 0 ? 2 : mem_alloc(&p, bytes);
+        pop(&prev);
+        if (!st) return p;
+        if (st == 2 && g_oom_hook && !t_after_hook) {
+            t_out_of_memory = true;
+            return 0;
         }
+        fail(what, st);
         return 0;
+    }
+
+    // f() (which takes the lock), and where an allocation of it ran out of
+    // memory, the hook (the caller's caches give their blocks back; called
+    // holding no lock of ours) and f() once more.
+    template <class F>
+    auto retried(F f) -> decltype(f()) {
+        t_out_of_memory = false;
+        auto r = f();
+        if (!t_out_of_memory) return r;
+        t_out_of_memory = false;
+        g_oom_hook();
+        t_after_hook = true;
+        r = f();
+        t_after_hook = false;
+        return r;
     }
 
     // The memory of this thread's calls on g_stream in its context (under
@@ -186,14 +203,16 @@ struct Cublas {
     // captured graph may read it). nullptr where that fails. Call it before
     // a time loop, never while one is captured.
     void *buffer(int which, size_t bytes) {
-        std::lock_guard<std::mutex> guard(lock);
-        Scratch *s = for_stream();
-        if (s && bytes > s->bytes[which]) {
-            uint64_t p = alloc(bytes, "cuMemAlloc of a GEMM buffer");
-            if (!p) return nullptr;
-            s->buffer[which] = p, s->bytes[which] = bytes;
-        }
-        return s ? (void *)(uintptr_t)s->buffer[which] : nullptr;
+        return retried([&]() -> void * {
+            std::lock_guard<std::mutex> guard(lock);
+            Scratch *s = for_stream();
+            if (s && bytes > s->bytes[which]) {
+                uint64_t p = alloc(bytes, "cuMemAlloc of a GEMM buffer");
+                if (!p) return nullptr;
+                s->buffer[which] = p, s->bytes[which] = bytes;
+            }
+            return s ? (void *)(uintptr_t)s->buffer[which] : nullptr;
+        });
     }
 
     // Run f(handle) in the calling thread's context, on the stream its
@@ -204,18 +223,20 @@ struct Cublas {
             halide_error(nullptr, "cuBLAS: halstm_cublas_init was not called");
             return -1;
         }
-        std::lock_guard<std::mutex> guard(lock);
-        Scratch *s = for_stream();
-        void *h = s ? handle() : nullptr;
-        if (!h) return -1;
-        void *prev;
-        if (push(call_context())) return fail("cuCtxPushCurrent", -1);
-        // (the stream Halide's kernels run on: get_stream in cuda_graphs.h)
-        int st = set_stream(h, call_stream());
-        if (st == 0) st = set_workspace(h, (void *)(uintptr_t)s->workspace, WORKSPACE);
-        if (st == 0) st = f(h);
-        pop(&prev);
-        return st ? fail(what, st) : 0;
+        return retried([&]() -> int {
+            std::lock_guard<std::mutex> guard(lock);
+            Scratch *s = for_stream();
+            void *h = s ? handle() : nullptr;
+            if (!h) return -1;
+            void *prev;
+            if (push(call_context())) return fail("cuCtxPushCurrent", -1);
+            // (the stream Halide's kernels run on: get_stream in cuda_graphs.h)
+            int st = set_stream(h, call_stream());
+            if (st == 0) st = set_workspace(h, (void *)(uintptr_t)s->workspace, WORKSPACE);
+            if (st == 0) st = f(h);
+            pop(&prev);
+            return st ? fail(what, st) : 0;
+        });
     }
 };
 

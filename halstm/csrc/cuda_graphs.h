@@ -35,6 +35,9 @@ void (*g_oom_hook)(void) = nullptr;
 // The next allocations of the library's own that fail as out of memory
 // without trying (halstm_cuda_fail_allocs: tests of the hook).
 std::atomic<int> g_fail_allocs{0};
+// This thread's call: an allocation ran out of memory (the hook may
+// help); the hook has run (a failure now is the call's).
+thread_local bool t_out_of_memory = false, t_after_hook = false;
 
 struct Graphs {
     // SLOTS: a training loop alternates two sets of saved states per layer

@@ -355,7 +355,10 @@ class _Recurrent(torch.nn.Module):
                     finals[s].append(a)
             x = ys[0] if D == 1 else torch.cat([ys[0], self._reverse(ys[1], rev)], -1)
             if self.dropout and self.training and layer < L - 1:
-                x = torch.nn.functional.dropout(x, self.dropout, training=True)
+                # (the mask drawn as _wavefront draws its: on CUDA, dropout's
+                # draw depends on its input's alignment, not on its values)
+                x = x * torch.nn.functional.dropout(x.new_ones(x.shape), self.dropout,
+                                                    training=True)
         # (one layer and direction: its finals are copies already)
         return x, [torch.stack(f) if len(f) > 1 else f[0].unsqueeze(0) for f in finals]
 
@@ -375,7 +378,7 @@ class _Recurrent(torch.nn.Module):
         L, H, NS = self.num_layers, self.hidden_size, len(self._states)
         masks = ()                       # (drawn as the layers in turn draw theirs)
         if self.dropout and self.training:
-            ones = x.new_ones((x.shape[0], x.shape[1], H), dtype=torch.float32)
+            ones = x.new_ones((x.shape[0], x.shape[1], H))
             masks = tuple(torch.nn.functional.dropout(ones, self.dropout, training=True)
                           for _ in range(L - 1))
         specs, flat = [], []

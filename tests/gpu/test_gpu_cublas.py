@@ -298,6 +298,7 @@ def test_an_allocation_without_memory_retries_after_the_caches_give_back(gpu_tar
 
     def on_a_new_stream():               # (a workspace of its own)
         streams.append(cuda.Stream())
+        streams[-1].after(None)          # (after x's upload on the legacy stream)
         states, _ = lib.forward(x, *m._layer_weights(0), [None, None], save=False,
                                 stream=streams[-1].handle)
         cuda.synchronize()
