@@ -191,7 +191,7 @@ class Host:
 
     @staticmethod
     def dropout_mask(shape, p: float, key0: int, key1: int):
-        """A dropout mask (halstm.reference.dropout_mask), by the host's
+        """A dropout mask (halstm.dropout.mask), by the host's
         array kernels (halstm.model.library)."""
         from .model import library
         return _dropout_mask(library.kernels("host"), shape, p, key0, key1)
@@ -319,8 +319,8 @@ class Device:
 
 
 def _dropout_mask(kernels, shape, p: float, key0: int, key1: int):
-    from .reference import dropout_params
-    threshold, scale = dropout_params(p)
+    from . import dropout
+    threshold, scale = dropout.params(p)
     return kernels.dropout(shape, key0, key1, threshold, scale)
 
 

@@ -463,7 +463,7 @@ class _RNN:
         """A dropout mask of this module's kind: 0 with probability p, else
         1/(1-p), made where the layers run from a key the module's seeded
         generator draws (the same bits on every target:
-        halstm.reference.dropout_mask)."""
+        halstm.dropout.mask)."""
         key0, key1 = (int(k) for k in self._rng.integers(0, 1 << 32, size=2, dtype=np.uint64))
         return self._mem.dropout_mask(shape, self.dropout, key0, key1)
 

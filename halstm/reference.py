@@ -367,35 +367,3 @@ def step_gradients(step, params, x, states0, dy, dfinal, names, eps=1e-6):
         grads[f"{name}0"] = numeric_grad(f, s, eps)
     return grads
 
-
-# ---- dropout masks (the kernel's, halstm/model/kernels.py: dropout) --------
-
-def dropout_hash(i, key0, key1, u32=np.uint32):
-    """A uint32 of element i under the key (key0, key1): murmur3's 32-bit
-    finalizer twice, i xor key0 through the first, plus key1 through the
-    second; uint32 arithmetic, which wraps (numpy uint32 arrays, or Halide
-    Exprs with u32=hl.u32)."""
-    def fmix(x):
-        x = x ^ (x >> 16)
-        x = x * u32(0x85EBCA6B)
-        x = x ^ (x >> 13)
-        x = x * u32(0xC2B2AE35)
-        return x ^ (x >> 16)
-    return fmix(fmix(i ^ key0) + key1)
-
-
-def dropout_params(p: float) -> tuple[int, np.float32]:
-    """(threshold, scale) of a mask that zeroes with probability p: an
-    element is kept where its hash's top 24 bits are >= threshold, and
-    then scaled by 1 / (1 - p) (0 where p = 1)."""
-    threshold = min(1 << 24, round(p * (1 << 24)))
-    return threshold, (np.float32(1) / np.float32(1 - p) if p < 1 else np.float32(0))
-
-
-def dropout_mask(shape, p: float, key0: int, key1: int) -> np.ndarray:
-    """The kernel's dropout mask of shape (float32), in numpy."""
-    threshold, scale = dropout_params(p)
-    i = np.arange(int(np.prod(shape)), dtype=np.uint32)
-    u = dropout_hash(i, np.uint32(key0), np.uint32(key1))
-    return np.where((u >> np.uint32(8)) >= np.uint32(threshold), scale,
-                    np.float32(0)).astype(np.float32).reshape(shape)

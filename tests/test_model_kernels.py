@@ -181,14 +181,14 @@ def test_array_operations_match_numpy(k, R, M, n):
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.5, 0.9, 1.0])
 def test_dropout_masks_are_the_reference_bits_and_keep_one_minus_p(k, p):
-    """The dropout kernel's mask equals halstm.reference.dropout_mask bit for
+    """The dropout kernel's mask equals halstm.dropout.mask bit for
     bit (so every target's does), keeps a 1 - p share of the elements at
     1 / (1 - p), and another key gives another mask."""
-    from halstm.reference import dropout_mask, dropout_params
+    from halstm import dropout
     shape = (50, 7, 301)                 # 105350 elements: a share within 0.005 of 1 - p
-    threshold, scale = dropout_params(p)
+    threshold, scale = dropout.params(p)
     got = k.dropout(shape, 12345, 4294967295, threshold, scale)
-    np.testing.assert_array_equal(got, dropout_mask(shape, p, 12345, 4294967295))
+    np.testing.assert_array_equal(got, dropout.mask(shape, p, 12345, 4294967295))
     kept = got != 0
     assert abs(kept.mean() - (1 - p)) < 0.005
     assert np.all(got[kept] == scale) and (p < 1 or scale == 0)

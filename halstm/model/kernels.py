@@ -18,7 +18,7 @@ need on a GPU, as Halide algorithms (no schedules).
     dropout key0, key1, threshold (uint32), scale -> out (n,) = scale where
            hash(key, i) >> 8 >= threshold, else 0: a dropout mask of
            P(0) = threshold / 2^24, the same bits on every target
-           (halstm.reference: dropout_hash, and dropout_mask in numpy)
+           (halstm.dropout: its hash, and its masks in numpy)
 
 Shapes above are numpy's; Halide's axes are the reverse (runtime.py). Sizes
 are runtime values: one compiled library serves every model. Stages are
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import halide as hl
 
 from ..pipeline import Stages
-from ..reference import dropout_hash
+from ..dropout import hash32
 
 KINDS = ("head", "sumsq", "adam", "sgd", "onehot", "rows", "add", "mul", "dropout")
 SUMSQ_LANES = 1024     # sumsq: partial sums over g(j), g(j + LANES), ...
@@ -217,7 +217,7 @@ def _dropout() -> Pipe:
     key0, key1, threshold = (hl.Param(hl.UInt(32), s) for s in ("key0", "key1", "threshold"))
     scale = hl.Param(hl.Float(32), "scale")
     i = hl.Var("i")
-    u = dropout_hash(hl.cast(hl.UInt(32), i), key0, key1, hl.u32)
+    u = hash32(hl.cast(hl.UInt(32), i), key0, key1, hl.u32)
     out = hl.Func("out")
     out[i] = hl.select((u >> 8) >= threshold, scale, hl.f32(0))
     return Pipe("dropout", [key0, key1, threshold, scale], [out], {"out": out}, {"i": i})

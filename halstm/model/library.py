@@ -35,7 +35,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 def code_files() -> list[Path]:
     """The sources that decide the kernels' code."""
     sdir = Path(schedules.__file__).parent
-    return [_HERE / "kernels.py", _HERE / "library.py", sdir / "cpu.py", sdir / "cuda.py",
+    return [_HERE / "kernels.py", _HERE / "library.py", _HERE.parent / "dropout.py",
+            sdir / "cpu.py", sdir / "cuda.py",
             *map(Path, (driver.__file__, *driver.sources()))]
 
 

@@ -124,10 +124,10 @@ def test_training_on_the_gpu_matches_the_cpu(cell, tmp_path, gpu_target):
 
 
 def test_dropout_kernel_gives_the_cpu_bits(gpu_model_kernels):
-    """The GPU's dropout masks are the CPU's (halstm.reference.dropout_mask)
+    """The GPU's dropout masks are the CPU's (halstm.dropout.mask)
     bit for bit."""
-    from halstm.reference import dropout_mask, dropout_params
+    from halstm import dropout
     for p in (0.2, 0.7):
-        threshold, scale = dropout_params(p)
+        threshold, scale = dropout.params(p)
         got = gpu_model_kernels.dropout((33, 5, 129), 77, 2**31 + 5, threshold, scale)
-        np.testing.assert_array_equal(got.numpy(), dropout_mask((33, 5, 129), p, 77, 2**31 + 5))
+        np.testing.assert_array_equal(got.numpy(), dropout.mask((33, 5, 129), p, 77, 2**31 + 5))
