@@ -253,9 +253,10 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
                                              dropout, monkeypatch):
     """A CUDA stack as a wavefront of 3 chunks (halstm.wavefront, _Stack):
     outputs and every gradient those of the layers in turn (with dropout:
-    of 2 chunks, the same masks), run on a stream other than the default
-    one, bitwise the same when repeated (no race between the lanes), and
-    no warning of a gradient's stream."""
+    the same masks, drawn the same way, B*H = 185 floats off 16-byte
+    alignment), run on a stream other than the default one, bitwise the
+    same when repeated (no race between the lanes), and no warning of a
+    gradient's stream."""
     torch.manual_seed(0)
     m = hnn.Recurrent(cell, I, H, num_layers=layers, batch_first=batch_first,
                       dropout=dropout).cuda()
@@ -281,13 +282,13 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
     runs = []
     with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(side):
         warnings.simplefilter("always")
-        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "2" if dropout else "1")
+        monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "1")
         want = step()
         monkeypatch.setenv("HALSTM_WAVEFRONT_CHUNKS", "3")
         for _ in range(3):
             runs.append(step())
     torch.cuda.current_stream().wait_stream(side)
-    assert seen["forward"] == ([2] if dropout else []) + [3] * 3
+    assert seen["forward"] == [3] * 3
     assert not [w for w in caught if "stream" in str(w.message)], [str(w.message) for w in caught]
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
@@ -297,7 +298,7 @@ def test_layers_as_a_wavefront_match_in_turn(cell, layers, given, batch_first, f
     torch.manual_seed(7)                 # (the same masks)
     with torch.no_grad():                # no_grad: the same forward, nothing saved
         y = m(x, None if hx is None else hx[0] if len(hx) == 1 else tuple(hx))[0]
-    assert seen["forward"] == ([2] if dropout else []) + [3] * 4
+    assert seen["forward"] == [3] * 4
     assert_close("no_grad y", y.cpu(), runs[0][0].cpu(), rtol=1e-5)
 
 
