@@ -208,7 +208,7 @@ class on_stream:
         self.handle = handle
 
     def __enter__(self):
-        self.before = getattr(_on, "stream", None)
+        self.before = lane_stream()
         _on.stream = self.handle
 
     def __exit__(self, *exc):
@@ -355,7 +355,7 @@ class _Allocation:
     """One pooled device block, returned when the last array viewing it goes away."""
 
     def __init__(self, nbytes: int):
-        lane = getattr(_on, "stream", None) is not None
+        lane = lane_stream() is not None
         self.ptr = _pool.take(nbytes, getattr(_on, "epoch", None) if lane else None)
         self.nbytes = nbytes
 
@@ -422,7 +422,7 @@ class DeviceArray:
 
     def zero_(self) -> "DeviceArray":
         """Fill with zeros, in place; returns self."""
-        stream = getattr(_on, "stream", None)
+        stream = lane_stream()
         if self.size and stream is None:
             driver().call("cuMemsetD8_v2", _U64(self.ptr), 0, self.nbytes)
         elif self.size:
@@ -554,7 +554,7 @@ def copy_2d(dst: DeviceArray, dst_pitch: int, src: DeviceArray, src_pitch: int,
     m = _Memcpy2D(srcMemoryType=2, srcDevice=src.ptr + 4 * src_offset, srcPitch=4 * src_pitch,
                   dstMemoryType=2, dstDevice=dst.ptr + 4 * dst_offset, dstPitch=4 * dst_pitch,
                   WidthInBytes=4 * width, Height=height)
-    stream = getattr(_on, "stream", None)
+    stream = lane_stream()
     if stream is None:
         driver().call("cuMemcpy2D_v2", ctypes.byref(m))
     else:

@@ -73,6 +73,13 @@ def assert_close(name, got, want, rtol=RTOL, atol=1e-7, per_element=False):
 
 # ---- modules against the reference --------------------------------------------
 
+def assert_grads_close(got: dict, want: dict, rtol=RTOL):
+    """The same gradient names, each close to want's."""
+    assert got.keys() == want.keys()
+    for k in want:
+        assert_close(k, got[k], want[k], rtol=rtol)
+
+
 def make(cell, num_layers=L, seed=0, **kw):
     """A module of the shared sizes."""
     return CLASSES[cell](I, H, num_layers=num_layers, seed=seed, **kw)

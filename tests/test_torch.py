@@ -146,6 +146,21 @@ def test_a_stack_in_chunks_matches_torch(cell, layers, batch_first, given, final
     _assert_match(*results)
 
 
+def _in_chunks(monkeypatch, m, x, n: int, seed=None) -> list:
+    """m's forward and backward (weighted_loss) over x in n chunks (1: the
+    layers in turn): y, the finals, x's gradient, the parameters'; seed:
+    torch's, set before the forward (its dropout masks)."""
+    monkeypatch.setattr(hnn.modules._Recurrent, "_wavefront_chunks", lambda self, x, bs: n)
+    m.zero_grad()
+    if seed is not None:
+        torch.manual_seed(seed)
+    xi = x.clone().requires_grad_()
+    y, hn = m(xi)
+    weighted_loss(y, hn).backward()
+    return ([y.detach(), *[a.detach() for a in _finals(hn)], xi.grad]
+            + [p.grad for p in m.parameters()])
+
+
 @pytest.mark.parametrize("cell,bias", [("layernorm_lstm", True), ("gru", False)])
 def test_a_stack_in_chunks_matches_one_call(cell, bias, monkeypatch):
     """_Stack (chunks) against the layers in turn for a cell with vector
@@ -153,16 +168,7 @@ def test_a_stack_in_chunks_matches_one_call(cell, bias, monkeypatch):
     torch.manual_seed(0)
     m = hnn.Recurrent(cell, I, H, num_layers=2, bias=bias)
     x = torch.randn(8, 3, I)
-    runs = []
-    for n in (1, 3):
-        monkeypatch.setattr(hnn.modules._Recurrent, "_wavefront_chunks",
-                            lambda self, x, bs, n=n: n)
-        m.zero_grad()
-        xi = x.clone().requires_grad_()
-        y, hn = m(xi)
-        weighted_loss(y, hn).backward()
-        runs.append([y.detach(), *[a.detach() for a in _finals(hn)], xi.grad]
-                    + [p.grad for p in m.parameters()])
+    runs = [_in_chunks(monkeypatch, m, x, n) for n in (1, 3)]
     for k, (a, b) in enumerate(zip(*runs)):
         assert_close(f"result {k}", a, b, rtol=1e-5)
 
@@ -175,18 +181,8 @@ def test_a_stack_with_dropout_in_chunks_matches_one_call(cell, monkeypatch):
     torch.manual_seed(0)
     m = getattr(hnn, cell.upper())(I, H, num_layers=3, dropout=0.5)
     x = torch.randn(8, 3, I)
-    runs = []
-    for n, training in ((1, True), (3, True), (3, False)):
-        monkeypatch.setattr(hnn.modules._Recurrent, "_wavefront_chunks",
-                            lambda self, x, bs, n=n: n)
-        m.train(training)
-        m.zero_grad()
-        torch.manual_seed(7)
-        xi = x.clone().requires_grad_()
-        y, hn = m(xi)
-        weighted_loss(y, hn).backward()
-        runs.append([y.detach(), *[a.detach() for a in _finals(hn)], xi.grad]
-                    + [p.grad for p in m.parameters()])
+    runs = [_in_chunks(monkeypatch, m.train(training), x, n, seed=7)
+            for n, training in ((1, True), (3, True), (3, False))]
     for k, (a, b) in enumerate(zip(runs[1], runs[0])):
         assert_close(f"result {k}", a, b, rtol=1e-5)
     assert not torch.allclose(runs[2][0], runs[0][0], rtol=1e-3)     # (the masks acted)
