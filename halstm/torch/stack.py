@@ -31,7 +31,7 @@ class _Lanes:
     record_stream. Arrays the lanes make are read on the current stream
     after close(); a lane reuses their blocks only after a later open(),
     which waits for that wavefront's current stream and for the last one's
-    (a caller that keeps such an array longer records it on its stream:
+    (an array the caller keeps is copied on the current stream:
     _Stack.backward's initial-state gradients)."""
 
     def __init__(self, device: torch.device, n: int):
@@ -134,10 +134,13 @@ class _Stack(torch.autograd.Function):
         for k, chunks in enumerate(done):        # (on the current stream, after every lane)
             g = wavefront.gradients(chunks, torch.add, torch.cat,
                                     k == 0 and ctx.needs_input_grad[0])
-            dinit = [g[n] for n in _state_grad_keys(ctx.specs[k])]
-            for a in dinit if x0.device.type == "cuda" else ():
-                a.record_stream(lanes.main)  # (a lane's array, kept by the caller)
             first = 5 + k * (5 + NS)              # (after x, n, specs, save, masks)
+            # a lane's array the caller keeps is copied on the current stream:
+            # recorded there instead, its block would return to the lane's pool
+            # at a time the GPU sets, and the next call's arrays (the keys of
+            # the lanes' CUDA graphs) would move
+            dinit = [g[name].clone() if ctx.needs_input_grad[first + 5 + s] else None
+                     for s, name in enumerate(_state_grad_keys(ctx.specs[k]))]
             grads[first:first + 5 + NS] = [g["dw_ih"], g["db_ih"], g["dw_hh"], g["db_hh"],
                                            g.get("dvec"), *dinit]
             if k == 0:
