@@ -90,6 +90,7 @@ def _gpu() -> dict:
 # GPU is at hand (an H100's)
 SMS_WITHOUT_GPU = 132
 SM_SHARED_BYTES_WITHOUT_GPU = 228 << 10
+BLOCK_SHARED_BYTES_WITHOUT_GPU = 227 << 10
 
 
 def gpu_sms() -> int:
@@ -104,6 +105,14 @@ def gpu_sm_shared_bytes() -> int:
     memory), else SM_SHARED_BYTES_WITHOUT_GPU; a cache key of a build
     shaped by it holds it."""
     return _gpu().get("gpu_shared_bytes_per_sm", SM_SHARED_BYTES_WITHOUT_GPU)
+
+
+def gpu_block_shared_bytes() -> int:
+    """The shared memory one block may have on the CUDA GPU at hand (past
+    the 48 KiB a kernel gets without opting in; the driver opts in), else
+    BLOCK_SHARED_BYTES_WITHOUT_GPU; a cache key of a build shaped by it
+    holds it."""
+    return _gpu().get("gpu_shared_bytes_per_block", BLOCK_SHARED_BYTES_WITHOUT_GPU)
 
 
 @lru_cache(maxsize=None)

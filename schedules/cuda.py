@@ -483,40 +483,59 @@ step_narrow_infer = step_narrow
 
 
 def loop_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
-    """layout with loop_infer (pipeline.LOOP) where W_hh takes at most half
-    the shared memory of a multiprocessor (machine.gpu_sm_shared_bytes;
-    228 KiB on an H100; the knob loop_shared_pct, in percent, where
-    tuned): each block, a batch row, reads all of W_hh every
-    step from its multiprocessor's L1, so its step time grows with W_hh
-    (on an H100 about W_hh's bytes over 65 GB/s plus 0.3 us), while the
-    one-kernel-a-step loop's hardly moves at small sizes. The driver calls
-    it for batches of up to one block an SM (machine.gpu_sms). Inference
-    forwards on an H100, one layer: 0.40x-0.81x the steps' time up to 113
-    KiB of W_hh, 0.999x there for one gate (H = 170); past it 0.92x at 144
-    KiB (4 gates, H = 96) but 1.31x (one gate, H = 192), 1.29x at 192 KiB
-    (3 gates, H = 128) (bench/RESULTS.md, "Schedule decisions": cuda.loop)."""
-    most = machine.gpu_sm_shared_bytes() * _knob(knobs, "loop_shared_pct") // 100
+    """layout with loop_infer (pipeline.LOOP) where W_hh takes at most the
+    shared memory one block may have (machine.gpu_block_shared_bytes: 227
+    KiB on an H100; the knob loop_shared_pct, in percent of it, where
+    tuned): each block, a batch row, keeps the gates of W_hh that fit its
+    shared memory there (loop_shared_gates) and reads the others from L1
+    every step, while the one-kernel-a-step loop's time hardly moves with
+    H at small sizes. The driver calls it for batches of up to one block
+    an SM (machine.gpu_sms). (bench/RESULTS.md, "Schedule decisions":
+    cuda.loop.)"""
+    most = machine.gpu_block_shared_bytes() * _knob(knobs, "loop_shared_pct") // 100
     if gates * H * H * 4 > most or H > MAX_THREADS:
         return layout
     return replace(layout, loop_rows=machine.gpu_sms())
 
 
+# Shared memory loop_infer leaves to Halide's own stagings (the step's xp)
+# beyond their G*H floats
+LOOP_SHARED_SPARE = 1 << 10
+
+
+def loop_shared_gates(G: int, H: int) -> int:
+    """The gates of W_hh (H*H floats each) loop_infer keeps in a block's
+    shared memory: as many as fit beside the step's staged xp."""
+    room = machine.gpu_block_shared_bytes() - 4 * G * H - LOOP_SHARED_SPARE
+    return max(0, min(G, room // (4 * H * H)))
+
+
 def loop_infer(p, target):
     """pipeline.LOOP in one kernel: a block a batch row runs its steps in
     order, a thread a unit (every gate's product as an unrolled sum, the
-    cell, the new states). The step's xp is staged first (Func xs); that
-    puts a barrier between it and the step and, since Halide closes a
-    block-level loop with a barrier only where its body holds one, a
-    barrier after every step, before the next reads the new states."""
+    cell, the new states). The gates of W_hh that fit (loop_shared_gates)
+    are copied into shared memory once, before the steps, and read from
+    there every step (the threads of a warp read consecutive units: no
+    bank conflicts); the rest are read from global memory through L1. The
+    step's xp is staged first (Func xs); that puts a barrier between it
+    and the step and, since Halide closes a block-level loop with a
+    barrier only where its body holds one, a barrier after every step,
+    before the next reads the new states. More than 48 KiB of shared
+    memory needs the driver's opt-in (csrc/cuda_graphs.h)."""
     v, r = p.vars, p.rdoms["loop"]
     out = p.stage("out")
+    staged = loop_shared_gates(p.G, p.H)
     p.notes.append(f"loop_infer: one kernel; a block a batch row, a thread one unit's "
-                   f"{p.G} gate(s), each an unrolled {p.H}-term product")
+                   f"{p.G} gate(s), each an unrolled {p.H}-term product; {staged} gate(s) "
+                   f"of W_hh in shared memory")
     out.gpu_blocks(v["b"])     # (the pure stage, undefined, computes nothing: on the
     #                            device, so that the output needs no host memory)
     out.update(0).allow_race_conditions().reorder(r.x, r.y, v["b"]) \
         .gpu_blocks(v["b"]).gpu_threads(r.x)
     p.stage("xs").compute_at(out, r.y).gpu_threads(v["j"]).unroll(v["gate"])
+    for g in range(staged):
+        p.stage(f"w_loop{g}").compute_at(out, v["b"]).store_in(hl.MemoryType.GPUShared) \
+            .gpu_threads(v["j"])
 
 
 def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,

@@ -65,9 +65,10 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # do not reduce from 8 rows, and for cells of fewer than 3 gate blocks not
 # below the default of cells that reduce: Knob.floor, so that tune builds
 # none of the values below it there);
-# the W_hh size, in percent of a multiprocessor's shared memory, up to
-# which a forward without a tape runs every step in one kernel
-# (cuda.loop_layout; 1: a W_hh of 2 KiB on an H100, about never). Their
+# the W_hh size, in percent of the shared memory one block may have, up
+# to which a forward without a tape runs every step in one kernel
+# (cuda.loop_layout, cuda.loop_infer; 1: a W_hh of 2 KiB on an H100,
+# about never). Their
 # defaults were measured on an H100 (bench/RESULTS.md, "Schedule
 # decisions": cuda.step_narrow, cuda.VENDOR_STEP_MACS, cuda.loop).
         "cuda": {"narrow_kib": Knob("fwd", 128, (64, 128, 1 << 20), pointwise=True),
@@ -85,7 +86,8 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                                                 tensor_only=True, gemm="cublas"),
                  "step_gemm_tensor_bwd_mmacs": Knob("bwd", 32, (8, 32, 1 << 20), bf16=True,
                                                     tensor_only=True, gemm="cublas"),
-                 "loop_shared_pct": Knob("fwd", 50, (1, 50, 100), pointwise=True, infer=True)}}
+                 "loop_shared_pct": Knob("fwd", 100, (1, 50, 100, 150), pointwise=True,
+                                         infer=True)}}
 
 
 # Per schedule and direction, the facts of the machine that compiles them
@@ -94,7 +96,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
 # tasks (cpu._dw_blocks), and the L2's size, the rows of the bf16 weight
 # gradients' chunks (cpu.bf16_layout); cuda: the SM count, the batches whose forward
 # steps put the gates on the lanes (cuda.narrow_layout) or whose forward
-# runs as one kernel (cuda.loop_layout), and a multiprocessor's shared
-# memory, the weights that forward may read (cuda.loop_layout).
+# runs as one kernel (cuda.loop_layout), and a block's shared memory, the
+# weights that forward may hold (cuda.loop_layout, cuda.loop_infer).
 MACHINE_FACTS = {"cpu": {"bwd": ("cores", "l2_bytes")},
-                 "cuda": {"fwd": ("gpu_sms", "gpu_sm_shared_bytes")}}
+                 "cuda": {"fwd": ("gpu_sms", "gpu_block_shared_bytes")}}

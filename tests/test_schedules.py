@@ -698,25 +698,27 @@ def test_loop_pipeline_matches_the_reference(cell):
             assert_close(f"{cell} {s} T={steps} B={B}", np.asarray(got), ref)
 
 
-def test_one_kernel_inference_where_w_hh_takes_half_a_multiprocessor(monkeypatch):
+def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
     """A CUDA forward library of a cell without sums over units whose W_hh
-    takes at most half the shared memory of one multiprocessor (machine.
-    gpu_sm_shared_bytes: 228 KiB on an H100) has pipeline.LOOP, its
-    driver built to call it for batches of up to one block an SM
-    (machine.gpu_sms); a larger W_hh, a reducing cell, a backward library
-    and a CPU target have none. Its kernel: a block a batch row, a thread
-    a unit, barriers in the step loop, no local memory."""
+    fits the shared memory of one block (machine.gpu_block_shared_bytes:
+    227 KiB on an H100) has pipeline.LOOP, its driver built to call it for
+    batches of up to one block an SM (machine.gpu_sms); a larger W_hh, a
+    reducing cell, a backward library and a CPU target have none. Its
+    kernel: a block a batch row, a thread a unit, barriers in the step
+    loop, no local memory, and the gates of W_hh that fit beside the
+    step's xp read from shared memory (all of them, or on a GPU of less
+    shared memory as many as fit)."""
     import re
     from types import SimpleNamespace
     from halstm import machine, pipeline
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
-    monkeypatch.setattr(machine, "gpu_sm_shared_bytes", lambda: 228 << 10)
+    monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 227 << 10)
     pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
                            split_batch_bytes=0)    # (what the driver build reads of the pipes)
     for cell, hidden, direction, target, rows in (
-            ("lstm", 85, "fwd", CUDA_TARGET, 132), ("lstm", 86, "fwd", CUDA_TARGET, 0),
-            ("gru", 98, "fwd", CUDA_TARGET, 132), ("gru", 128, "fwd", CUDA_TARGET, 0),
-            ("rnn_tanh", 170, "fwd", CUDA_TARGET, 132), ("rnn_tanh", 171, "fwd", CUDA_TARGET, 0),
+            ("lstm", 120, "fwd", CUDA_TARGET, 132), ("lstm", 121, "fwd", CUDA_TARGET, 0),
+            ("gru", 139, "fwd", CUDA_TARGET, 132), ("gru", 140, "fwd", CUDA_TARGET, 0),
+            ("rnn_tanh", 241, "fwd", CUDA_TARGET, 132), ("rnn_tanh", 242, "fwd", CUDA_TARGET, 0),
             ("peephole_lstm", 64, "fwd", CUDA_TARGET, 132),
             ("layernorm_lstm", 64, "fwd", CUDA_TARGET, 0), ("lstm", 64, "bwd", CUDA_TARGET, 0),
             ("lstm", 64, "fwd", "host", 0)):
@@ -726,13 +728,20 @@ def test_one_kernel_inference_where_w_hh_takes_half_a_multiprocessor(monkeypatch
         assert ("loop_infer" in plan.kinds) == bool(rows) and pipeline.LOOP == ("loop_infer",)
         defines = aot._driver_build(spec, plan, [pipe]).defines()
         assert defines.get("HALSTM_LOOP_ROWS", 0) == rows
-    monkeypatch.setattr(machine, "gpu_sm_shared_bytes", lambda: 100 << 10)   # a smaller GPU
+    for block_kib, staged in ((227, 3), (99, 2)):     # an H100's; a GPU of 99 KiB a block
+        monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: block_kib << 10)
+        p, notes, target = _cuda_pipe("gru", "loop_infer", I, 96)
+        assert any(f"{staged} gate(s) of W_hh in shared memory" in n for n in notes), notes
+        text = _lowered(p, target)
+        runs = re.findall(r'halide_cuda_run\(cuda\[0\], "\w+", ([^,]+), 1, 1, (\d+), 1, 1, '
+                          r'([^,]+),', text)
+        assert [(blocks.split(".")[-2:], threads) for blocks, threads, _ in runs] == \
+            [(["extent", "1"], "96")], runs        # (blocks: the output's rows)
+        shared = eval(runs[0][2].replace("(", "").replace(")", ""))   # e.g. 0 + (n*4)
+        assert staged * 96 * 96 * 4 <= shared <= block_kib << 10, (shared, staged)
+        # each step reads its staged gates' 96 x 96 weights from shared memory
+        assert text.count("ld.shared") >= staged * 96, text.count("ld.shared")
+        assert text.count("bar.sync") >= 2 and ".local" not in text
+    monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 99 << 10)
     assert aot._plan(aot.Spec("gru", I, 96, "fwd", CUDA_TARGET), (), False).layout.loop_rows == 0
-    p, notes, target = _cuda_pipe("gru", "loop_infer", I, 96)
-    assert any("a block a batch row" in n for n in notes), notes
-    text = _lowered(p, target)
-    runs = re.findall(r'halide_cuda_run\(cuda\[0\], "\w+", ([^,]+), 1, 1, (\d+), 1, 1,', text)
-    assert [(blocks.split(".")[-2:], threads) for blocks, threads in runs] == \
-        [(["extent", "1"], "96")], runs        # (blocks: the output's rows)
-    assert text.count("bar.sync") >= 2 and ".local" not in text
     assert "halide_error_host_is_null" not in text   # (device pointers only, as the driver's)

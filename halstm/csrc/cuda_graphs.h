@@ -323,9 +323,50 @@ int run_loop(const uint64_t *key, int n, F steps) {
 
 }  // namespace
 
+#ifdef HALSTM_CUDA
+namespace {
+
+// Halide's CUDA runtime launches every kernel with the cuLaunchKernel that
+// halide_cuda_get_symbol gives it, and never lets a kernel's function use
+// more than the 48 KiB of shared memory it gets without opting in
+// (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES): a launch asking for
+// more fails. The driver hands it a cuLaunchKernel that opts in first
+// (cuda.loop_infer keeps W_hh in up to a block's whole shared memory).
+using LaunchKernel = int (*)(void *, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, unsigned, void *, void **, void **);
+using FuncSetAttribute = int (*)(void *, int, int);
+LaunchKernel g_launch_kernel = nullptr;
+FuncSetAttribute g_func_set_attribute = nullptr;
+
+int launch_kernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                  unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
+    const unsigned SHARED_WITHOUT_OPT_IN = 48 << 10;
+    const int MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;   // CU_FUNC_ATTRIBUTE_...
+    if (shared > SHARED_WITHOUT_OPT_IN) {
+        int rc = g_func_set_attribute(f, MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)shared);
+        if (rc != 0) return rc;
+    }
+    return g_launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+}
+
+}  // namespace
+#endif
+
 extern "C" {
 
 #ifdef HALSTM_CUDA
+// (Halide's runtime: its WEAK default loads libcuda and looks the name up)
+void *halide_cuda_get_symbol(void *, const char *name) {
+    static void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    void *symbol = lib ? dlsym(lib, name) : nullptr;
+    if (symbol && std::strcmp(name, "cuLaunchKernel") == 0) {
+        g_launch_kernel = (LaunchKernel)symbol;
+        g_func_set_attribute = (FuncSetAttribute)dlsym(lib, "cuFuncSetAttribute");
+        if (g_func_set_attribute) return (void *)&launch_kernel;
+    }
+    return symbol;
+}
+
 static int acquire_context(void *, void **ctx, bool) {
     *ctx = call_context();
     return *ctx ? 0 : halide_error_code_device_interface_no_device;

@@ -285,9 +285,16 @@ def _loop_infer(p: Pipe) -> None:
         last = out[k, b, hl.max(step - 1, 0)]
         return hl.select(step == 0, init[s][k, b], last if NS == 1 else last[s])
 
+    # W_hh's gate g (H, H): w_loop[g][j, k] = W_hh[g*H + j, k]; a stage of
+    # its own a gate, so that a schedule may keep some gates on chip
+    kv = hl.Var("k")
+    w = p.panel_weight(wp_hh, j, H)
+    w_loop = [hl.Func(f"w_loop{g}") for g in range(G)]
+    for g, f in enumerate(w_loop):
+        f[j, kv] = w(g, kv)
+
     def product(u, g):   # b_hh + W_hh h at unit u, gate g
-        w = p.panel_weight(wp_hh, u, H)
-        return sum((w(g, k) * prev(0, k) for k in range(H)), b_hh[u, g])
+        return sum((w_loop[g][u, k] * prev(0, k) for k in range(H)), b_hh[u, g])
     new = cell.step_exprs(_At(lambda u, g, _: xs[u, g, b, step]), _At(lambda u, g, _: product(u, g)),
                           {s: _At(lambda u, _, n=n: prev(n, u)) for n, s in enumerate(cell.states)},
                           vec_in, H, unit, b)
@@ -299,7 +306,7 @@ def _loop_infer(p: Pipe) -> None:
     p.inputs = [xp, wp_hh, b_hh] + init + vec
     p.outputs = [out]
     p.shapes[out.name()] = [H, None, None]
-    p.stages = {"out": out, "xs": xs}
+    p.stages = {"out": out, "xs": xs, **{f"w_loop{g}": f for g, f in enumerate(w_loop)}}
     p.rdoms = {"loop": r}
 
 
