@@ -357,7 +357,10 @@ extern "C" {
 #ifdef HALSTM_CUDA
 // (Halide's runtime: its WEAK default loads libcuda and looks the name up)
 void *halide_cuda_get_symbol(void *, const char *name) {
-    static void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    static void *lib = [] {
+        void *l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        return l ? l : dlopen("libcuda.so", RTLD_NOW | RTLD_GLOBAL);
+    }();
     void *symbol = lib ? dlsym(lib, name) : nullptr;
     if (symbol && std::strcmp(name, "cuLaunchKernel") == 0) {
         g_launch_kernel = (LaunchKernel)symbol;
