@@ -501,6 +501,10 @@ def loop_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
 # Shared memory loop_infer leaves to Halide's own stagings (the step's xp)
 # beyond their G*H floats
 LOOP_SHARED_SPARE = 1 << 10
+# Loads a thread issues at once while loop_infer copies W_hh into shared
+# memory: one at a time, each waiting on the last, the copy of a GRU's
+# 192 KiB took 384 global-memory latencies a thread
+LOOP_STAGE_LOADS = 32
 
 
 def loop_shared_gates(G: int, H: int) -> int:
@@ -533,9 +537,13 @@ def loop_infer(p, target):
     out.update(0).allow_race_conditions().reorder(r.x, r.y, v["b"]) \
         .gpu_blocks(v["b"]).gpu_threads(r.x)
     p.stage("xs").compute_at(out, r.y).gpu_threads(v["j"]).unroll(v["gate"])
-    for g in range(staged):
-        p.stage(f"w_loop{g}").compute_at(out, v["b"]).store_in(hl.MemoryType.GPUShared) \
-            .gpu_threads(v["j"])
+    for g in range(staged):     # a thread a unit, LOOP_STAGE_LOADS loads in flight
+        w = p.stage(f"w_loop{g}")
+        unit, k = w.args()
+        ko, ki = hl.Var(k.name() + "o"), hl.Var(k.name() + "i")
+        w.compute_at(out, v["b"]).store_in(hl.MemoryType.GPUShared) \
+            .split(k, ko, ki, min(LOOP_STAGE_LOADS, p.H), hl.TailStrategy.GuardWithIf) \
+            .reorder(ki, ko, unit).gpu_threads(unit).unroll(ki)
 
 
 def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,
