@@ -684,18 +684,20 @@ def test_loop_pipeline_matches_the_reference(cell):
         for g in range(G):
             for j in range(Hs):
                 wp[j // P, :, g, j % P] = w[1][g * Hs + j]
-        inputs = {"xp": xp, "wp_hh": wp, "b_hh": w[3].reshape(G, Hs),
-                  **{s + "_0": a for s, a in zip(d.states, states0)}}
+        inputs = {"xp": xp, "wp_hh": wp, "b_hh": w[3].reshape(G, Hs)}
         if d.vectors:
             inputs["vec"] = np.stack([vectors[v.name] for v in d.vectors])
         arrays = {n: np.ascontiguousarray(a, np.float32) for n, a in inputs.items()}
         for name, a in arrays.items():      # (a Buffer of an array does not keep it alive)
             p.param(name).set(hl.Buffer(a))
-        outs = [hl.Buffer(hl.Float(32), [Hs, B, steps]) for _ in range(NS)]
-        f.realize(outs)
+        # each state (T+1, B, H) in numpy's order, step 0 the initial state
+        whole = [np.concatenate([a[None], np.zeros((steps, B, Hs))]).astype(np.float32)
+                 for a in states0]
+        f.realize([hl.Buffer(a) for a in whole])      # (Buffers of the arrays: written in place)
         want = _layer_states(cell, w, vectors, x, states0)
-        for s, got, ref in zip(d.states, outs, want):
-            assert_close(f"{cell} {s} T={steps} B={B}", np.asarray(got), ref)
+        for s, got, a0, ref in zip(d.states, whole, states0, want):
+            assert_close(f"{cell} {s} T={steps} B={B}", got[1:], ref)
+            assert np.array_equal(got[0], a0.astype(np.float32)), "step 0 written"
 
 
 def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):

@@ -50,8 +50,8 @@ int halstm_step_narrow_infer_argv(void **);
 #ifdef HALSTM_LOOP_ROWS
 // Every step of a forward that no backward follows (pipeline.LOOP), for
 // batches of up to HALSTM_LOOP_ROWS rows: inputs xp (all N rows), wp_hh,
-// b_hh, init[NS] (B, H), [vec]; outputs states[NS] after each step, each
-// (T, B, H).
+// b_hh, [vec]; outputs states[NS], each (T+1, B, H), step 0 the initial
+// state (read), steps 1..T written.
 int halstm_loop_infer_argv(void **);
 #endif
 #if HALSTM_FOLD_FWD
@@ -170,18 +170,14 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     // an inference forward of few rows, without batch sizes: every step in
     // one kernel, a block a batch row (pipeline.LOOP)
     if (!saved && !batch_sizes && !vendor && B <= HALSTM_LOOP_ROWS) {
-        View init[NS], after[NS];
-        void *args[4 + 2 * NS];
+        View whole[NS];
+        void *args[4 + NS];
         int n = 0;
         args[n++] = vxp.hb(), args[n++] = vwp_hh.hb(), args[n++] = vb_hh.hb();
-        for (int s = 0; s < NS; s++) {
-            init[s] = bh(states[s], 0, B, B);
-            args[n++] = init[s].hb();
-        }
         if (NV) args[n++] = vvec.hb();
-        for (int s = 0; s < NS; s++) {   // steps 1..T of states[s] (T+1, B, H)
-            after[s] = View(states[s] + (int64_t)B * H, {{H, 1}, {B, H}, {T, B * H}});
-            args[n++] = after[s].hb();
+        for (int s = 0; s < NS; s++) {   // states[s] (T+1, B, H)
+            whole[s] = View(states[s], {{H, 1}, {B, H}, {T + 1, B * H}});
+            args[n++] = whole[s].hb();
         }
         return halstm_loop_infer_argv(args);
     }

@@ -256,34 +256,34 @@ class _At:
 
 def _loop_infer(p: Pipe) -> None:
     """Every step of a forward that no backward follows (LOOP): output
-    per state its values after each step (T, B, H), a Func whose update
-    runs the steps in order. Halide lets an update read its own Func only
-    with its pure variables in place, so the units are an RVar (the step
-    reads every unit of the state before it) and the step's product is,
-    per gate, b_hh plus an H-term sum written out: Exprs, not a Func that
-    would read the update's own output (DefinedCell.step_exprs)."""
+    per state the states array (T+1, B, H), step 0 the initial state (read,
+    not written), a Func whose update runs steps 1..T in order. Halide lets
+    an update read its own Func only with its pure variables in place, so
+    the units are an RVar (the step reads every unit of the state before
+    it) and the step's product is, per gate, b_hh plus an H-term sum
+    written out: Exprs, not a Func that would read the update's own output
+    (DefinedCell.step_exprs)."""
     cell, G, H, P = p.cell, p.G, p.H, p.P
     j, gate, b, t = (p.vars[n] for n in ("j", "gate", "b", "t"))
     NS = len(cell.states)
-    xp = _xp_param(p)                  # N = T*B rows, row t*B + b: step t's row b
+    xp = _xp_param(p)                  # N = T*B rows, row t*B + b: step t+1's row b
     wp_hh = _param(p, "wp_hh", p.panel_extents(H))          # numpy (Hp/P, G/PG, H, PG, P)
     b_hh = _param(p, "b_hh", [H, G])                         # numpy (G, H)
-    init = [_param(p, s + "_0", [H, None]) for s in cell.states]   # (B, H)
     vec, vec_in = _vec(p)
     f32 = hl.Float(32)
-    out = hl.Func("loop_out")
+    out = hl.Func("loop_out")       # (the pure definition writes nothing: step 0 stays)
     out[j, b, t] = hl.undef(f32) if NS == 1 else tuple(hl.undef(f32) for _ in range(NS))
     first = out.output_buffers()[0]
-    B, T = first.dim(1).extent(), first.dim(2).extent()
+    B, T = first.dim(1).extent(), first.dim(2).extent() - 1
     xs = hl.Func("xs")           # step t's xp (a stage of the step loop: see cuda.loop_infer)
-    row = t * B + b
+    row = (t - 1) * B + b
     xs[j, gate, b, t] = (xp[j % P, gate, row, j / P] if p.xp_panels else xp[j, gate, row])
-    r = hl.RDom([(0, H), (0, T)], "r_loop")
+    r = hl.RDom([(0, H), (1, T)], "r_loop")
     unit, step = r.x, r.y
 
     def prev(s, k):   # state s of unit k before the step
-        last = out[k, b, hl.max(step - 1, 0)]
-        return hl.select(step == 0, init[s][k, b], last if NS == 1 else last[s])
+        last = out[k, b, step - 1]
+        return last if NS == 1 else last[s]
 
     # W_hh's gate g (H, H): w_loop[g][j, k] = W_hh[g*H + j, k]; a stage of
     # its own a gate, so that a schedule may keep some gates on chip
@@ -300,10 +300,9 @@ def _loop_infer(p: Pipe) -> None:
                           vec_in, H, unit, b)
     values = [new[s] for s in cell.states]
     out[unit, b, step] = values[0] if NS == 1 else hl.Tuple(values)
-    # each state (T, B, H): the states array's steps 1..T
-    for n, q in enumerate(out.output_buffers()):
+    for n, q in enumerate(out.output_buffers()):     # each state (T+1, B, H)
         _constrain(q, [H, None, None], bounds=n == 0)
-    p.inputs = [xp, wp_hh, b_hh] + init + vec
+    p.inputs = [xp, wp_hh, b_hh] + vec
     p.outputs = [out]
     p.shapes[out.name()] = [H, None, None]
     p.stages = {"out": out, "xs": xs, **{f"w_loop{g}": f for g, f in enumerate(w_loop)}}
