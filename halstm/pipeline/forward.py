@@ -274,15 +274,19 @@ def _loop_infer(p: Pipe) -> None:
     out = hl.Func("loop_out")       # (the pure definition writes nothing: step 0 stays)
     out[j, b, t] = hl.undef(f32) if NS == 1 else tuple(hl.undef(f32) for _ in range(NS))
     first = out.output_buffers()[0]
-    B, T = first.dim(1).extent(), first.dim(2).extent() - 1
+    B, T, t0 = first.dim(1).extent(), first.dim(2).extent() - 1, first.dim(2).min()
     xs = hl.Func("xs")           # step t's xp (a stage of the step loop: see cuda.loop_infer)
-    row = (t - 1) * B + b
+    row = (t - t0 - 1) * B + b
     xs[j, gate, b, t] = (xp[j % P, gate, row, j / P] if p.xp_panels else xp[j, gate, row])
-    r = hl.RDom([(0, H), (1, T)], "r_loop")
+    r = hl.RDom([(0, H), (t0 + 1, T)], "r_loop")
     unit, step = r.x, r.y
 
     def prev(s, k):   # state s of unit k before the step
-        last = out[k, b, step - 1]
+        # (max: step - 1 whatever the step, but Halide cannot prove that the
+        # read misses the step's own write, so it computes every state of a
+        # cell before storing any: with the states' stores apart, each state
+        # recomputed the products it shares with the others)
+        last = out[k, b, hl.max(step - 1, t0)]
         return last if NS == 1 else last[s]
 
     # W_hh's gate g (H, H): w_loop[g][j, k] = W_hh[g*H + j, k]; a stage of
