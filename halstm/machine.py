@@ -86,10 +86,9 @@ def _gpu() -> dict:
             "cuda_driver": f"{version.value // 1000}.{version.value % 1000 // 10}"}
 
 
-# SMs and shared memory a multiprocessor assumed for a CUDA build where no
-# GPU is at hand (an H100's)
+# SMs and shared memory a block may have, assumed for a CUDA build where
+# no GPU is at hand (an H100's)
 SMS_WITHOUT_GPU = 132
-SM_SHARED_BYTES_WITHOUT_GPU = 228 << 10
 BLOCK_SHARED_BYTES_WITHOUT_GPU = 227 << 10
 
 
@@ -97,14 +96,6 @@ def gpu_sms() -> int:
     """The multiprocessors of the CUDA GPU at hand, else SMS_WITHOUT_GPU:
     what a CUDA build is shaped for (a cache key of such a build holds it)."""
     return _gpu().get("gpu_sms", SMS_WITHOUT_GPU)
-
-
-def gpu_sm_shared_bytes() -> int:
-    """The shared memory a multiprocessor of the CUDA GPU at hand may give
-    its blocks (the part of its on-chip L1/shared store that can be shared
-    memory), else SM_SHARED_BYTES_WITHOUT_GPU; a cache key of a build
-    shaped by it holds it."""
-    return _gpu().get("gpu_shared_bytes_per_sm", SM_SHARED_BYTES_WITHOUT_GPU)
 
 
 def gpu_block_shared_bytes() -> int:
