@@ -1,6 +1,10 @@
 """halstm.cuda where no CUDA GPU is usable (CI): clear errors, targets kept
 as written, the memory pool's size classes, what the cuda schedule's step
 pipelines lower to. tests/gpu covers the GPU."""
+import re
+import shutil
+import subprocess
+
 import pytest
 
 import halstm
@@ -132,6 +136,15 @@ def test_cuda_forward_library_has_narrow_steps(tmp_path):
     assert mb["layout"]["narrow_rows"] == 0
     assert not any("narrow" in k for k in mb["pipelines"])
     assert m["library"] and (fwd / m["library"]).is_file()
+    # Halide's runtime finds libcuda's entry points through the driver's own
+    # halide_cuda_get_symbol (a defined symbol, not the runtime's weak
+    # default): its cuLaunchKernel opts kernels in to more than 48 KiB of
+    # shared memory (cuda.loop_infer)
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-D", str(fwd / m["library"])], capture_output=True,
+                                 text=True, check=True).stdout
+        assert re.search(r" T halide_cuda_get_symbol$", symbols, re.M), \
+            [line for line in symbols.splitlines() if "get_symbol" in line]
 
 
 def test_cuda_library_of_a_reducing_cell_has_folded_steps(tmp_path):
