@@ -98,7 +98,7 @@ struct Cublas {
             halide_error(nullptr, msg);
             return -1;
         }
-        void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        void *cuda = libcuda();
         if (!cuda || !sym(lib, "cublasCreate_v2", create) ||
             !sym(lib, "cublasSetStream_v2", set_stream) ||
             !sym(lib, "cublasGemmEx", gemm_ex) ||

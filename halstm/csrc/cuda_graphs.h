@@ -8,6 +8,18 @@ namespace {
 uint64_t u64(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 #ifdef HALSTM_CUDA
+// The CUDA driver library (libcuda.so.1, else libcuda.so, as Halide's
+// runtime looks for it), opened once; nullptr where there is none. Every
+// driver entry point of the library's own code and of Halide's runtime
+// (halide_cuda_get_symbol below) comes from it.
+void *libcuda() {
+    static void *lib = [] {
+        void *l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        return l ? l : dlopen("libcuda.so", RTLD_NOW | RTLD_GLOBAL);
+    }();
+    return lib;
+}
+
 // A layer's time loop as one CUDA graph. Each step is a Halide pipeline
 // call, and each call costs the host about as much as its kernel takes on
 // the GPU at small sizes, so the GPU waited on launches (small_128_b16 on an
@@ -106,7 +118,7 @@ struct Graphs {
     // basic: the contexts' entry points; loaded: the graphs' too (a driver
     // without graphs: direct launches)
     void setup() {
-        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        void *lib = libcuda();
         basic = lib && sym(lib, "cuCtxPushCurrent_v2", push) &&
                 sym(lib, "cuCtxPopCurrent_v2", pop) && sym(lib, "cuCtxGetDevice", ctx_device) &&
                 sym(lib, "cuDeviceGetAttribute", attribute) &&
@@ -269,7 +281,7 @@ struct DeviceCopies {
     int (*pop)(void **) = nullptr;
 
     bool load() {
-        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+        void *lib = libcuda();
         return lib && (copy = (decltype(copy))dlsym(lib, "cuMemcpyDtoDAsync_v2")) &&
                (fill = (decltype(fill))dlsym(lib, "cuMemsetD32Async")) &&
                (push = (decltype(push))dlsym(lib, "cuCtxPushCurrent_v2")) &&
@@ -357,10 +369,7 @@ extern "C" {
 #ifdef HALSTM_CUDA
 // (Halide's runtime: its WEAK default loads libcuda and looks the name up)
 void *halide_cuda_get_symbol(void *, const char *name) {
-    static void *lib = [] {
-        void *l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-        return l ? l : dlopen("libcuda.so", RTLD_NOW | RTLD_GLOBAL);
-    }();
+    void *lib = libcuda();
     void *symbol = lib ? dlsym(lib, name) : nullptr;
     if (symbol && std::strcmp(name, "cuLaunchKernel") == 0) {
         g_launch_kernel = (LaunchKernel)symbol;
