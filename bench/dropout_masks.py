@@ -6,12 +6,11 @@ median of each.
     python bench/dropout_masks.py --shape 100x64x512 --rounds 15
 """
 import argparse
-import statistics
-import time
 
 import numpy as np
 
 from halstm import memory
+from halstm.benchmark import alternating
 
 
 def main():
@@ -29,15 +28,9 @@ def main():
 
     def kernel_mask():
         return host.dropout_mask(shape, a.p, *(int(k) for k in rng.integers(0, 1 << 32, 2)))
-    times = {"numpy": [], "kernel": []}
-    for fn in (numpy_mask, kernel_mask):
-        fn()                                             # (the kernels' library loads)
-    for _ in range(a.rounds):
-        for name, fn in (("numpy", numpy_mask), ("kernel", kernel_mask)):
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    # (a first round left out: the kernels' library loads)
+    med = {k: v * 1e3 for k, v in alternating({"numpy": numpy_mask, "kernel": kernel_mask},
+                                               a.rounds + 1, 1, lambda: None).items()}
     print(f"{a.shape} p={a.p}: numpy {med['numpy']:.3f} ms, kernel {med['kernel']:.3f} ms "
           f"({med['kernel'] / med['numpy']:.3f}x)")
 
