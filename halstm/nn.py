@@ -402,11 +402,15 @@ class _RNN:
 
     def _seq_in(self, a, unbatched, in_place=False):
         """A caller's sequence (batch_first / unbatched as given) as a new (T, B, n)
-        array. in_place: a device array given to a GPU module in time-major
-        order is used itself (a view), not copied: the library reads it only
-        in kernels queued before the call returns, on the default stream, as
-        PyTorch's and CuPy's work runs, so a later write waits for them."""
-        if in_place and self.on_gpu and not isinstance(a, np.ndarray) and not self.batch_first:
+        array. in_place: a sequence in time-major order that needs no
+        conversion is used itself (a view), not copied: a CPU module's
+        float32 C-ordered numpy array (the library reads it only during the
+        call), a GPU module's device array (the library reads it only in
+        kernels queued before the call returns, on the default stream, as
+        PyTorch's and CuPy's work runs, so a later write waits for them)."""
+        if in_place and not self.batch_first and (
+                not isinstance(a, np.ndarray) if self.on_gpu
+                else a.dtype == np.float32 and a.flags.c_contiguous):
             return a.reshape(a.shape[0], 1, a.shape[1]) if unbatched else a
         if unbatched:
             return self._array(a).reshape(a.shape[0], 1, a.shape[1])
@@ -537,6 +541,7 @@ class _RNN:
                 f = np.stack([e[s] for e in ends])
             elif len(tape) == 1 and not save and rows is None:   # no backward reads them: a view
                 f = tape[0][1][s][-1:]
+                f = f if self.on_gpu else f.copy()   # (apart from y, itself a view on a CPU)
             else:
                 f = self._mem.empty((L * D, B, units))
                 for i, t in enumerate(tape):
@@ -547,7 +552,10 @@ class _RNN:
             finals.append(self._result(f, host))
         if rows is not None:
             return self._seq_out(self._mem.take(inp, rows[1]), host, False, fresh=True), finals
-        return self._seq_out(inp, host, taped=save and D == 1), finals
+        # (without a tape, a CPU module's inp is a new array or a view of one
+        # that only the tape, never read again, shares: handed out as is)
+        return self._seq_out(inp, host, taped=save and D == 1,
+                             fresh=not save and not self.on_gpu), finals
 
     def _wavefront_chunks(self, T, B, ids, rows) -> int:
         """The chunks of a GPU stack's wavefront (halstm.wavefront; 1:

@@ -268,16 +268,25 @@ def check_no_grad(cell, target="host"):
     # row itself, and under no_grad the final states are the module's own
     # last rows (views, no copy); twice, so a second call cannot change the
     # first call's results.
+    # The caller's float32 input is read in place there, never written; on
+    # a CPU y is a view of the module's states and the finals are copies.
     m1 = make(cell, num_layers=1, target=target)
     x2 = rng.standard_normal((T + 2, B, I)).astype(np.float32)
+    given = [x.copy(), x2.copy()]
     want = [call(m1, cell, xi) for xi in (x, x2)]
     with halstm.no_grad():
         got = [call(m1, cell, xi) for xi in (x, x2)]
+    for xi, gi in zip((x, x2), given):
+        np.testing.assert_array_equal(xi, gi)
     for (gy, gf), (wy, wf) in zip(got, want):
         assert_close("y", gy, wy, **same)
         np.testing.assert_array_equal(np.asarray(gf[0][0]), np.asarray(gy[-1]))  # h_n = y[-1]
         for s, g, w in zip(STATES[cell], gf, wf):
             assert_close(f"{s}_n", g, w, **same)
+    if target == "host":
+        h_n = got[0][1][0].copy()
+        got[0][0][:] = 7.0
+        np.testing.assert_array_equal(got[0][1][0], h_n)
 
 
 # ---- the char LM's tiny corpus ---------------------------------------------------
