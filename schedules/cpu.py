@@ -353,21 +353,22 @@ def proj_tile(target: hl.Target, gates: int) -> tuple:
 # decisions": cpu.proj_chunk).
 
 
-# A projection of fewer multiply-adds than PROJ_SERIAL_MACS runs on the
-# calling thread: waking Halide's pool costs more than a second core gives
-# back. On the Zen 5 VM one LSTMCell call (no_grad) took 10-13 us less
-# serial at 256 units B=1, 128 units B=16 and B=32 (0.26-2 M MACs), 3-10
-# us more at 512 units B=2 (2 M, W_ih 4 MB); larger ones lost by tens of
-# us (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_SERIAL_MACS).
-PROJ_SERIAL_MACS = 1 << 21
+# A projection of fewer multiply-adds than knob proj_serial_kmacs * 2^10
+# (default 2^21) runs on the calling thread: waking Halide's pool costs
+# more than a second core gives back. On the Zen 5 VM one LSTMCell call
+# (no_grad) took 10-13 us less serial at 256 units B=1, 128 units B=16 and
+# B=32 (0.26-2 M MACs), 3-10 us more at 512 units B=2 (2 M, W_ih 4 MB);
+# larger ones lost by tens of us. On the Intel VM 256 units B=1 took 29 us
+# more serial: one of its cores streams W_ih at a fraction of two cores'
+# rate (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_SERIAL_MACS).
 
 
 def proj(p, target):
     """Tiles of proj_tile's rows x gates of one panel (xp_panels: a tile
     of every gate is one contiguous run of xp), rows in chunks of
     proj_chunk tiles; one parallel loop over (chunk, panel) pairs,
-    chunk-major, unless the rows' products are fewer than
-    PROJ_SERIAL_MACS multiply-adds."""
+    chunk-major, unless the rows' products are fewer than knob
+    proj_serial_kmacs * 2^10 multiply-adds."""
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.proj(p)
@@ -378,7 +379,8 @@ def proj(p, target):
     rows = out.output_buffer().dim(2).extent()
     nf, no, ni, nc, go, gi = (hl.Var(name) for name in ("nf", "no", "ni", "nc", "go", "gi"))
     group, tile = proj_tile(target, p.G)
-    serial_rows = -(-PROJ_SERIAL_MACS // (p.K * p.G * p.H))   # fewer rows: serial
+    serial_macs = knob(p, "proj_serial_kmacs") << 10
+    serial_rows = -(-serial_macs // (p.K * p.G * p.H))   # fewer rows: serial
     branches = []
     if serial_rows > 1:
         serial = out.specialize(rows < serial_rows)

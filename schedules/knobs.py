@@ -40,7 +40,9 @@ class Knob(NamedTuple):
 
 
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
-# (KiB), the projection's row chunk (tiles), the backward product's panel
+# (KiB), the projection's row chunk (tiles), the multiply-adds (in 2^10)
+# below which the projection runs on the calling thread (1: about never; the
+# float32 projection), the backward product's panel
 # budget (KiB) and, for a cell that reduces over units, the W_hh size up
 # to which its forward takes ranges of batch rows (in KiB: 1 never, 1 GiB
 # always; cpu._cell_rows; past it, steps in two parts). In a precision
@@ -53,6 +55,7 @@ class Knob(NamedTuple):
 # "cpu.step rows", "Tuned knobs").
 KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64), bf16=True),
+                 "proj_serial_kmacs": Knob("fwd", 2048, (1, 2048, 8192)),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048), bf16=True),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)},
 # cuda (schedules/cuda.py): the W_hh bytes (KiB) a one-row block of step

@@ -158,6 +158,27 @@ def test_cpu_register_tiles_follow_the_register_file(target, registers, step_row
     assert groups == {gates: (0 if group == gates else group) for gates, (group, _) in tiles.items()}
 
 
+@pytest.mark.parametrize("kmacs, serial", [(2048, True), (1, False)])
+def test_cpu_projection_of_few_rows_on_the_calling_thread_by_knob(kmacs, serial, capfd):
+    """The input projection runs on the calling thread below knob
+    proj_serial_kmacs * 2^10 multiply-adds (a specialization on the rows
+    without the parallel loop); at 1 every projection runs on Halide's pool."""
+    import halide as hl
+    from halstm import cells, pipeline
+    from halstm.schedules import cpu
+    target = hl.Target(AVX512_TARGET)
+    p = pipeline.build(cells.get("lstm"), "proj", 256, 256, cpu.layout(target))
+    p.knobs = {"proj_serial_kmacs": kmacs}
+    cpu.proj(p, target)
+    capfd.readouterr()
+    p.stage("xp").print_loop_nest()
+    nest = "".join(capfd.readouterr())        # (Halide's stream: stdout or stderr)
+    outer = [line.strip() for line in nest.splitlines() if line.startswith("  ") and
+             not line.startswith("   ") and "jo" in line]      # each branch's outer loop
+    assert outer and any(line.startswith("parallel") for line in outer), nest
+    assert all(line.startswith("parallel") for line in outer) != serial, nest
+
+
 # tiles: (panel width, gates, rows) of accumulators the lowered pipeline holds
 @pytest.mark.parametrize("target, cell, kind, tiles", [
     (AVX512_TARGET, "lstm", "step", {(16, 4, 6), (16, 4, 4)}),
