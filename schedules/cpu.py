@@ -359,8 +359,8 @@ def proj_tile(target: hl.Target, gates: int) -> tuple:
 # (no_grad) took 10-13 us less serial at 256 units B=1, 128 units B=16 and
 # B=32 (0.26-2 M MACs), 3-10 us more at 512 units B=2 (2 M, W_ih 4 MB);
 # larger ones lost by tens of us. On the Intel VM 256 units B=1 took 29 us
-# more serial: one of its cores streams W_ih at a fraction of two cores'
-# rate (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_SERIAL_MACS).
+# more serial, where two cores read W_ih faster than one (bench/RESULTS.md,
+# "Schedule decisions": cpu.PROJ_SERIAL_MACS; "Tuned knobs").
 
 
 def proj(p, target):
