@@ -408,9 +408,10 @@ class _RNN:
         call), a GPU module's device array (the library reads it only in
         kernels queued before the call returns, on the default stream, as
         PyTorch's and CuPy's work runs, so a later write waits for them)."""
-        if in_place and not self.batch_first and (
-                not isinstance(a, np.ndarray) if self.on_gpu
-                else a.dtype == np.float32 and a.flags.c_contiguous):
+        host = isinstance(a, np.ndarray)
+        as_is = (not host if self.on_gpu
+                 else host and a.dtype == np.float32 and a.flags.c_contiguous)
+        if in_place and not self.batch_first and as_is:
             return a.reshape(a.shape[0], 1, a.shape[1]) if unbatched else a
         if unbatched:
             return self._array(a).reshape(a.shape[0], 1, a.shape[1])
