@@ -918,7 +918,7 @@ def _dw_blocks(p, out, acc, vec, width, rn) -> None:
     chunks (DW_CHUNK_BYTES) outermost, then the input panels (dw_cols
     inputs), then the block's tiles, each tile's accumulators in registers
     for one chunk; a block's accumulators (width x units floats) fill at
-    most the knob dw_block_kib (default 256 KiB, a quarter of a 1 MiB L2),
+    most the knob dw_block_kib (default a quarter of the L2, knobs.dw_block_kib),
     in at least two blocks a core. Every operand is then read from L1 or
     L2, where a tile summing all N rows at once streams its input panels
     from memory (1.6 MB each at N = 6400). Fewer rows (DW_PASS_BYTES): a

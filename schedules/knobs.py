@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .. import machine
+
 
 class Knob(NamedTuple):
     direction: str        # the layer direction whose pipelines it acts on
@@ -39,8 +41,24 @@ class Knob(NamedTuple):
                 and (self.gemm is None or gemm == self.gemm))
 
 
+# The weight-gradient blocks' default (KiB, cpu._dw_blocks): a quarter of
+# the L2, so that a block's accumulators stay there beside the chunks of
+# rows it reads, and no less than DW_BLOCK_LEAST_KIB. Each block reads all
+# of the layer's input (N rows x K), so larger blocks, fewer, read less.
+# On the Intel VM (L2 2 MiB) 512 KiB against 256 took one layer's
+# backward 0.95x-0.99x (LSTM, GRU; K=H=1024 B=64 T=25, K=512 and 65 H=512
+# B=64 T=100); 128 KiB lost there and on the Zen 2 VM (L2 512 KiB)
+# (bench/RESULTS.md, "Schedule decisions": cpu.dw blocks).
+DW_BLOCK_LEAST_KIB = 256
+
+
+def dw_block_kib() -> int:
+    """This machine's default of the knob dw_block_kib (KiB)."""
+    return max(DW_BLOCK_LEAST_KIB, machine.l2_bytes() // 4 >> 10)
+
+
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
-# (KiB), the projection's row chunk (tiles), the multiply-adds (in 2^10)
+# (KiB; the default above), the projection's row chunk (tiles), the multiply-adds (in 2^10)
 # below which the float32 projection runs on the calling thread (1: only
 # a layer of fewer than 1024 input weights), the backward product's panel
 # budget (KiB) and, for a cell that reduces over units, the W_hh size up
@@ -53,7 +71,8 @@ class Knob(NamedTuple):
 # fastest depends on the machine: ranges of rows forward past 512 KiB of
 # W_hh lost to Halide's pool on 16 cores and won on 2 (bench/RESULTS.md,
 # "cpu.step rows", "Tuned knobs").
-KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", 256, (128, 256, 512, 1024)),
+KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", dw_block_kib(),
+                                       tuple(sorted({128, 256, 512, 1024, dw_block_kib()}))),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64), bf16=True),
                  "proj_serial_kmacs": Knob("fwd", 2048, (1, 2048, 8192)),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048), bf16=True),

@@ -22,6 +22,19 @@ def own_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+# the weight-gradient block's default follows the L2 (knobs.dw_block_kib)
+DW = KNOBS["cpu"]["dw_block_kib"]
+
+
+def test_weight_gradient_block_default_follows_the_l2(monkeypatch):
+    from halstm.schedules import knobs
+    assert DW.default == max(256, machine.l2_bytes() // 4 >> 10)     # this machine's
+    assert DW.default in DW.candidates
+    for l2, kib in ((512 << 10, 256), (1 << 20, 256), (2 << 20, 512), (4 << 20, 1024)):
+        monkeypatch.setattr(machine, "l2_bytes", lambda l2=l2: l2)
+        assert knobs.dw_block_kib() == kib
+
+
 def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
     report = tuning.tune("lstm", I, H, 3, 7, names=["dw_block_kib"], budget=300, rounds=3,
                          progress=False)
@@ -29,9 +42,9 @@ def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
     assert layer == tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))
     (step,) = entry["by_knob"]
     assert step["knob"] == "dw_block_kib" and step["base"] == {}
-    assert [t["value"] for t in step["tried"]] == [128, 512, 1024]
+    assert [t["value"] for t in step["tried"]] == [v for v in DW.candidates if v != DW.default]
     assert all(t["correct"] and t["ms"] > 0 for t in step["tried"])
-    if step["kept"] != 256:                             # (256: the default)
+    if step["kept"] != DW.default:
         won = next(t for t in step["tried"] if t["value"] == step["kept"])
         assert won["ms"] < (1 - tuning.MIN_GAIN) * step["base_ms"]
         again = step["again"]                           # (and won its own rounds)
@@ -41,25 +54,28 @@ def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
     assert stored[tuning.machine_key("host")][layer]["knobs"] == entry["knobs"]
     lines = tuning.report_lines()
     assert lines[0] == f"machine: {tuning.machine_key('host')}"
-    assert any("dw_block_kib=1024: " in line and " ms" in line for line in lines)
+    other = max(v for v in DW.candidates if v != DW.default)
+    assert any(f"dw_block_kib={other}: " in line and " ms" in line for line in lines)
 
 
 def test_a_win_is_timed_again_before_it_is_kept(own_cache, monkeypatch):
     """A value whose median beats the base among all values is timed again
     against the base alone, and kept only if it wins there too (timings
-    scripted: the first rounds crown 512, the second see no gain)."""
+    scripted: the first rounds crown 128, the second see no gain)."""
     from halstm import benchmark
     rounds = []
 
     def scripted(calls, n, warmup, sync):
         rounds.append(sorted(map(str, calls)))
-        return {k: (0.9e-3 if k == 512 and len(rounds) == 1 else 1e-3) for k in calls}
+        return {k: (0.9e-3 if k == 128 and len(rounds) == 1 else 1e-3) for k in calls}
     monkeypatch.setattr(benchmark, "alternating", scripted)
     report = tuning.tune("lstm", I, H, 3, 7, names=["dw_block_kib"], rounds=3, progress=False)
     (step,) = report[tuning.layer_key(aot.Spec("lstm", I, H, "bwd"))]["by_knob"]
-    assert rounds == [["1024", "128", "512", "base"], ["512", "base"]]
-    assert step["again"] == {"value": 512, "ms": 1.0, "base_ms": 1.0} and step["kept"] == 256
-    assert any("dw_block_kib=512 again: 1.0 ms against 1.0): kept 256" in line
+    others = sorted(str(v) for v in DW.candidates if v != DW.default)
+    assert rounds == [others + ["base"], ["128", "base"]]
+    assert step["again"] == {"value": 128, "ms": 1.0, "base_ms": 1.0}
+    assert step["kept"] == DW.default
+    assert any(f"dw_block_kib=128 again: 1.0 ms against 1.0): kept {DW.default}" in line
                for line in tuning.report_lines())
 
 
@@ -124,7 +140,7 @@ def test_knob_errors(own_cache):
     with pytest.raises(ValueError, match="knobs: dw_block_kib expects a positive int, got 0"):
         aot.Spec("lstm", I, H, "bwd", knobs={"dw_block_kib": 0})
     # a default value is the default library
-    assert aot.Spec("lstm", I, H, "bwd", knobs={"dw_block_kib": 256}).knobs == ()
+    assert aot.Spec("lstm", I, H, "bwd", knobs={"dw_block_kib": DW.default}).knobs == ()
     r = CliRunner().invoke(main, ["tune"])
     assert r.exit_code == 2 and "give --shape NAME or --sizes" in r.output
     r = CliRunner().invoke(main, ["tune", "--sizes", "13,37,3"])
