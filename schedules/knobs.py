@@ -79,9 +79,10 @@ def dh_panel_kib() -> int:
 # (KiB), the projection's row chunk (tiles), the multiply-adds (in 2^10)
 # below which the float32 projection runs on the calling thread (1: only
 # a layer of fewer than 1024 input weights), the backward product's panel
-# budget (KiB; it and the blocks default to shares of the L2, above) and, for a cell that reduces over units, the W_hh size up
-# to which its forward takes ranges of batch rows (in KiB: 1 never, 1 GiB
-# always; cpu._cell_rows; past it, steps in two parts). In a precision
+# budget (KiB; it and the blocks default to shares of the L2, above) and,
+# for a cell that reduces over units, the W_hh size up to which its
+# forward takes ranges of batch rows (in KiB: 1 never, 1 GiB always;
+# cpu._cell_rows; past it, steps in two parts). In a precision
 # "bf16" layer the projection's row chunk acts where its products run as
 # AVX512-BF16 dot products (not on AMX tiles), and the backward product's
 # panels in the float32 steps of up to amx.NARROW_ROWS rows; the others do
