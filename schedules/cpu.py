@@ -734,8 +734,8 @@ def _dh_tiles(p, target, narrow=True) -> tuple:
     wide panels x rows, or narrow panels x 1 row below that many rows.
     The accumulators fill half the vector registers (16 with AVX-512, 8
     with AVX2): 4 x 4 or 2 x 4, fewer panels and more rows (up to 8) where
-    those panels of W_hh^T (G*H*P floats each) would not fit in half the L2
-    (knob dh_panel_kib, knobs.dh_panel_kib; they are read once per row tile); below
+    those panels of W_hh^T (G*H*P floats each) would not fit in half a 1 MiB
+    L2 (knob dh_panel_kib, 512 KiB; they are read once per row tile); below
     that many rows, 8 panels x 1 row (one row is FMA latency-bound); where
     the rows fill them, tiles of 6 rows (_dh_wide). Tiles
     span panels that divide Hp / P and leave the driver at least two

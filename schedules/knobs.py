@@ -47,43 +47,25 @@ class Knob(NamedTuple):
 # of the layer's input (N rows x K), so larger blocks, fewer, read less.
 # On the Intel VM (L2 2 MiB) 512 KiB against 256 took one layer's
 # backward 0.95x-0.99x (LSTM, GRU; K=H=1024 B=64 T=25, K=512 and 65 H=512
-# B=64 T=100); 128 KiB lost there and on the Zen 2 VM (L2 512 KiB)
-# (bench/RESULTS.md, "Schedule decisions": cpu.dw blocks).
+# B=64 T=100); on the 16-core Xeon (L2 2 MiB) 512 led 256 in four of six
+# such layers' tune rounds; 128 KiB lost on the Intel VM and the Zen 2 VM
+# (L2 512 KiB) (bench/RESULTS.md, "Schedule decisions": cpu.dw blocks).
 DW_BLOCK_LEAST_KIB = 256
-# The backward product's panel budget (KiB, cpu._dh_tiles): half the L2,
-# so that the panels of W_hh^T a tile reads (once per row tile) stay there,
-# and no less than DH_PANEL_LEAST_KIB. On the Intel VM (L2 2 MiB) 1024 KiB
-# against 512 took one layer's backward 0.92x-0.94x (LSTM) and
-# 0.96x-0.98x (GRU) at K=H=2048 B=32 T=50, 2 panels a tile instead of 1,
-# and 0.98x-1.00x at K=H=1024 B=64 T=25 (bench/RESULTS.md, "Schedule
-# decisions": cpu.step_bwd tiles).
-DH_PANEL_LEAST_KIB = 512
-
-
-def _of_l2(divisor: int, least_kib: int) -> int:
-    """This machine's L2 over divisor, KiB, at least least_kib."""
-    return max(least_kib, machine.l2_bytes() // divisor >> 10)
 
 
 def dw_block_kib() -> int:
     """This machine's default of the knob dw_block_kib (KiB)."""
-    return _of_l2(4, DW_BLOCK_LEAST_KIB)
-
-
-def dh_panel_kib() -> int:
-    """This machine's default of the knob dh_panel_kib (KiB)."""
-    return _of_l2(2, DH_PANEL_LEAST_KIB)
+    return max(DW_BLOCK_LEAST_KIB, machine.l2_bytes() // 4 >> 10)
 
 
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
 # (KiB), the projection's row chunk (tiles), the multiply-adds (in 2^10)
 # below which the float32 projection runs on the calling thread (1: only
 # a layer of fewer than 1024 input weights), the backward product's panel
-# budget (KiB; it and the blocks default to shares of the L2, above) and,
-# for a cell that reduces over units, the W_hh size up to which its
-# forward takes ranges of batch rows (in KiB: 1 never, 1 GiB always;
-# cpu._cell_rows; past it, steps in two parts). In a precision
-# "bf16" layer the projection's row chunk acts where its products run as
+# budget (KiB; see cpu._dh_tiles) and, for a cell that reduces over units,
+# the W_hh size up to which its forward takes ranges of batch rows (in
+# KiB: 1 never, 1 GiB always; cpu._cell_rows; past it, steps in two
+# parts). In a precision "bf16" layer the projection's row chunk acts where its products run as
 # AVX512-BF16 dot products (not on AMX tiles), and the backward product's
 # panels in the float32 steps of up to amx.NARROW_ROWS rows; the others do
 # not act (its weight gradients' chunks follow the L2). Which value is
@@ -94,9 +76,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", dw_block_kib(),
                                        tuple(sorted({128, 256, 512, 1024, dw_block_kib()}))),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64), bf16=True),
                  "proj_serial_kmacs": Knob("fwd", 2048, (1, 2048, 8192)),
-                 "dh_panel_kib": Knob("bwd", dh_panel_kib(),
-                                      tuple(sorted({256, 512, 1024, 2048, dh_panel_kib()})),
-                                      bf16=True),
+                 "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048), bf16=True),
                  "rows_fwd_kib": Knob("fwd", 512, (1, 512, 1 << 20), reducing=True)},
 # cuda (schedules/cuda.py): the W_hh bytes (KiB) a one-row block of step
 # tiles reads from which a forward's steps of few rows run the narrow steps

@@ -26,16 +26,13 @@ def own_cache(tmp_path, monkeypatch):
 DW = KNOBS["cpu"]["dw_block_kib"]
 
 
-def test_cache_knob_defaults_follow_the_l2(monkeypatch):
+def test_weight_gradient_block_default_follows_the_l2(monkeypatch):
     from halstm.schedules import knobs
-    dh = KNOBS["cpu"]["dh_panel_kib"]
     assert DW.default == max(256, machine.l2_bytes() // 4 >> 10)     # this machine's
-    assert dh.default == max(512, machine.l2_bytes() // 2 >> 10)
-    assert DW.default in DW.candidates and dh.default in dh.candidates
-    for l2, dw_kib, dh_kib in ((512 << 10, 256, 512), (1 << 20, 256, 512),
-                               (2 << 20, 512, 1024), (4 << 20, 1024, 2048)):
+    assert DW.default in DW.candidates
+    for l2, kib in ((512 << 10, 256), (1 << 20, 256), (2 << 20, 512), (4 << 20, 1024)):
         monkeypatch.setattr(machine, "l2_bytes", lambda l2=l2: l2)
-        assert (knobs.dw_block_kib(), knobs.dh_panel_kib()) == (dw_kib, dh_kib)
+        assert knobs.dw_block_kib() == kib
 
 
 def test_tune_checks_times_and_keeps_no_slower_value(own_cache):
