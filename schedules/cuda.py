@@ -1,21 +1,9 @@
-"""Hand-written CUDA schedules.
-
-Two kinds of product:
-
-- Register tiles (`_tile`): blocks of one warp (or a few sharing one
-  reduction), a lane per output unit along the packed axis (weight panels
-  are a warp wide, so the 32 lanes read one coalesced 128-byte row of a
-  panel per reduction step), and per lane a tile of every gate x a few
-  batch rows (or time x batch rows) in registers. The other operand's
-  values are the same for every lane: one broadcast load each, per step.
-- Lanes products (`_lanes_product`): the same lanes and tiles, but the
-  tile is a block-level register allocation striped across the lanes
-  (Halide's gpu_lanes), so the reduction can run in chunks around the
-  lanes: each chunk of the broadcast operand is loaded by the lanes
-  together (coalesced) and handed out by warp shuffles (in one-warp
-  products, through shared memory). The forward step
-  and dh = W_hh^T dhg use them from H = 512 where H is a multiple of 32;
-  the projection and dx wherever H (and K, for the projection) is one.
+"""Hand-written CUDA schedules: each pipeline kind's function (pack, proj,
+step, step_bwd, grads, ...) schedules its stages from the products of
+schedules/cuda_tiles.py (register tiles, one-kernel grids),
+schedules/cuda_lanes.py (lanes products, from H = 512) and
+schedules/cuda_rows.py (a block a batch row, for cells that reduce over
+their units).
 
 The forward step is one kernel: product, cell and every store. Pointwise
 and packing stages are one kernel each, every axis on the grid.
@@ -26,14 +14,15 @@ import halide as hl
 
 from .. import machine
 from ..layout import Layout
+from .cuda_lanes import lanes_fit, lanes_product, lanes_slices
+from .cuda_rows import (ROW_INPUT_BYTES, bwd_row_inputs, row_block, row_inputs, row_threads,
+                        row_work)
+from .cuda_tiles import (GUARD, LANES, MAX_THREADS, even_slices, gate_lane_units, grid_kernel,
+                         register_tile, warp_slices)
 from .knobs import KNOBS as _KNOBS
 
 KNOBS = _KNOBS["cuda"]      # what `halstm tune` searches; tuned values come in a spec's knobs
 
-LANES = 32                      # a warp; also the weight panel width
-MAX_THREADS = 1024              # a CUDA block's threads at most
-SHIFT = hl.TailStrategy.ShiftInwards
-GUARD = hl.TailStrategy.GuardWithIf
 
 
 def layout(target: hl.Target) -> Layout:
@@ -49,170 +38,6 @@ def layout(target: hl.Target) -> Layout:
     decisions", the rows named here."""
     return Layout(panel=LANES, dw_cols=LANES, dw_rows=1, max_registers=128, cuda_graphs=True,
                   read_outputs=True, fused_bwd_below=512, raw_bwd_weights=True)
-
-
-def _tile(out, acc, lane, cols, reduce, unroll=4, acc_only=(), slices=1, reduce_extent=None,
-          per_lane=1, tile_from=None, extent=None, partial_in_registers=False,
-          gate_lanes=None):
-    """Register-tile out(lane, ...): lane split across a warp's threads,
-    blocks over the tiles. cols: (var, factor, runtime) per other axis of
-    out, in-thread and unrolled; factor None takes the whole (small, fixed)
-    axis. A runtime axis (batch, rows) is tiled by `factor` with
-    ShiftInwards where its extent allows (every tile full, so the
-    accumulators have constant size) and by 1 elsewhere; a fixed axis is
-    guarded at its edge. acc is computed per thread, reduction outermost,
-    its innermost reduction axis unrolled by `unroll` so that the loads of
-    several steps are in flight at once
-    (bench/RESULTS.md, "Schedule decisions": cuda.unroll). acc_only: axes
-    of acc that out lacks (the step's gates), also in-thread and unrolled.
-    slices > 1 (_warp_slices of reduce_extent, the extent of reduce[0]): the
-    reduction is split across that many warps of the block (rfactor), in
-    runs of ceil(reduce_extent / slices), whose partial tiles meet in
-    shared memory; for the per-step products, whose few
-    tiles would otherwise leave most of the GPU idle. per_lane > 1: each
-    thread takes that many neighbouring units along `lane` (a warp then
-    covers 32 * per_lane), so that one broadcast load of the other operand
-    feeds per_lane more FMAs. tile_from: the smallest extent of the
-    runtime axis that gets tiles (default: the factor); below it, one row
-    a thread. extent: the runtime axis' extent where out is not an output.
-    partial_in_registers: each thread sums its slice's tile in registers
-    and stores it to shared memory once, where a kernel's other shared
-    stages would have LLVM store it after every add (see _row_sum).
-    gate_lanes: (gate, G), an acc_only axis of extent G, with slices > 1
-    and tiles of one row: that axis on the lanes too, a warp holding
-    _gate_lane_units(G) units x every gate, one accumulator a thread."""
-    lanes = LANES if gate_lanes is None else _gate_lane_units(gate_lanes[1])
-    runtime = [(v, f) for v, f, rt in cols if rt]
-    assert gate_lanes is None or (slices > 1 and all(f == 1 for _, f in runtime)), \
-        "gate lanes: a reduction over warps, one row a thread"
-    assert len(runtime) <= 1, "one runtime axis per tile"
-    if runtime:
-        v, f = runtime[0]
-        if extent is None:   # out is an output: the extent of its buffer
-            dims = {a.name(): d for d, a in enumerate(out.args())}
-            extent = out.output_buffers()[0].dim(dims[v.name()]).extent()
-        if f > 1:
-            _loops(out.specialize(extent >= max(f, tile_from or f)), out, lane, cols, f,
-                   per_lane)
-        _loops(out, out, lane, cols, 1, per_lane, lanes)
-    else:
-        _loops(out, out, lane, cols, None, per_lane, lanes)
-    acc.compute_at(out, hl.Var(lane.name() + "i"))
-    tile_vars = [v for v, f, rt in cols] + list(acc_only)
-    if per_lane > 1:
-        assert slices == 1
-        acc.bound_extent(lane, per_lane)     # reads past the edge must be safe
-        tile_vars = [lane] + tile_vars
-    for v, f, rt in cols:
-        if f is not None and not rt:
-            acc.bound_extent(v, f)      # a guarded edge tile still computes f
-    for stage in (acc, acc.update()):
-        for v in tile_vars:
-            stage.unroll(v)
-    ro, ri = hl.RVar(acc.name() + "_ro"), hl.RVar(acc.name() + "_ri")
-    if slices == 1:
-        acc.update().split(reduce[0], ro, ri, unroll, GUARD).unroll(ri)
-        order = ([] if per_lane > 1 else [lane]) + tile_vars + [ri, ro] + list(reduce[1:])
-        acc.update().reorder(*order)
-        return out
-    # partial[lane, tile..., u] = the sum over slice u of the reduction
-    u = hl.Var(acc.name() + "_u")
-    run = -(-reduce_extent // slices)
-    assert -(-reduce_extent // run) == slices, "every warp's run holds part of the reduction"
-    upd = acc.update().split(reduce[0], ro, ri, run, GUARD)
-    partial = upd.rfactor(ro, u)
-    acc.update().reorder(*([lane] + tile_vars + [ro])).unroll(ro)
-    kio, kii = hl.RVar(acc.name() + "_kio"), hl.RVar(acc.name() + "_kii")
-    threads = [lane, u]
-    if partial_in_registers:     # a thread's tile in registers, stored once (shared)
-        # (lanes and slices fused into one thread axis: the block's other
-        # stages' threads run along the first, whose extent Halide takes
-        # as the largest of any stage's; a second would multiply it)
-        t = hl.Var(acc.name() + "_t")
-        shared = partial.in_(acc).compute_at(out, hl.Var(lane.name() + "o")) \
-            .bound_extent(lane, LANES).bound_extent(u, slices) \
-            .reorder(*(tile_vars + threads)).fuse(lane, u, t) \
-            .gpu_threads(t)
-        for v in tile_vars:
-            shared.unroll(v)
-        partial.compute_at(shared, t).store_in(hl.MemoryType.Register) \
-            .bound_extent(lane, 1).bound_extent(u, 1)
-        threads = []
-    else:
-        partial.compute_at(out, hl.Var(lane.name() + "o")).bound_extent(lane, lanes)
-    pu = partial.update()
-    pu.split(ri, kio, kii, unroll, GUARD).unroll(kii)
-    lane_axes = [lane]
-    if gate_lanes is not None:
-        # thread (unit, gate): units first, so that a warp's loads of one
-        # gate's weights are contiguous
-        gate, G = gate_lanes
-        partial.bound_extent(gate, G)
-        tile_vars = [v for v in tile_vars if v.name() != gate.name()]
-        lane_axes = [lane, gate]
-    partial.reorder(*(tile_vars + lane_axes + [u]))
-    pu.reorder(*(tile_vars + [kii, kio] + list(reduce[1:]) + lane_axes + [u]))
-    if gate_lanes is not None:
-        t = hl.Var(acc.name() + "_t")
-        partial.fuse(lane, gate, t)
-        pu.fuse(lane, gate, t)
-        threads = [t, u]
-    if threads:
-        partial.gpu_threads(*threads)
-        pu.gpu_threads(*threads)
-    for stage in (partial, pu):
-        for v in tile_vars:
-            stage.unroll(v)
-    return out
-
-
-def _slices(extent: int, want: int) -> int:
-    """The largest of want, want/2, ..., 1 that divides extent (units a
-    thread takes of whole panels)."""
-    n = want
-    while n > 1 and extent % n:
-        n //= 2
-    return n
-
-
-def _warp_slices(extent: int, want: int, even_first: bool = False) -> int:
-    """Warps a register tile's reduction of `extent` is split over (_tile's
-    slices): `want` where it divides extent; else as many runs of
-    ceil(extent / want) as extent fills, the last one shorter (guarded).
-    even_first: the largest power of two up to want that divides extent,
-    where that is 2 or more (_slices). A split by a divisor alone left odd
-    H on one warp: the steps took 1.7x-1.9x the split's time forward and
-    2.0x-3.2x backward at H = 85, 650 (H200), and the folded steps' product
-    lost to more, shorter runs where a divisor gave several warps
-    (bench/RESULTS.md, "Schedule decisions": cuda.warp slices)."""
-    even = _slices(extent, want)
-    if even == want or (even_first and even > 1):
-        return even
-    run = -(-extent // want)
-    return -(-extent // run)
-
-
-def _loops(stage, func, lane, cols, runtime_factor, per_lane=1, lanes=LANES):
-    lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
-    stage.split(lane, lo, li, lanes * per_lane, GUARD)
-    inner, blocks = [], [lo]
-    if per_lane > 1:
-        lv = hl.Var(lane.name() + "v")
-        stage.split(li, li, lv, per_lane)
-        inner.append(lv)
-    for v, f, rt in cols:
-        if f is None:
-            inner.append(v)
-            continue
-        o, i = hl.Var(v.name() + "o"), hl.Var(v.name() + "i")
-        stage.split(v, o, i, runtime_factor if rt else f, SHIFT if rt else GUARD)
-        inner.append(i)
-        blocks.append(o)
-    tiled = {lane.name()} | {c[0].name() for c in cols}
-    assert all(a.name() in tiled for a in func.args()), "every axis of out is tiled"
-    stage.reorder(*(inner + [li] + blocks)).gpu_threads(li).gpu_blocks(*blocks)
-    for i in inner:
-        stage.unroll(i)
 
 
 # With vendor GEMMs (halstm.cublas), a step's recurrent product runs as a
@@ -294,26 +119,6 @@ def step_splits(H: int) -> int:
                 if s == 1 or (H % s == 0 and H // s >= STEP_SPLIT_UNITS))
 
 
-def _grid(f, stage=None, along=None):
-    """A pointwise or copy stage (f's pure definition, or `stage` of f) as
-    one kernel: every axis fused into one (the first innermost, so that
-    neighbouring threads touch neighbouring elements), 128 threads a block.
-    One grid axis: the second and third allow only 65535 blocks. along: a Func scheduled
-    by _grid whose kernel also computes f (compute_with; the two may differ
-    in size)."""
-    stage = f if stage is None else stage
-    args = f.args()
-    x = args[0]
-    for a in args[1:]:
-        stage.fuse(x, a, x)
-    name = (along or f).name()
-    xo = hl.Var(f"{name}_xo")
-    stage.gpu_tile(x, xo, hl.Var(f"{name}_xi"), 128, GUARD)
-    if along is not None:
-        stage.compute_with(along, xo)
-    return f
-
-
 # The forward packs the weights on every call (they may have changed), as
 # a transpose through shared memory: reads and writes both coalesced
 # (bench/RESULTS.md, "Schedule decisions": cuda.pack).
@@ -387,7 +192,7 @@ def proj(p, target):
     v = p.vars
     if p.vendor_gemm:     # the bias on every row: the driver's cuBLAS GEMM adds x W_ih^T
         p.notes.append("proj: the bias broadcast on the grid; x W_ih^T by cuBLAS (driver)")
-        _grid(p.stage("xp"))
+        grid_kernel(p.stage("xp"))
         return
     # A lanes product where H and K are multiples of a warp (x's staged
     # chunks are a warp wide), at every H: register tiles of 16 rows leave
@@ -398,18 +203,18 @@ def proj(p, target):
                      "(T*B) where T*B >= 8, one row otherwise; one warp, x staged in chunks "
                      "in shared memory")
         out = p.stage("xp")
-        _lanes_product(out, p.stage("xp_acc"), v["j"], v["t"], 8, [v["gate"]], p.rdoms["i"].x,
-                       p.K, out.output_buffers()[0].dim(2).extent(), p.stage("x_in"), 1,
-                       out_tile=[v["gate"]])
+        lanes_product(out, p.stage("xp_acc"), v["j"], v["t"], 8, [v["gate"]], p.rdoms["i"].x,
+                      p.K, out.output_buffers()[0].dim(2).extent(), p.stage("x_in"), 1,
+                      out_tile=[v["gate"]])
         return
     # Register tiles: 8 rows a thread from H = 512, for more tiles
     # (bench/RESULTS.md, "Schedule decisions": cuda.proj rows).
     rows = ROWS if p.H < 512 else ROWS // 2
     p.notes.append(f"proj: a thread computes every gate of one unit for {rows} rows (T*B) "
                  f"where T*B >= {rows}, one row otherwise")
-    _tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
-          [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x],
-          unroll=_gemm_unroll(p.H)[0])
+    register_tile(p.stage("xp"), p.stage("xp_acc"), v["j"],
+                  [(v["gate"], None, False), (v["t"], rows, True)], [p.rdoms["i"].x],
+                  unroll=_gemm_unroll(p.H)[0])
 
 
 def _lanes_proj(p) -> bool:
@@ -420,21 +225,21 @@ def _step_tile(p, target):
     """One kernel per step: per thread, every gate of one unit for a few
     batch rows in registers, then the cell and the stores."""
     v = p.vars
-    rows, slices = _batch_rows(p.H), _warp_slices(p.H, SLICES)
+    rows, slices = _batch_rows(p.H), warp_slices(p.H, SLICES)
     first = _tile_from(p.H)
     p.notes.append(f"step: one kernel; a thread holds every gate of one unit for {rows} batch "
                  f"rows where B >= {first} (large batch), one row otherwise (small batch); "
                  f"the {p.H}-long reduction split over {slices} warp(s)")
-    _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
-          [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
-          tile_from=first)
+    register_tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], rows, True)],
+                  [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices,
+                  reduce_extent=p.H, tile_from=first)
 
 
 # A one-row block of the step's tiles (32 units x every gate) reads its
 # units' rows of W_hh, 32 * G * H floats a step, through its one
 # multiprocessor's share of L2 bandwidth; from this many bytes that read
 # is most of the step's time, and spreading it over LANES /
-# _gate_lane_units(G) times the blocks (step_narrow: 4 times for 3 or 4
+# gate_lane_units(G) times the blocks (step_narrow: 4 times for 3 or 4
 # gates) pays: 128 KiB at G * H = 1024 took 0.84x-0.88x of the step's
 # time forward, 64 and 96 KiB 1.0x-1.12x (bench/RESULTS.md, "Schedule
 # decisions": cuda.step_narrow).
@@ -449,34 +254,26 @@ def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     multiprocessors at once, one block each (machine.gpu_sms; the driver
     calls them for steps of up to narrow_rows rows). None for one gate, or
     from H = 512 (the lanes products). (The gate lanes need a reduction
-    over two warps or more: _warp_slices gives 8 from H = 8, and the bytes
+    over two warps or more: warp_slices gives 8 from H = 8, and the bytes
     rule asks for G * H >= 1024.)"""
     if gates < 2 or H >= 512 or LANES * gates * H * 4 < _knob(knobs, "narrow_kib") << 10:
         return layout
-    rows = machine.gpu_sms() // -(-H // _gate_lane_units(gates))
+    rows = machine.gpu_sms() // -(-H // gate_lane_units(gates))
     return replace(layout, narrow_rows=rows) if rows else layout
-
-
-def _gate_lane_units(G: int) -> int:
-    """Units a warp of a narrow step holds with every gate on a lane of
-    its own: the largest power of two whose G gates fit a warp (8 for 4
-    gates and for 3): a divisor of the weight panels' 32, so that
-    a block's units never pass the last panel."""
-    return 1 << ((LANES // G).bit_length() - 1)
 
 
 def step_narrow(p, target):
     """The forward step for few batch rows (narrow_layout): one row and
-    one gate of one unit a thread, a warp _gate_lane_units(G) units x
-    every gate, so that a step has LANES / _gate_lane_units(G) times the
+    one gate of one unit a thread, a warp gate_lane_units(G) units x
+    every gate, so that a step has LANES / gate_lane_units(G) times the
     blocks of step's one-row tiles (4 for 3 or 4 gates)."""
-    v, slices = p.vars, _warp_slices(p.H, SLICES)
+    v, slices = p.vars, warp_slices(p.H, SLICES)
     p.notes.append(f"step_narrow: one kernel; a thread holds one gate of one unit for one batch "
-                   f"row ({_gate_lane_units(p.G)} units a warp); the {p.H}-long reduction split "
+                   f"row ({gate_lane_units(p.G)} units a warp); the {p.H}-long reduction split "
                    f"over {slices} warps")
-    _tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], 1, True)], [p.rdoms["k"].x],
-          unroll=8, acc_only=[v["gate"]], slices=slices, reduce_extent=p.H,
-          gate_lanes=(v["gate"], p.G))
+    register_tile(p.stage("out"), p.stage("hg_acc"), v["j"], [(v["b"], 1, True)],
+                  [p.rdoms["k"].x], unroll=8, acc_only=[v["gate"]], slices=slices,
+                  reduce_extent=p.H, gate_lanes=(v["gate"], p.G))
 
 
 step_narrow_infer = step_narrow
@@ -546,324 +343,48 @@ def loop_infer(p, target):
             .reorder(ki, ko, unit).gpu_threads(unit).unroll(ki)
 
 
-def _lanes_product(out, acc, lane, rows_var, rows, tile, reduce, reduce_extent, extent,
-                   staged, slices, units=1, gates=None, chunk=LANES, unroll=8, out_tile=(),
-                   chunk_arg=0, chunk_outer=False):
-    """A product in the style of Halide's apps/conv_layer: blocks of
-    `slices` warps over (32*units units x `rows` batch rows); each warp sums
-    one slice of the reduction for the block's whole tile in registers
-    striped across its lanes (MemoryType.Register at block level with
-    gpu_lanes: every lane keeps its units' accumulators, units lane + 32*u),
-    chunk by chunk; each chunk of the broadcast operand (`staged`, chunk x
-    ... x rows values) is loaded by the lanes together, coalesced, and
-    handed out by warp shuffles, where the register-tile schedule issued a
-    broadcast load per value per reduction step. The warps' sums meet in
-    shared memory and warp 0 finishes (bias, cell, stores). With one warp
-    (slices 1) each chunk goes through shared memory instead: every lane
-    stores its column and reads each value back (a broadcast load), 8 shared
-    loads and no shuffles per reduction step
-    (bench/RESULTS.md, "Schedule decisions": cuda.lanes one warp).
-    out(lane, rows_var) or acc's copy; acc(lane, *tile, rows_var): the
-    accumulator, its update over `reduce` (extent reduce_extent, split into
-    slices and chunks) and `gates` (a second, small RVar, unrolled); extent:
-    the runtime extent of rows_var, or its fixed extent (an int). Below
-    `rows` rows, one row a block. chunk_arg: the argument of `staged` the
-    chunks run along (the lanes load one value of it each); chunk_outer:
-    store each staged chunk with that axis outermost, so that the values one
-    reduction step reads lie together (vector shared loads)."""
-    lo, li = hl.Var(lane.name() + "o"), hl.Var(lane.name() + "i")
-    lu = hl.Var(lane.name() + "u")
-    bo, bi = hl.Var(rows_var.name() + "o"), hl.Var(rows_var.name() + "i")
-    if isinstance(extent, int):         # a fixed extent: one loop nest
-        tiles = [(out, rows if extent >= rows else 1)]
-    else:
-        tiles = [(out.specialize(extent >= rows), rows), (out, 1)]
-    for stage, f in tiles:
-        stage.split(lane, lo, li, LANES * units, GUARD).split(li, lu, li, LANES) \
-             .split(rows_var, bo, bi, f, SHIFT) \
-             .reorder(bi, *out_tile, lu, li, lo, bo).gpu_blocks(lo, bo).gpu_lanes(li) \
-             .unroll(bi).unroll(lu)
-        for v in out_tile:
-            stage.unroll(v)
-    inner = list(tile) + [rows_var]
-    if units > 1:
-        acc.bound_extent(lane, LANES * units)      # a guarded edge block still computes it all
-    ro, ri = hl.RVar(acc.name() + "_ro"), hl.RVar(acc.name() + "_ri")
-    rko, rki, rkii = (hl.RVar(acc.name() + n) for n in ("_rko", "_rki", "_rkii"))
-    u = hl.Var(acc.name() + "_u")
-    g = [] if gates is None else [gates]
-
-    def lanes(stage, *outer):
-        """lane split into in-lane units and the lanes, the lanes outermost
-        of the listed loops (one thread loop, no barrier between elements)"""
-        stage.split(lane, lu, li, LANES).reorder(*inner, lu, li, *outer) \
-             .gpu_lanes(li).unroll(lu)
-        for v in inner:
-            stage.unroll(v)
-        return stage
-
-    def by_chunks(f, r, memory, *warp):
-        """f's update summed over r chunk by chunk, the lanes inside, each
-        chunk of `staged` loaded by the lanes into `memory` first"""
-        pu = f.update()
-        pu.split(r, rko, rki, chunk, GUARD).split(rki, rki, rkii, unroll, GUARD)
-        lanes(pu, *warp, *g, rkii, rki, rko).unroll(rkii)
-        for v in (*warp, *g):
-            pu.unroll(v)
-        sv = staged.args()
-        along = sv[chunk_arg]
-        st = staged.in_(f).compute_at(f, rko).store_in(memory) \
-            .bound_extent(along, chunk).gpu_lanes(along)
-        for v in sv:
-            if v.name() != along.name():
-                st.unroll(v)
-        if chunk_outer:
-            st.reorder_storage(*[v for v in sv if v.name() != along.name()], along)
-
-    acc.compute_at(out, lo).store_in(hl.MemoryType.Register)
-    lanes(acc)
-    if slices == 1:
-        # One warp: the chunks go through shared memory (each lane stores its
-        # column, every lane reads each value back, a broadcast), not shuffles.
-        # A block of lane loops only has no thread loops, and Halide 21 then
-        # inserts no barrier between the stores and the loads (it takes one
-        # warp's lanes as synchronous: FuseGPUThreadLoops). Scalar loads:
-        # 4 values at a time (ld.shared.v4, rows innermost) are no faster
-        # (bench/results/gpu_ab_s8_smem.txt).
-        by_chunks(acc, reduce, hl.MemoryType.GPUShared)
-        return out
-    part = acc.update().split(reduce, ro, ri, -(-reduce_extent // slices), GUARD).rfactor(ro, u)
-    whole = part.in_(acc)               # the warps' sums (shared memory)
-    lanes(acc.update(), ro).unroll(ro)
-    whole.compute_at(out, lo)
-    lanes(whole, u).gpu_threads(u)
-    part.compute_at(whole, u).store_in(hl.MemoryType.Register)
-    lanes(part, u).unroll(u)
-    by_chunks(part, ri, hl.MemoryType.Register, u)    # each warp's chunks shuffled
-    return out
-
-
-def _lanes_slices(H: int, want: int) -> int:
-    """Warps a lanes product's reduction is split over: at most `want`, and
-    each slice at least a warp's width (a chunk staged in lanes)."""
-    while want > 1 and H < want * LANES:
-        want //= 2
-    return want
-
-
 def _step_lanes(p, target):
-    """The forward step as a lanes product (see _lanes_product), where
-    _lanes_fit: 8 rows a lane from H = 1024, 4 below, for more blocks where
+    """The forward step as a lanes product (see lanes_product), where
+    lanes_fit: 8 rows a lane from H = 1024, 4 below, for more blocks where
     unit panels are fewer (bench/RESULTS.md, "Schedule decisions": cuda.step lanes)."""
     v = p.vars
     rows = 8 if p.H >= 1024 else 4
-    slices = _lanes_slices(p.H, 8)
+    slices = lanes_slices(p.H, 8)
     p.notes.append(f"step: one kernel; a lane holds every gate of one unit for {rows} batch rows "
                  f"where B >= {rows}, one row otherwise; the {p.H}-long reduction split over "
                  f"{slices} warps, h staged in chunks of {LANES} and shuffled")
     extent = p.stage("out").output_buffers()[0].dim(1).extent()
-    _lanes_product(p.stage("out"), p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
-                   p.rdoms["k"].x, p.H, extent, p.stage("prev_in_h"), slices)
-
-
-def _lanes_fit(H: int) -> bool:
-    """Where the products use _lanes_product: from H = 512, where they beat
-    the register tiles, and H a multiple of a warp (at other H Halide cannot
-    stripe a 3-gate step's accumulator across the lanes: its index is not
-    affine in the lane) (bench/RESULTS.md, "Schedule decisions": cuda._lanes_fit)."""
-    return H >= 512 and H % LANES == 0
-
-
-# The lanes products' shapes (rows and units a lane, warps a block) are
-# the fastest of the alternatives timed on an H100 (bench/RESULTS.md,
-# "Schedule decisions": cuda.step lanes; cuda.dh lanes; cuda.proj lanes;
-# cuda.dx lanes; cuda.dW lanes).
-
-
-def _row_block(p, out, j, b, along=()):
-    """out(j, [gate,] b) and the cell's reductions as one kernel, a block a
-    batch row: the block's threads take the units (a loop over them past
-    ROW_THREADS), each sum runs on all of them (strided units, coalesced
-    reads; rfactor), then on a warp's lanes, then one thread, every stage
-    of the row in turn (shared memory between them); the cell's stagings
-    (costly values the sums read) once each, before them. along: more pointwise
-    outputs computed in the same loops (compute_with)."""
-    threads = _row_threads(p.H)
-    jo, ji = hl.Var(out.name() + "_jo"), hl.Var(out.name() + "_ji")
-    for f in (out, *along):    # a thread stores every gate (channel) of its unit
-        f.split(j, jo, ji, threads, GUARD).reorder(*f.args()[1:-1], ji, jo, b)
-        f.gpu_blocks(b).gpu_threads(ji)
-        for g in f.args()[1:-1]:
-            f.unroll(g)
-        if f is not out:
-            f.compute_with(out, ji)
-    _row_work(p, out, b)
-
-
-def _row_work(p, out, at):
-    """The cell's sums, row values and stagings of one batch row, computed
-    at out's block loop `at` (a block's row; every unit) as _row_block
-    describes."""
-    threads = _row_threads(p.H)
-    b = p.vars["b"]
-    for group in p.reduction_groups:
-        # a group's sums read none of each other's results: each stage of
-        # theirs in one loop, one barrier after it (compute_with)
-        stages = [_row_sum(f, out, at, threads, group[0].name()) for f in group]
-        for other in stages[1:]:
-            for stage, lead, loop in zip(other, stages[0], (ROW_T, ROW_T, b)):
-                stage.compute_with(lead, loop)
-    # quotients by row values (layer norm's 1 / sqrt(var + eps)): once a
-    # row, by one thread, those after the same sums in one loop (else each
-    # thread computes them in every stage that reads them)
-    for funcs in p.row_func_groups:
-        for f in funcs:
-            f.compute_at(out, at).gpu_threads(b)
-            if f is not funcs[0]:
-                f.compute_with(funcs[0], b)
-    # costly unit values the sums read: once a row, in shared memory, where
-    # they fit in STAGED_SHARED_BYTES (else inline, computed by each reader);
-    # those that read none of each other in one loop, one barrier after it
-    if len(p.stagings) * p.H * 4 <= STAGED_SHARED_BYTES:
-        for n, group in enumerate(p.staging_groups):
-            uo, ui = hl.Var(f"staged{n}_uo"), hl.Var(f"staged{n}_ui")
-            for f in group:
-                u = f.args()[0]
-                f.compute_at(out, at).split(u, uo, ui, threads, GUARD).reorder(ui, uo)
-                f.gpu_threads(ui)
-                if f is not group[0]:
-                    f.compute_with(group[0], ui)
-
-
-def _row_threads(H: int) -> int:
-    """Threads of a row block: a warp's multiple covering H, at most ROW_THREADS."""
-    return min(ROW_THREADS, -(-H // LANES) * LANES)
-
-
-# the thread loop of _row_sum's first two stages: one name, so that
-# the stages of several sums can share loops (compute_with)
-ROW_T = hl.Var("row_t")
-
-
-def _row_sum(f, out, at, threads: int, tag: str):
-    """Schedule the sum f(b) over units for _row_work, at out's loop `at`:
-    every thread sums strided units (4 loads in flight), a warp's lanes
-    the threads' sums, one thread the lanes' sums. Each of the three sums
-    runs in a register and is copied once to shared memory for the row's
-    other threads: returns the three copies (the first two with thread
-    loop ROW_T, the last with b; reduction loops named by tag)."""
-    r = f.rvars(0)[0]
-    ro, ri, u = hl.RVar(tag + "_ro"), hl.RVar(tag + "_ri"), ROW_T
-    part = f.update().split(r, ro, ri, threads, GUARD).rfactor(ri, u)
-    r2 = f.rvars(0)[0]
-    r2o, r2i, w = hl.RVar(tag + "_r2o"), hl.RVar(tag + "_r2i"), ROW_T
-    lanes = f.update().split(r2, r2o, r2i, LANES, GUARD).rfactor(r2i, w)
-    roo, roi = hl.RVar(tag + "_roo"), hl.RVar(tag + "_roi")
-    part.update().split(ro, roo, roi, 4, GUARD).reorder(roi, roo, u).unroll(roi)
-    # the short sums (threads / LANES a lane, LANES the last) unrolled,
-    # so that their loads issue together; the last one in a thread loop
-    # of one (unrolled at block level, Halide would put a barrier after
-    # each of its statements).
-    lanes.update().reorder(r2o, w).unroll(r2o)
-    f.update().unroll(f.rvars(0)[0])
-    # Each sum in a register, copied once to shared memory: a sum kept in
-    # shared memory shares the block's one shared allocation with the
-    # values it reads, so LLVM stores it after every add and orders each
-    # next load after that store, and its initial value is a block-level
-    # stage with a barrier of its own (bench/RESULTS.md, "Schedule
-    # decisions": cuda._row_block).
-    # The copies' row loop inside their thread loop, and each sum computed
-    # in it: where the block's row range is not provably one row (an
-    # output of other row bounds, as the bf16 bits' beside dxp), a sum
-    # computed at the thread loop would span that range, a register array
-    # of dynamic size.
-    b = f.args()[0]
-    copies = []
-    for stage, loop in ((part, ROW_T), (lanes, ROW_T), (f, b)):
-        shared = stage.in_()
-        shared.compute_at(out, at)
-        if loop is not b:
-            shared.reorder(b, loop)
-        shared.gpu_threads(loop)
-        stage.compute_at(shared, b).store_in(hl.MemoryType.Register)
-        copies.append(shared)
-    return copies
-
-
-def _row_inputs(p, out, b, names, budget=None):
-    """A row block's inputs loaded once into shared memory, where the sums
-    and the outputs read them, instead of from global memory in every
-    stage: the stages `names` (over (unit, [channel,] row); the vector
-    parameters "vec_in" over (unit, channel)) in that order, as many as
-    fit in `budget` bytes (default ROW_INPUT_BYTES)."""
-    threads = _row_threads(p.H)
-    channels = {"saved_in": len(p.cell.saved_channels(p.H)), "vec_in": p.V}
-    left, first = ROW_INPUT_BYTES if budget is None else budget, {}
-    jo, ji = hl.Var("inputs_jo"), hl.Var("inputs_ji")
-    for name in (n for n in names if n in p.stages):
-        size = p.H * 4 * channels.get(name, 1)
-        if size > left or size == 0:
-            continue
-        left -= size
-        f = p.stage(name)
-        per_row = name != "vec_in"
-        j, inner = f.args()[0], f.args()[1:-1] if per_row else f.args()[1:]
-        f.compute_at(out, b).split(j, jo, ji, threads, GUARD).reorder(*inner, ji, jo)
-        f.gpu_threads(ji)
-        for c in inner:
-            f.unroll(c)
-        # the row's inputs loaded in one loop (compute_with), one barrier after it
-        lead = first.setdefault(per_row, f)
-        if lead is not f:
-            f.compute_with(lead, ji)
-
-
-def _bwd_row_inputs(p) -> list:
-    """The stages a backward step's row block loads first (_row_inputs)."""
-    return ["saved_in"] + [f"{kind}_{s}" for kind in ("prev_in", "new_in", "dnew")
-                           for s in p.cell.states] + ["vec_in"]
-
-
-# Shared memory the backward row block may give its inputs (_row_inputs),
-# beside its sums' partial sums: 48 KiB a block without opting in to more.
-ROW_INPUT_BYTES = 32 << 10
-
-# Shared memory a row block may give the cell's stagings: half of the
-# 48 KiB a block gets without opting in to more.
-STAGED_SHARED_BYTES = 24 << 10
-
-# Threads of a block that runs a batch row of a step that reduces over
-# units: 512 x 128 registers fill an SM's register file
-# (bench/RESULTS.md, "Schedule decisions": cuda._row_block).
-ROW_THREADS = 512
+    lanes_product(p.stage("out"), p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
+                  p.rdoms["k"].x, p.H, extent, p.stage("prev_in_h"), slices)
 
 
 def _step_rows(p, target):
     """A step that reduces over the units: the recurrent product for every
     unit (register tiles, as _step_tile's), then the sums and the cell in
-    one kernel a block a batch row (_row_block): 2 kernels."""
+    one kernel a block a batch row (row_block): 2 kernels."""
     v = p.vars
     p.notes.append(f"step: the product for every unit, then {len(p.reductions)} sums over units "
                    f"and the cell in one kernel, a block a batch row")
     _hg_kernel(p, p.stage("hg").compute_root(), p.param("h_prev").dim(1).extent())
-    _row_block(p, p.stage("out"), v["j"], v["b"])
+    row_block(p, p.stage("out"), v["j"], v["b"])
 
 
 def _hg_kernel(p, hg, batch):
     """hg (j, gate, b), the recurrent product for every unit, as one kernel:
-    as _step_lanes's product where _lanes_fit, else as _step_tile's
+    as _step_lanes's product where lanes_fit, else as _step_tile's
     register tiles. batch: its rows' extent."""
     v = p.vars
-    rows, slices = _batch_rows(p.H), _warp_slices(p.H, SLICES)
-    if _lanes_fit(p.H):
-        rows, slices = (8 if p.H >= 1024 else 4), _lanes_slices(p.H, 8)
-        _lanes_product(hg, p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
-                       p.rdoms["k"].x, p.H, batch, p.stage("prev_in_h"), slices,
-                       out_tile=[v["gate"]])
+    rows, slices = _batch_rows(p.H), warp_slices(p.H, SLICES)
+    if lanes_fit(p.H):
+        rows, slices = (8 if p.H >= 1024 else 4), lanes_slices(p.H, 8)
+        lanes_product(hg, p.stage("hg_acc"), v["j"], v["b"], rows, [v["gate"]],
+                      p.rdoms["k"].x, p.H, batch, p.stage("prev_in_h"), slices,
+                      out_tile=[v["gate"]])
     else:
-        _tile(hg, p.stage("hg_acc"), v["j"], [(v["gate"], None, False), (v["b"], rows, True)],
-              [p.rdoms["k"].x], unroll=8, slices=slices, reduce_extent=p.H,
-              tile_from=_tile_from(p.H), extent=batch)
+        register_tile(hg, p.stage("hg_acc"), v["j"],
+                      [(v["gate"], None, False), (v["b"], rows, True)], [p.rdoms["k"].x],
+                      unroll=8, slices=slices, reduce_extent=p.H, tile_from=_tile_from(p.H),
+                      extent=batch)
 
 
 def reducing_layout(layout: Layout) -> Layout:
@@ -883,7 +404,7 @@ def step_product(p, target):
 def step_fold(p, target):
     """A folded step (pipeline.FOLD_FWD) as one kernel: blocks over a warp
     of units x one batch row, each computing its row's sums, stagings and
-    new h for every unit first (_row_work; h in shared memory), then its
+    new h for every unit first (row_work; h in shared memory), then its
     units' states, saved values and, in registers, every gate of the next
     step's product, the reduction split over warps as _step_tile's. The
     blocks of one row redo its row work side by side: the driver folds
@@ -894,7 +415,7 @@ def step_fold(p, target):
     # have a multiprocessor each (the driver's rule), so a block may take
     # its whole register file (ROW_THREADS x max_registers = 65536)
     # (bench/RESULTS.md, "Schedule decisions": cuda.step_fold slices)
-    slices = _warp_slices(p.H, 2 * SLICES, even_first=True)
+    slices = warp_slices(p.H, 2 * SLICES, even_first=True)
     p.notes.append(f"step_fold: one kernel; a block a batch row and {LANES} units computes the "
                    f"row's {len(p.reductions)} sums over units and h for every unit, then every "
                    f"gate of its units' next product, the reduction split over {slices} warp(s)")
@@ -908,27 +429,27 @@ def _fold_kernel(p, acc, reduce, acc_only, slices, row_stage):
     """A folded step's kernel (step_fold, step_bwd_fold): out's blocks over
     a warp of units x one batch row, acc its product in registers, the
     reduction split over `slices` warps; at each block's start its row's
-    work (_row_work) and `row_stage`, the product's operand for every unit
+    work (row_work) and `row_stage`, the product's operand for every unit
     of the row (shared memory). Returns the block loop over units."""
     v, out = p.vars, p.stage("out")
-    _tile(out, acc, v["j"], [(v["b"], 1, True)], reduce, unroll=8, acc_only=acc_only,
-          slices=slices, reduce_extent=p.H, partial_in_registers=True)
-    at = hl.Var(v["j"].name() + "o")     # (_loops' block loop over units)
+    register_tile(out, acc, v["j"], [(v["b"], 1, True)], reduce, unroll=8, acc_only=acc_only,
+                  slices=slices, reduce_extent=p.H, partial_in_registers=True)
+    at = hl.Var(v["j"].name() + "o")     # (tile_loops' block loop over units)
     f = p.stage(row_stage)
     inner = f.args()[1:-1]               # (its gates, if any: a thread's, unrolled)
     fo, fi = hl.Var(row_stage + "_o"), hl.Var(row_stage + "_i")
-    f.compute_at(out, at).split(v["j"], fo, fi, _row_threads(p.H), GUARD) \
+    f.compute_at(out, at).split(v["j"], fo, fi, row_threads(p.H), GUARD) \
         .reorder(*inner, fi, fo).gpu_threads(fi)
     for c in inner:
         f.unroll(c)
-    _row_work(p, out, at)
+    row_work(p, out, at)
     return at
 
 
 def step_bwd_fold(p, target):
     """A folded backward step (pipeline.FOLD_BWD) as one kernel: blocks over
     a warp of units x one batch row, each computing its row's inputs (in
-    shared memory), sums, stagings and dhg for every unit first (_row_work;
+    shared memory), sums, stagings and dhg for every unit first (row_work;
     dhg in shared memory), then its units' outputs and, in registers, their
     dh_prev = W_hh^T dhg, the reduction split over warps (below). The
     driver folds these steps where step_fold's would fold."""
@@ -938,22 +459,22 @@ def step_bwd_fold(p, target):
     # stages' barriers (bench/RESULTS.md, "Schedule decisions":
     # cuda.step_bwd_fold slices)
     want = 2 * SLICES
-    while want > 1 and want * LANES > _row_threads(p.H):
+    while want > 1 and want * LANES > row_threads(p.H):
         want //= 2
-    slices = _warp_slices(p.H, want, even_first=True)
+    slices = warp_slices(p.H, want, even_first=True)
     p.notes.append(f"step_bwd_fold: one kernel; a block a batch row and {LANES} units computes "
                    f"the row's {len(p.reductions)} sums over units and dhg for every unit, then "
                    f"its units' dh = W_hh^T dhg, the reduction split over {slices} warp(s)")
     at = _fold_kernel(p, p.stage("dh_prev_acc"), [r.x, r.y], [], slices, "dhg_row")
     # (the inputs' shared memory less dhg's and the product's partial sums')
-    _row_inputs(p, p.stage("out"), at, _bwd_row_inputs(p),
+    row_inputs(p, p.stage("out"), at, bwd_row_inputs(p),
                 ROW_INPUT_BYTES - 4 * (p.G * p.H + slices * LANES))
 
 
 def step(p, target):
     if p.reductions:
         return _step_rows(p, target)
-    if _lanes_fit(p.H):
+    if lanes_fit(p.H):
         return _step_lanes(p, target)
     return _step_tile(p, target)
 
@@ -963,20 +484,20 @@ step_infer = step
 
 
 def to_bf16(p, target):
-    _grid(p.stage("a_bf16"))
+    grid_kernel(p.stage("a_bf16"))
 
 
 def step_vendor(p, target):
     """A step whose product the driver ran (a vendor GEMM into hg): the
     cell alone, one kernel on the grid, or a block a batch row where it
-    reduces over units (_row_block)."""
+    reduces over units (row_block)."""
     if p.reductions:
         p.notes.append("step (vendor product): the sums and the cell in one kernel, a block a "
                        "batch row; h W_hh^T by cuBLAS (driver)")
-        _row_block(p, p.stage("out"), p.vars["j"], p.vars["b"])
+        row_block(p, p.stage("out"), p.vars["j"], p.vars["b"])
     else:
         p.notes.append("step (vendor product): the cell on the grid; h W_hh^T by cuBLAS (driver)")
-        _grid(p.stage("out"))
+        grid_kernel(p.stage("out"))
 
 
 step_vendor_infer = step_vendor
@@ -999,13 +520,13 @@ def _bwd_pointwise(p, states):
         [p.stage("dprev_" + s) for s in states] + \
         ([p.stage("dvec_out")] if p.V else []) + \
         ([p.stage("dhg_bf16_out")] if "dhg_bf16_out" in p.stages else [])
-    if p.reductions:      # a block a batch row, its sums first (_row_block)
-        _row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
-        _row_inputs(p, p.stage("dxp_out"), v["b"], _bwd_row_inputs(p))
+    if p.reductions:      # a block a batch row, its sums first (row_block)
+        row_block(p, p.stage("dxp_out"), v["j"], v["b"], along=others)
+        row_inputs(p, p.stage("dxp_out"), v["b"], bwd_row_inputs(p))
     else:
-        pointwise = _grid(p.stage("dxp_out"))
+        pointwise = grid_kernel(p.stage("dxp_out"))
         for f in others:
-            _grid(f, along=pointwise)
+            grid_kernel(f, along=pointwise)
 
 
 def step_bwd(p, target):
@@ -1036,25 +557,25 @@ def step_bwd_fused(p, target):
 def _dh_product(p, out, acc, staged, kind):
     """dh = W_hh^T dhg into out(k, b) (acc: its sum; staged: dhg's stage)."""
     v, r = p.vars, p.rdoms["jg"]
-    if _lanes_fit(p.H):
+    if lanes_fit(p.H):
         # 8 rows a lane; from H = 1024 2 units a lane (one staged value feeds
         # 2 units' FMAs) and 16 warps, as blocks are fewer than SMs there
         # (bench/RESULTS.md, "Schedule decisions": cuda.dh lanes).
-        units = _slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
-        slices = _lanes_slices(p.H, 16 if p.H >= 1024 else 8)
+        units = even_slices(p.Hp // LANES, 2 if p.H >= 1024 else 1)   # whole blocks of panels
+        slices = lanes_slices(p.H, 16 if p.H >= 1024 else 8)
         p.notes.append(f"{kind}: dh = W_hh^T dhg as a lanes product; {units} unit(s) x 8 "
                      f"batch rows a lane where B >= 8, one row otherwise; {slices} warps, "
                      f"dhg staged in chunks of {LANES} and shuffled")
-        _lanes_product(out, acc, v["k"], v["b"], 8, [], r.x, p.H,
-                       out.output_buffers()[0].dim(1).extent(), staged, slices,
-                       units=units, gates=r.y, unroll=4)
+        lanes_product(out, acc, v["k"], v["b"], 8, [], r.x, p.H,
+                      out.output_buffers()[0].dim(1).extent(), staged, slices,
+                      units=units, gates=r.y, unroll=4)
         return
-    rows, slices = _batch_rows(p.H), _warp_slices(p.H, SLICES)
+    rows, slices = _batch_rows(p.H), warp_slices(p.H, SLICES)
     first_rows = _tile_from(p.H)
     p.notes.append(f"{kind}: dh = W_hh^T dhg with {rows} batch rows a thread where B >= {first_rows}, "
                  f"one otherwise; the reduction split over {slices} warp(s)")
-    _tile(out, acc, v["k"], [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices,
-          reduce_extent=p.H, tile_from=first_rows)
+    register_tile(out, acc, v["k"], [(v["b"], rows, True)], [r.x, r.y], unroll=8, slices=slices,
+                  reduce_extent=p.H, tile_from=first_rows)
 
 
 # Warps wanted on the grid of a register-tile weight-gradient GEMM: its
@@ -1084,10 +605,10 @@ def _row_parts(width: int, H: int) -> int:
 def _summed_parts(out, acc, part, u, lane, cols, inner, outer, extent=None, **kw):
     """out = the sum over u of `part` (acc's update rfactored over u): every
     part a tile of its own on the grid (stored in device memory), reducing
-    `inner`; then out's tiles sum the parts (`outer`). extent: see _tile."""
+    `inner`; then out's tiles sum the parts (`outer`). extent: see register_tile."""
     whole = part.in_().compute_root()
-    _tile(whole, part, lane, cols + [(u, 1, False)], inner, extent=extent, **kw)
-    _tile(out, acc, lane, cols, outer, **kw)
+    register_tile(whole, part, lane, cols + [(u, 1, False)], inner, extent=extent, **kw)
+    register_tile(out, acc, lane, cols, outer, **kw)
 
 
 def _lanes_dw(p, width: int) -> bool:
@@ -1108,7 +629,7 @@ def grads(p, target):
     # one broadcast load for 4 FMAs; 8 rows a thread where fewer than 4 warps
     # span K, and from H = 512, for more tiles
     # (bench/RESULTS.md, "Schedule decisions": cuda.dx tiles)
-    per_lane = _slices(p.Kp // LANES, 4)
+    per_lane = even_slices(p.Kp // LANES, 4)
     dx_rows = ROWS if p.Kp // (LANES * per_lane) >= 4 and p.H < 512 else 8
     unroll = _gemm_unroll(p.H)[1]
     if p.H % LANES:
@@ -1123,13 +644,13 @@ def grads(p, target):
     # tiles), then the four (bench/RESULTS.md, "Schedule decisions": cuda.dx per gate).
     if p.H % LANES == 0:
         big = p.H >= 512
-        units = _slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
+        units = even_slices(p.Kp // LANES, 4 if big else 1)       # whole blocks of panels
         p.notes.append(f"grads: dx = W_ih^T dxp as a lanes product; {units} input unit(s) x 8 rows "
                      f"a lane, one warp, dxp staged in chunks in shared memory")
         out = p.stage("dx")
-        _lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
-                       out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
-                       1, units=units, gates=rg.y, unroll=4, chunk_outer=big)
+        lanes_product(out, p.stage("dx_acc"), i, n, 8, [], rg.x, p.H,
+                      out.output_buffers()[0].dim(1).extent(), p.stage("dxp_in"),
+                      1, units=units, gates=rg.y, unroll=4, chunk_outer=big)
     elif p.H >= 512:
         p.notes.append("grads: dx summed per gate on the grid, then over the gates")
         g = hl.Var("dx_g")
@@ -1138,8 +659,8 @@ def grads(p, target):
                       [rg.x], [rg.y], extent=p.stage("dx").output_buffers()[0].dim(1).extent(),
                       per_lane=per_lane, unroll=unroll)
     else:
-        _tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
-              per_lane=per_lane, unroll=unroll)
+        register_tile(p.stage("dx"), p.stage("dx_acc"), i, [(n, dx_rows, True)], [rg.x, rg.y],
+                      per_lane=per_lane, unroll=unroll)
     # Weight gradients: a lanes product on one warp where they have 2048
     # tiles or more (a lane holds 4 input x 4 hidden units x every gate;
     # dxp/dhg staged in 32-row chunks, read back in vector loads)
@@ -1155,8 +676,8 @@ def grads(p, target):
             p.notes.append(f"grads: {name} as a lanes product; 4 input units x 4 hidden units x "
                          f"every gate a lane, one warp, {d} staged in chunks in shared memory")
             staged = p.stage(d + "_panels")       # (ji, gate, n, jo)
-            _lanes_product(out, acc, vec, j, 4, [gate], rn.x, None, p.H, staged, 1,
-                           units=_slices(-(-width // LANES), 4), out_tile=[gate], chunk_arg=2)
+            lanes_product(out, acc, vec, j, 4, [gate], rn.x, None, p.H, staged, 1,
+                          units=even_slices(-(-width // LANES), 4), out_tile=[gate], chunk_arg=2)
             continue
         p.notes.append(f"grads: {name} with 4 input x 4 hidden units x every gate a thread")
         tile = [(j, 4, False), (gate, None, False)]
@@ -1170,7 +691,7 @@ def grads(p, target):
                                       GUARD).rfactor(ro, u)
             _summed_parts(out, acc, part, u, vec, tile, [ri], [ro], per_lane=4, unroll=unroll)
         else:
-            _tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=unroll)
+            register_tile(out, acc, vec, tile, [rn.x], per_lane=4, unroll=unroll)
     _bias_sums(p)
 
 
@@ -1181,16 +702,16 @@ def _bias_sums(p):
     j, gate, rn = p.vars["j"], p.vars["gate"], p.rdoms["n"]
     for bias in ("db_ih", "db_hh") + (("dvec",) if p.V else ()):
         if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
-            _grid(p.stage(bias))
+            grid_kernel(p.stage(bias))
             continue
         out, acc = p.stage(bias), p.stage(bias + "_acc")
         rows = p.rdoms["v"] if bias == "dvec" else rn     # (dvec: over batch rows)
         ro, ri = hl.RVar(bias + "_ro"), hl.RVar(bias + "_ri")
         u = hl.Var(bias + "_u")
         chunks = acc.update().split(rows.x, ro, ri, 64, GUARD).rfactor(ro, u)
-        _grid(chunks.compute_root())
-        _grid(chunks, chunks.update())
-        _tile(out, acc, j, [(gate, None, False)], [ro])
+        grid_kernel(chunks.compute_root())
+        grid_kernel(chunks, chunks.update())
+        register_tile(out, acc, j, [(gate, None, False)], [ro])
 
 
 # ---- the char LM's head and optimizer (halstm/model/kernels.py) -----------

@@ -361,7 +361,7 @@ def test_cuda_weight_gradients_as_lanes_products_from_2048_tiles():
 # A register-tile step's reduction is split over 8 warps at every H, in
 # runs of ceil(H / 8) (the last shorter) where 8 does not divide H; the
 # folded steps keep an even split where one gives 2 warps or more
-# (cuda._warp_slices). The odd H lower to PTX with no local memory.
+# (cuda_tiles.warp_slices). The odd H lower to PTX with no local memory.
 @pytest.mark.parametrize("cell,kind,H,warps", [
     ("lstm", "step", 85, 8), ("gru", "step_infer", 37, 8), ("lstm", "step_bwd_fused", 100, 8),
     ("lstm", "step_bwd", 650, 8), ("lstm", "step_narrow", 261, 8),
@@ -403,12 +403,12 @@ def test_cuda_lanes_products_lower_to_registers(cell, kind, H, stage, one_warp):
         assert "ld.local" not in body and "st.local" not in body
 
 
-# A step that reduces over units runs a block a batch row (cuda._row_block):
+# A step that reduces over units runs a block a batch row (cuda_rows.row_block):
 # the sums of one level share their loops and barriers (4 levels of the
 # layer-norm LSTM's 6 sums, each way), the short sums are unrolled into
 # registers (no local memory), and the backward loads its saved values,
 # states and vector parameters into shared memory once where they fit, in
-# one loop (cuda._row_inputs: at H = 512, 14 saved channels in 28 KiB, not
+# one loop (cuda_rows.row_inputs: at H = 512, 14 saved channels in 28 KiB, not
 # at 640), instead of from global memory in every stage.
 def _row_kernel(kind, H):
     import re
@@ -424,7 +424,7 @@ def _row_kernel(kind, H):
     ("step", 256, 15, False), ("step_bwd", 256, 15, True), ("step_bwd", 512, 14, True),
     ("step_bwd", 640, 14, False)])
 def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, monkeypatch):
-    from halstm.schedules import cuda
+    from halstm.schedules import cuda_rows
     body = _row_kernel(kind, H)
     assert body.count("bar.sync") == barriers
     assert "ld.local" not in body and "st.local" not in body
@@ -442,7 +442,7 @@ def test_cuda_row_block_of_the_layer_norm_lstm(kind, H, barriers, staged, monkey
         stages = body.split("bar.sync")
         assert sum("ld.global" in s for s in stages) == 3, [s.count("ld.global") for s in stages]
     if kind == "step_bwd":
-        monkeypatch.setattr(cuda, "ROW_INPUT_BYTES", 0)
+        monkeypatch.setattr(cuda_rows, "ROW_INPUT_BYTES", 0)
         unstaged = _row_kernel(kind, H).count("ld.global")
         assert (body.count("ld.global") * 3 < unstaged * 2) == staged, (body.count("ld.global"),
                                                                          unstaged)
@@ -460,7 +460,7 @@ def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H):
     shared memory a block gets without opting in, no local or device
     memory."""
     import re
-    from halstm.schedules import cuda
+    from halstm.schedules import cuda_rows
     p, notes, target = _cuda_pipe("layernorm_lstm", kind, 64, H)
     assert any(f"{kind}: one kernel" in n for n in notes), notes
     text = _lowered(p, target)
@@ -468,7 +468,7 @@ def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H):
     launch = re.findall(r'halide_cuda_run\(cuda\[0\], "[^"]*", ([^,]+), ([^,]+), ([^,]+), '
                         r'(\d+), (\d+), (\d+), 0 \+ \((\d+)\*4\)', text)
     assert len(launch) == 1, launch
-    assert int(launch[0][3]) <= cuda.ROW_THREADS and launch[0][4:6] == ("1", "1"), launch
+    assert int(launch[0][3]) <= cuda_rows.ROW_THREADS and launch[0][4:6] == ("1", "1"), launch
     assert int(launch[0][6]) * 4 <= 48 << 10, launch
     assert "ld.local" not in text and "st.local" not in text
     assert "halide_device_malloc" not in text

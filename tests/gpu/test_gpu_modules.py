@@ -135,7 +135,7 @@ def test_matches_cudnn(cell, gpu_target):
 # rows (16) with full tiles where the extent allows and single rows
 # elsewhere: these (T, B) take both paths, with edge tiles. The per-step
 # reductions are split over 8 warps: in runs of 12 and 16 at H=96 and 128,
-# of 5 and 13 at H=37 and 100, the last run shorter (cuda._warp_slices);
+# of 5 and 13 at H=37 and 100, the last run shorter (cuda_tiles.warp_slices);
 # H=128 also gives layer 1 (K=128) four units a thread in dx.
 # Below H=512 the steps are register tiles; at H=96 and 128 dx (both
 # layers) and layer 2's projection (K = H) are lanes products, at H=37 and
@@ -189,7 +189,7 @@ def test_narrow_and_wide_steps_in_one_call(cell, Hn, gpu_target):
 
 
 # From H=512 (a multiple of 32) the per-step products, the projection and
-# dx are lanes products (schedules/cuda.py _lanes_product): 8 rows a lane
+# dx are lanes products (schedules/cuda_lanes.py lanes_product): 8 rows a lane
 # (4 in the forward step below H=1024) where there are that many, one row
 # otherwise; two units a lane in dh from H=1024, four in dx. These (T, B)
 # give whole tiles with a shifted edge tile (9, 17), too few rows for a
