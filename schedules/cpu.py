@@ -6,7 +6,8 @@ axis vectorized, the other tile axes unrolled and the reduction outside
 them, so that the tile's accumulators stay in registers and each reduction
 step reads one contiguous block of the panel. Batch axes (runtime sizes)
 split with GuardWithIf; the pipeline clamps batch reads, so a tile may
-overrun B.
+overrun B. The tiles are schedules/cpu_tiles.py's; the weight-gradient
+pipeline's schedule is schedules/cpu_grads.py's.
 """
 import math
 from dataclasses import replace
@@ -16,32 +17,13 @@ import halide as hl
 from .. import bf16, machine
 from . import amx, bf16_vectors
 from ..layout import Layout, StepSplit
+from . import cpu_grads
+from .cpu_tiles import (GUARD, ROUND, SHIFT, knob, panel, register_tile, registers, tile_panels,
+                        vector_width)
 from .knobs import KNOBS as _KNOBS
 
 KNOBS = _KNOBS["cpu"]      # what `halstm tune` searches; a tuned value is p.knobs[name]
 
-SHIFT = hl.TailStrategy.ShiftInwards
-GUARD = hl.TailStrategy.GuardWithIf
-ROUND = hl.TailStrategy.RoundUp
-
-
-def panel(target: hl.Target) -> int:
-    """One native float vector: the width of a weight panel, so that one
-    reduction step of a tile reads one vector of a panel."""
-    return 16 if target.has_feature(hl.TargetFeature.AVX512) else 8
-
-
-def registers(target: hl.Target) -> int:
-    """The vector register file in panel-wide vectors: 32 with AVX-512
-    (zmm), 16 with AVX (ymm), 8 with SSE alone, 16 on ARM (32 NEON
-    registers, two a panel)."""
-    if target.arch == hl.TargetArch.ARM:
-        size = 32 * 16
-    elif target.has_feature(hl.TargetFeature.AVX512):
-        size = 32 * 64
-    else:
-        size = 16 * (32 if target.has_feature(hl.TargetFeature.AVX) else 16)
-    return size // (4 * panel(target))
 
 
 def step_rows(target: hl.Target) -> int:
@@ -102,118 +84,6 @@ REDUCING_ROWS = 8
 
 # The LSTM's ranges of rows forward up to this size of W_hh (see SPLIT_ROWS).
 ROWS_FWD_BYTES = 512 << 10
-
-
-def _vw(target, extent: int) -> int:
-    return min(panel(target), extent)
-
-
-def _tile(out, acc, vec, vec_w, cols, reduce, par=None, vec_tail=ROUND, small=None, panels=1,
-          chunk=None, extent=None, unroll_out=True, wide=None):
-    """Register-tile out(vec, ...): vec split by vec_w * panels, each
-    vec_w-wide panel vectorized and the panels unrolled; each (var, factor,
-    tail) in cols split (factor None: the whole small axis) and unrolled;
-    acc computed per tile with `reduce` (RVars) outside the tile loops;
-    `par`: the name of an outer loop to run in parallel.
-
-    A col whose tail is GUARD has a runtime extent: the tiled schedule is
-    specialized to extent >= factor (with ShiftInwards, so every tile is
-    full and its accumulators have a constant size), and smaller extents
-    get a tile of 1 along it. `small`: (condition, panels, par) for a tile
-    of that many panels and no batch tiling where condition holds (tiny
-    batches, where a batch tile would waste FMAs). extent: the GUARD col's
-    extent where out is not an output (else its buffer's). unroll_out
-    False: out's own tile loops (not acc's) stay loops, for an out whose
-    per-element work is large (less code to compile). wide: (factor,
-    condition), a factor for the GUARD col tried first, where condition
-    holds."""
-    runtime = [(v, f) for v, f, tail in cols if tail is GUARD]
-    tiled_cols = [(v, f, SHIFT if tail is GUARD else tail) for v, f, tail in cols]
-    untiled = [(v, 1, ROUND) if tail in (GUARD, ROUND) and f else (v, f, tail)
-               for v, f, tail in cols]
-    if small is not None:
-        cond, small_panels, small_par = small
-        _loops(out.specialize(cond), out, vec, vec_w, small_panels, untiled, small_par, vec_tail,
-               unroll=unroll_out)
-    if runtime:
-        dims = {a.name(): d for d, a in enumerate(out.args())}
-        buf = out.output_buffers()[0] if extent is None else None
-        cond = None
-        for v, f in runtime:
-            c = (buf.dim(dims[v.name()]).extent() if extent is None else extent) >= f
-            cond = c if cond is None else (cond & c)
-        if wide is not None:
-            (v, _), = runtime
-            factor, wide_cond = wide
-            wide_cols = [(c, factor, t) if c.name() == v.name() else (c, f, t)
-                         for c, f, t in tiled_cols]
-            _loops(out.specialize(wide_cond), out, vec, vec_w, panels, wide_cols, par, vec_tail,
-                   chunk, unroll_out)
-        _loops(out.specialize(cond), out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk,
-               unroll_out)
-        _loops(out, out, vec, vec_w, panels, untiled, par, vec_tail, chunk, unroll_out)
-    else:
-        _loops(out, out, vec, vec_w, panels, tiled_cols, par, vec_tail, chunk, unroll_out)
-    # per tile: inside the innermost tile loop (all specializations name it alike)
-    innermost = next((hl.Var(v.name() + "o") for v, f, _ in cols if f is not None),
-                     hl.Var(vec.name() + "o"))
-    acc.compute_at(out, innermost)
-    tile_vars = [c[0] for c in cols]
-    vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
-    for stage in (acc, acc.update()):
-        stage.split(vec, vp, vv, vec_w, ROUND).vectorize(vv).unroll(vp)
-        for v in tile_vars:
-            stage.unroll(v)
-    acc.update().reorder(*([vv, vp] + tile_vars + list(reduce)))
-    return out
-
-
-def _loops(stage, func, vec, vec_w, panels, cols, par, vec_tail, chunk=None, unroll=True):
-    """The loop nest of one (specialization of a) tiled stage."""
-    vo, vi = hl.Var(vec.name() + "o"), hl.Var(vec.name() + "i")
-    vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
-    stage.split(vec, vo, vi, vec_w * panels, vec_tail).split(vi, vp, vv, vec_w)
-    inner, outer = [vv, vp], []
-    for v, f, tail in cols:
-        if f is None:
-            inner.append(v)
-            continue
-        o, i = hl.Var(v.name() + "o"), hl.Var(v.name() + "i")
-        if chunk is not None and chunk[0].name() == v.name():
-            full, oc = hl.Var(v.name() + "of"), hl.Var(v.name() + "oc")
-            stage.split(v, full, i, f, tail).split(full, oc, o, chunk[1], GUARD)
-            chunks = [oc]
-        else:
-            stage.split(v, o, i, f, tail)
-        inner.append(i)
-        outer.append(o)
-    tiled = {x.name() for x in [vec] + [c[0] for c in cols]}
-    rest = [a for a in func.args() if a.name() not in tiled]
-    # the weight-panel loop outermost: a panel stays in cache across the
-    # batch tiles and time steps that use it; with `chunk` (var, tiles),
-    # that var's tiles run in chunks outside the panel loop, so that a
-    # chunk of rows stays in L2 while every panel passes
-    outer += rest + [vo]
-    if chunk is not None:
-        outer += chunks
-    stage.reorder(*(inner + outer)).vectorize(vv)
-    for i in inner[1:] if unroll else ():
-        stage.unroll(i)
-    if par is not None and chunk is not None and par == vo.name():
-        # one parallel loop over (chunk, panel) pairs, chunk-major: the
-        # threads share a chunk's rows, and there is no join per chunk
-        # (bench/RESULTS.md, "Schedule decisions": cpu.proj parallel loop).
-        stage.fuse(vo, chunks[0], vo).parallel(vo)
-    elif par is not None:
-        stage.parallel({v.name(): v for v in outer}[par])
-
-
-def _panels(extent: int, P: int, want: int) -> int:
-    """Panels per tile: at most `want`, dividing the extent's panel count."""
-    n = max(1, min(want, extent // P))
-    while (extent // P) % n:
-        n -= 1
-    return n
 
 
 # The time steps run on the driver's threads, not Halide's pool, which
@@ -419,7 +289,7 @@ def bf16_layout(layout: Layout, direction: str, input_size: int, hidden_size: in
 def step_narrow(p, target):
     """A step of few rows with precision bf16 (bf16_layout): amx.step_narrow,
     in tiles of two panels where H allows whole aligned tiles."""
-    amx.step_narrow(p, _panels(p.Hp, p.P, 2) if p.H % p.P == 0 else 1)
+    amx.step_narrow(p, tile_panels(p.Hp, p.P, 2) if p.H % p.P == 0 else 1)
 
 
 step_narrow_infer = step_narrow
@@ -438,7 +308,7 @@ def _bf16_tile(p, target, gates: int) -> tuple:
     """(rows, panels) of a bf16 product's register tile over the layer's
     units (bf16_vectors.tile_shape), its panels dividing Hp / P."""
     rows, panels = bf16_vectors.tile_shape(registers(target), gates)
-    return rows, _panels(p.Hp, p.P, panels)
+    return rows, tile_panels(p.Hp, p.P, panels)
 
 
 def _row_sums(p, at, at_var, vw):
@@ -505,9 +375,9 @@ def _product_tiles(p, target, hg, par, extent=None, out_rows=None) -> None:
     if out_rows is None:
         out_rows = hg.output_buffers()[0].dim(2).extent()
     wide = _wide(target, p.G, group, rows, out_rows)
-    small_panels = _panels(p.Hp, P, 2) if p.H % P == 0 else 1
-    _tile(hg, acc, j, P, [(gate, None, ROUND), (b, rows, GUARD)], [k], par=par, extent=extent,
-          small=(batch < rows, small_panels, par), wide=wide)
+    small_panels = tile_panels(p.Hp, P, 2) if p.H % P == 0 else 1
+    register_tile(hg, acc, j, P, [(gate, None, ROUND), (b, rows, GUARD)], [k], par=par,
+                  extent=extent, small=(batch < rows, small_panels, par), wide=wide)
     if wide is not None:
         _group_passes(hg, acc, j, gate, b, k, p.G, group, hl.Var("bo"), wide[1])
     p.split_quantum = small_panels
@@ -577,13 +447,13 @@ def step(p, target):
     # enough to hide the FMA latency) where H allows whole aligned tiles
     # (bench/RESULTS.md, "Schedule decisions": cpu.step small batch).
     aligned = H % P == 0
-    small_panels = _panels(p.Hp, P, 2) if aligned else 1
+    small_panels = tile_panels(p.Hp, P, 2) if aligned else 1
     # one thread: the driver runs ranges of units on its threads (split_steps)
-    _tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
-          small=(batch < rows, small_panels, None), wide=wide)
+    register_tile(out, acc, j, P, [(b, rows, GUARD)], [p.rdoms["k"].x], vec_tail=j_tail,
+                  small=(batch < rows, small_panels, None), wide=wide)
     p.split_quantum = small_panels     # the driver's ranges: whole tiles
     p.split_batch_bytes = ROWS_FWD_BYTES   # ranges of rows below (see SPLIT_ROWS)
-    at = hl.Var("bo")                  # the innermost tile loop (see _tile)
+    at = hl.Var("bo")                  # the innermost tile loop (see register_tile)
     if not aligned:                    # whole panels at the guarded edge too
         for f in (acc, act):
             f.bound_extent(j, P)
@@ -595,7 +465,7 @@ def step(p, target):
 
 
 def _wide(target, gates: int, group: int, rows: int, out_rows):
-    """_tile's `wide` for forward-step tiles: proj_tile's rows where its
+    """register_tile's `wide` for forward-step tiles: proj_tile's rows where its
     tile is of the panels' gate group and holds more rows than `rows`, and
     the call's rows (out_rows) fill them with few extra (_few_extra_rows);
     else None."""
@@ -669,9 +539,9 @@ def _dh_product(p, target, batch, own: bool) -> None:
     r = p.rdoms["jg"]
     out = p.stage("dprev_h")
     wide, rows, narrow = _dh_tiles(p, target)
-    _tile(out, p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
-          panels=wide, small=(batch < rows, narrow, "ko" if own else None),
-          par="ko" if own else None, wide=_dh_wide(out, target, wide, rows))
+    register_tile(out, p.stage("dh_prev_acc"), k, p.P, [(b, rows, GUARD)], [r.x, r.y],
+                  panels=wide, small=(batch < rows, narrow, "ko" if own else None),
+                  par="ko" if own else None, wide=_dh_wide(out, target, wide, rows))
 
 
 def _bwd_rows(p, target, product_in, states) -> None:
@@ -680,7 +550,7 @@ def _bwd_rows(p, target, product_in, states) -> None:
     `states` too) computed in it; product_in (the product's operand, or
     None) computed whole first, then copied out."""
     b = p.vars["b"]
-    vw = _vw(target, p.H)
+    vw = vector_width(target, p.H)
     names = tuple(n for n in (product_in, "dxp", "dhg" if not p.cell.dxp_is_dhg else None,
                               "dvec" if p.V else None) if n)
     names = tuple(dict.fromkeys(names))
@@ -749,9 +619,9 @@ def _dh_tiles(p, target, narrow=True) -> tuple:
     half = max(1, p.Hp // p.P // 2)
     fit = max(1, (knob(p, "dh_panel_kib") << 10) // (p.G * p.H * p.P * 4))
     accumulators = registers(target) // 2
-    wide = _panels(p.Hp, p.P, min(accumulators // 4, half, fit))
+    wide = tile_panels(p.Hp, p.P, min(accumulators // 4, half, fit))
     rows = min(8, accumulators // wide)
-    narrow = _panels(p.Hp, p.P, min(8, half)) if narrow else wide
+    narrow = tile_panels(p.Hp, p.P, min(8, half)) if narrow else wide
     p.split_quantum, p.split_quantum_small = wide, math.lcm(wide, narrow)
     p.split_small_below = rows
     p.split_batch_bytes = 1 << 20
@@ -777,14 +647,14 @@ def step_bwd_fused(p, target):
     wide, rows, narrow = _dh_tiles(p, target, narrow=aligned)
     if not aligned:
         acc.bound_extent(k, p.P * wide)
-    _tile(out, acc, k, p.P, [(b, rows, GUARD)], [r.x, r.y], panels=wide,
-          vec_tail=ROUND if aligned else GUARD, small=(batch < rows, narrow, None),
-          par=None if p.split_steps else "ko", unroll_out=False,
-          wide=_dh_wide(out, target, wide, rows))
+    register_tile(out, acc, k, p.P, [(b, rows, GUARD)], [r.x, r.y], panels=wide,
+                  vec_tail=ROUND if aligned else GUARD, small=(batch < rows, narrow, None),
+                  par=None if p.split_steps else "ko", unroll_out=False,
+                  wide=_dh_wide(out, target, wide, rows))
 
 
 def _dh_wide(out, target, panels: int, rows: int):
-    """_tile's `wide` for dh tiles of `panels` x `rows` that hold fewer than
+    """register_tile's `wide` for dh tiles of `panels` x `rows` that hold fewer than
     PROJ_LEAST_ACCUMULATORS accumulators (too few to hide the FMA latency:
     AVX2's 2 x 4; AVX-512's 4 x 4 hold 16): the most rows (PROJ_MOST_ROWS
     at most) whose accumulators, a weight vector a panel and a broadcast
@@ -806,175 +676,8 @@ def gather(p, target):
     xp.split(n, no, ni, 64, GUARD).parallel(no)
 
 
-def grads_ids(p, target):
-    """As grads, dW_ih a scatter-add: one gate a task, each row of dxp added
-    to its class's row (vectorized along units)."""
-    grads(p, target, ids=True)
-    j, gate, rn = p.vars["j"], p.vars["gate"], p.rdoms["n"]
-    acc, out = p.stage("dw_ih_acc"), p.stage("dw_ih")
-    vw = _vw(target, p.H)
-    tail = ROUND if p.H % vw == 0 else GUARD
-    acc.compute_root().vectorize(j, vw, tail).parallel(gate)
-    acc.update().reorder(j, rn.x, gate).vectorize(j, vw, tail).parallel(gate)
-    out.parallel(gate)
-
-
-def knob(p, name: str):
-    """A knob's value for pipe p: tuned (halstm tune), else its default."""
-    return p.knobs.get(name, KNOBS[name].default)
-
-
-# dx's rows in chunks of this many row tiles (192 rows), as the
-# projection's (proj_chunk): its parallel loop then runs over (chunk, tile
-# of panels) pairs, not over the tiles of panels alone, of which K = 96
-# has 3 and K = 512 has 16 for 2 and 16 threads (bench/RESULTS.md,
-# "Schedule decisions": cpu.grads dx chunks).
-DX_CHUNK_TILES = 32
-
-
-def grads(p, target, ids=False):
-    if p.cpu_bf16:
-        if p.amx_tiles:
-            amx.grads(p)
-        else:
-            rows, panels = bf16_vectors.tile_shape(registers(target), 1)
-            bf16_vectors.grads(p, rows, panels, DX_CHUNK_TILES)
-        return _bias_sums(p, target)
-    v, H = p.vars, p.H
-    i, j, gate, n = v["i"], v["j"], v["gate"], v["t"]
-    rg, rn = p.rdoms["jg"], p.rdoms["n"]
-    if not ids:
-        # dx: tiles of 6 rows x 2 panels, 12 accumulators (AVX2's 16
-        # registers hold them too); an odd number of input panels (dx is Kp
-        # wide) has its last tile shifted inwards by a panel, so that its
-        # loads stay on panel boundaries
-        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dx tile); the
-        # rows in chunks of DX_CHUNK_TILES tiles, one parallel loop over
-        # (chunk, tile of panels) pairs (cpu.grads dx chunks)
-        dx_panels = min(2, p.Kp // p.P)
-        _tile(p.stage("dx"), p.stage("dx_acc"), i, p.P, [(n, 6, GUARD)], [rg.x, rg.y],
-              par="io", panels=dx_panels, chunk=(n, DX_CHUNK_TILES),
-              vec_tail=ROUND if (p.Kp // p.P) % dx_panels == 0 else SHIFT)
-    for name in ("hs_panels",) if ids else ("x_panels", "hs_panels"):
-        f = p.stage(name)
-        vi, row, vo = f.args()
-        f.compute_root().vectorize(vi, min(p.dw_cols, 4 * p.P)).parallel(vo)
-    for f in {p.stage("dxp_panels").name(): p.stage("dxp_panels"),
-              p.stage("dhg_panels").name(): p.stage("dhg_panels")}.values():
-        ji, g, row, jo = f.args()
-        ro, ri = hl.Var("ro"), hl.Var("ri")
-        # Chunks of 64 rows in parallel, every panel of a chunk in turn: each
-        # row of dxp is read from L2 once, and each (panel, gate) block is
-        # stored as contiguous 6-unit rows (storage ji, row, gate, jo), so a
-        # weight-gradient tile of one gate broadcasts from a dense stream
-        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dxp panels).
-        f.compute_root().reorder_storage(ji, row, g, jo)
-        f.split(row, ro, ri, 64, GUARD).reorder(ji, g, ri, jo, ro).unroll(ji).unroll(g)
-        f.parallel(ro)
-    # Weight gradients: dw_cols x dw_rows register tiles in blocks of unit
-    # tiles, one block a task, the rows in chunks outermost within it
-    # (_dw_blocks); K or H below a tile: whole tiles, copied out.
-    for name, vec in (("dw_hh", v["k"]),) if ids else (("dw_ih", i), ("dw_hh", v["k"])):
-        width = p.K if vec is i else H
-        if width >= p.dw_cols and H >= p.dw_rows:
-            _dw_blocks(p, p.stage(name), p.stage(name + "_acc"), vec, width, rn)
-            continue
-        tiles = p.stage(name + "_tiles").compute_root()
-        _tile(tiles, p.stage(name + "_acc"), vec, p.dw_cols, [(j, p.dw_rows, ROUND)], [rn.x])
-        tiles.fuse(jo, gate, jo).parallel(jo)
-        # the copy out of whole tiles, one gate a task, in parallel
-        # (bench/RESULTS.md, "Schedule decisions": cpu.grads dW copy-out)
-        p.stage(name).vectorize(vec, _vw(target, width)).parallel(gate)
-    _bias_sums(p, target)
-
-
-def _bias_sums(p, target):
-    """The grads pipeline's sums over rows (the biases', the vector
-    parameters')."""
-    j, gate, H, rn = p.vars["j"], p.vars["gate"], p.H, p.rdoms["n"]
-    for bias in ("db_ih", "db_hh") + (("dvec",) if p.V else ()):
-        if bias + "_acc" not in p.stages:       # db_hh, a copy of db_ih (the LSTM)
-            p.stage(bias).vectorize(j, _vw(target, H), GUARD)
-            continue
-        rows = p.rdoms["v"] if bias == "dvec" else rn     # (dvec: over batch rows)
-        _bias(p.stage(bias), p.stage(bias + "_acc"), j, gate, rows, _vw(target, H), H)
-
-
-# The rows of a dW block's chunk: its x (or h) panel's chunk, dw_cols x
-# rows floats, fills 16 KiB, a third of a 48 KiB L1 (half of 32 KiB), so
-# that every unit tile of the block reads it from L1.
-DW_CHUNK_BYTES = 16 << 10
-# Below blocks: a tile a task over all N rows, DW_PASS_PANELS input panels
-# per pass over the tiles, where a pass's panels (N rows each) fit in
-# DW_PASS_BYTES (a 1 MiB L2), so that a thread's tiles read them from L2.
-DW_PASS_PANELS = 4
-DW_PASS_BYTES = 1 << 20
-
-
-def _dw_blocks(p, out, acc, vec, width, rn) -> None:
-    """dW(vec, j, gate) = sum over rows n of a(n, vec) d(n, j, gate) in
-    dw_cols x dw_rows register tiles of one gate. Where the rows N are
-    many, in blocks of tiles, one block a task: in a block the rows run in
-    chunks (DW_CHUNK_BYTES) outermost, then the input panels (dw_cols
-    inputs), then the block's tiles, each tile's accumulators in registers
-    for one chunk; a block's accumulators (width x units floats) fill at
-    most the knob dw_block_kib (default a quarter of the L2, knobs.dw_block_kib),
-    in at least two blocks a core. Every operand is then read from L1 or
-    L2, where a tile summing all N rows at once streams its input panels
-    from memory (1.6 MB each at N = 6400). Fewer rows (DW_PASS_BYTES): a
-    tile a task, straight into dW, the edge tiles shifted inwards
-    (bench/RESULTS.md, "Schedule decisions": cpu.dw blocks)."""
-    j, gate = p.vars["j"], p.vars["gate"]
-    C, R = p.dw_cols, p.dw_rows
-    panels = -(-width // C)
-    few_rows = rn.x.extent() * (min(DW_PASS_PANELS, panels) * C * 4) <= DW_PASS_BYTES
-    jb = hl.Var("jb")       # the loop acc is computed in: a block, or a tile's pass
-    # few rows: _tile's loops, the input panels in passes; the pass's tile loop is jb
-    tiled = out.specialize(few_rows)
-    # the edge tile of inputs starts on a panel boundary, its inputs past
-    # `width` computed from the panels' zero padding and not stored:
-    # shifted inwards it would straddle two panels of a / d, a gather a row
-    _loops(tiled, out, vec, C, 1, [(j, R, SHIFT)], None, SHIFT if width % C == 0 else GUARD)
-    vo, voo, voi, jo = (hl.Var(n) for n in (vec.name() + "o", vec.name() + "oo",
-                                            vec.name() + "oi", "jo"))
-    tiled.split(vo, voo, voi, DW_PASS_PANELS, GUARD).reorder(voi, jo, gate).rename(voi, jb)
-    tiled.fuse(jo, gate, jo).parallel(jo)
-    # blocks: at least two a core, in whole rounds of the cores where the
-    # tiles allow (knobs.MACHINE_FACTS: the core count is in the cache key)
-    most = max(1, min((knob(p, "dw_block_kib") << 10) // (panels * C * R * 4), p.H // R))
-    cores = machine.cores()
-    blocks = max(-(-p.H // (R * most)), -(-2 * cores // p.G))
-    whole_rounds = cores // math.gcd(cores, p.G)
-    blocks = min(-(-blocks // whole_rounds) * whole_rounds, -(-p.H // R))
-    units = R * -(-p.H // (R * blocks))       # the fewest tiles a block for that many blocks
-    jt, vi = hl.Var("jt"), hl.Var(vec.name() + "i")
-    out.split(j, jb, jt, units, SHIFT).split(vec, vo, vi, p.P, SHIFT).vectorize(vi)
-    out.reorder(vi, vo, jt, jb, gate).fuse(jb, gate, jb).parallel(jb)
-    acc.compute_at(out, jb)
-    vp, vv = hl.Var(vec.name() + "p"), hl.Var(vec.name() + "v")
-    tile_acc, tile_update = acc.specialize(few_rows), acc.update().specialize(few_rows)
-    for stage in (tile_acc, tile_update):
-        stage.split(vec, vp, vv, C, ROUND).vectorize(vv).unroll(vp).unroll(j)
-    tile_update.reorder(vv, vp, j, rn.x)
-    acc.vectorize(vec, p.P)
-    wo, wv, to, ti = (hl.Var(n) for n in ("dw_o", "dw_v", "dw_to", "dw_ti"))
-    no, ni = hl.RVar("dw_no"), hl.RVar("dw_ni")
-    chunk = max(1, DW_CHUNK_BYTES // (C * 4))
-    acc.update().split(vec, wo, wv, C).split(j, to, ti, R).split(rn.x, no, ni, chunk, GUARD) \
-        .reorder(wv, ti, ni, to, wo, no).vectorize(wv).unroll(ti)
-
-
-def _bias(out, acc, j, gate, rn, vw, H):
-    """db(j, gate) = sum over rows of d(j, gate, n): rows outer, units
-    vectorized inner, so that each row is read once, contiguously, and the
-    accumulator row (G*H floats) stays in L1; one gate a task
-    (bench/RESULTS.md, "Schedule decisions": cpu.grads bias sums)."""
-    acc.compute_at(out, gate)
-    tail = ROUND if H % vw == 0 else GUARD
-    for stage in (acc, acc.update()):
-        stage.vectorize(j, vw, tail)
-    acc.update().reorder(j, rn.x)
-    out.vectorize(j, vw, SHIFT).parallel(gate)
+# The weight-gradient pipelines' schedules (schedules/cpu_grads.py).
+grads, grads_ids = cpu_grads.grads, cpu_grads.grads_ids
 
 
 # ---- the char LM's head and optimizer (halstm/model/kernels.py) -----------

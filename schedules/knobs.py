@@ -41,10 +41,11 @@ class Knob(NamedTuple):
                 and (self.gemm is None or gemm == self.gemm))
 
 
-# The weight-gradient blocks' default (KiB, cpu._dw_blocks): a quarter of
-# the L2, so that a block's accumulators stay there beside the chunks of
-# rows it reads, and no less than DW_BLOCK_LEAST_KIB. Each block reads all
-# of the layer's input (N rows x K), so larger blocks, fewer, read less.
+# The weight-gradient blocks' default (KiB, cpu_grads._dw_blocks): a
+# quarter of the L2, so that a block's accumulators stay there beside the
+# chunks of rows it reads, and no less than DW_BLOCK_LEAST_KIB. Each block
+# reads all of the layer's input (N rows x K), so larger blocks, fewer,
+# read less.
 # On the Intel VM (L2 2 MiB) 512 KiB against 256 took one layer's
 # backward 0.95x-0.99x (LSTM, GRU; K=H=1024 B=64 T=25, K=512 and 65 H=512
 # B=64 T=100); on the 16-core Xeon (L2 2 MiB) 512 led 256 in four of six
@@ -116,7 +117,7 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", dw_block_kib(),
 # Per schedule and direction, the facts of the machine that compiles them
 # (halstm.machine's functions of those names) that shape its libraries:
 # their cache keys hold them. cpu: the core count, the weight gradients'
-# tasks (cpu._dw_blocks), and the L2's size, the rows of the bf16 weight
+# tasks (cpu_grads._dw_blocks), and the L2's size, the rows of the bf16 weight
 # gradients' chunks (cpu.bf16_layout); cuda: the SM count, the batches whose forward
 # steps put the gates on the lanes (cuda.narrow_layout) or whose forward
 # runs as one kernel (cuda.loop_layout), and a block's shared memory, the

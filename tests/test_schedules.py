@@ -88,7 +88,7 @@ def test_cpu_schedule_matches_reference(schedule, cell, B):
 def test_cpu_weight_gradients_in_blocks_of_unit_tiles():
     """From K, H >= the weight-gradient tile (64 x 6 with AVX-512, 16 x 6
     with AVX2), the cpu schedule sums dW in blocks of unit tiles, the rows
-    in chunks (cpu._dw_blocks); the sizes above are below it. Here 65 and
+    in chunks (cpu_grads._dw_blocks); the sizes above are below it. Here 65 and
     70 units: partial tiles along both axes, two layers; 23 x 3 rows (a
     tile a task over all rows, the edge tile of inputs on a panel boundary,
     partly past K) and 129 x 65 (past DW_PASS_BYTES: blocks of several
