@@ -66,10 +66,11 @@ def dw_block_kib() -> int:
 # budget (KiB; see cpu._dh_tiles) and, for a cell that reduces over units,
 # the W_hh size up to which its forward takes ranges of batch rows (in
 # KiB: 1 never, 1 GiB always; cpu._cell_rows; past it, steps in two
-# parts). In a precision "bf16" layer the projection's row chunk acts where its products run as
-# AVX512-BF16 dot products (not on AMX tiles), and the backward product's
-# panels in the float32 steps of up to amx.NARROW_ROWS rows; the others do
-# not act (its weight gradients' chunks follow the L2). Which value is
+# parts). In a precision "bf16" layer the projection's row chunk acts
+# where its products run as AVX512-BF16 dot products (not on AMX tiles),
+# and the backward product's panels in the float32 steps of up to
+# amx.NARROW_ROWS rows; the others do not act (its weight gradients'
+# chunks follow the L2). Which value is
 # fastest depends on the machine: ranges of rows forward past 512 KiB of
 # W_hh lost to Halide's pool on 16 cores and won on 2 (bench/RESULTS.md,
 # "cpu.step rows", "Tuned knobs").
