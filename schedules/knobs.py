@@ -118,7 +118,8 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", dw_block_kib(),
 # Per schedule and direction, the facts of the machine that compiles them
 # (halstm.machine's functions of those names) that shape its libraries:
 # their cache keys hold them. cpu: the core count, the weight gradients'
-# tasks (cpu_grads._dw_blocks), and the L2's size, the rows of the bf16 weight
+# tasks (cpu_grads._dw_blocks), and the L2's size, the weight-gradient
+# blocks' default (dw_block_kib above) and the rows of the bf16 weight
 # gradients' chunks (cpu.bf16_layout); cuda: the SM count, the batches whose forward
 # steps put the gates on the lanes (cuda.narrow_layout) or whose forward
 # runs as one kernel (cuda.loop_layout), and a block's shared memory, the

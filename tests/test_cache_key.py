@@ -101,7 +101,7 @@ def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch
     """The autoschedulers search for this machine's cores (CPU) or SMs
     (CUDA), so their libraries are cached per count; so are the cpu
     schedule's backward libraries (the weight gradients' tasks; and per
-    L2 size, bf16's weight-gradient chunks) and the
+    L2 size, their blocks' default and bf16's weight-gradient chunks) and the
     cuda schedule's forward ones (the steps' gate lanes), not the others
     (knobs.MACHINE_FACTS)."""
     from halstm import aot, machine
@@ -116,7 +116,7 @@ def test_an_autoscheduled_build_is_keyed_by_the_machines_parallelism(monkeypatch
     assert aot.cache_key(auto_spec) != before[0] and aot.cache_key(hand_spec) == before[1]
     assert aot.cache_key(hand_bwd) != before[2]
     before = aot.cache_key(hand_spec), aot.cache_key(hand_bwd)
-    monkeypatch.setattr(machine, "l2_bytes", lambda: 3 << 20)   # (bf16's dW chunks)
+    monkeypatch.setattr(machine, "l2_bytes", lambda: 3 << 20)   # (dW blocks, bf16's chunks)
     assert (aot.cache_key(hand_spec), aot.cache_key(hand_bwd) != before[1]) == (before[0], True)
     cuda = [aot.Spec("lstm", 13, 37, d, CUDA_TARGET, "cuda") for d in ("fwd", "bwd")]
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
