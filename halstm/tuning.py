@@ -1,4 +1,4 @@
-"""`halstm tune`: measure a schedule's knobs (schedules/<module>.KNOBS) for
+"""`halstm tune`: measure a schedule's knobs (schedules/knobs.py KNOBS) for
 one layer on this machine, and keep the fastest for aot.Spec to use.
 
     report = tune("lstm", K=512, H=512, B=64, T=100, budget=300)

@@ -15,15 +15,10 @@ from dataclasses import replace
 import halide as hl
 
 from .. import bf16, machine
-from . import amx, bf16_vectors
+from . import amx, bf16_vectors, cpu_grads
 from ..layout import Layout, StepSplit
-from . import cpu_grads
 from .cpu_tiles import (GUARD, ROUND, SHIFT, knob, panel, register_tile, registers, tile_panels,
                         vector_width)
-from .knobs import KNOBS as _KNOBS
-
-KNOBS = _KNOBS["cpu"]      # what `halstm tune` searches; a tuned value is p.knobs[name]
-
 
 
 def step_rows(target: hl.Target) -> int:

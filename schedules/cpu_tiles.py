@@ -8,7 +8,7 @@ import halide as hl
 
 from .knobs import KNOBS as _KNOBS
 
-KNOBS = _KNOBS["cpu"]
+KNOBS = _KNOBS["cpu"]      # what `halstm tune` searches; a tuned value is p.knobs[name]
 
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf

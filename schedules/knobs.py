@@ -70,12 +70,12 @@ def dw_block_kib() -> int:
 # where its products run as AVX512-BF16 dot products (not on AMX tiles),
 # and the backward product's panels in the float32 steps of up to
 # amx.NARROW_ROWS rows; the others do not act (its weight gradients'
-# chunks follow the L2). Which value is
-# fastest depends on the machine: ranges of rows forward past 512 KiB of
-# W_hh lost to Halide's pool on 16 cores and won on 2 (bench/RESULTS.md,
-# "cpu.step rows", "Tuned knobs").
-KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", dw_block_kib(),
-                                       tuple(sorted({128, 256, 512, 1024, dw_block_kib()}))),
+# chunks follow the L2). Which value is fastest depends on the machine:
+# ranges of rows forward past 512 KiB of W_hh lost to Halide's pool on 16
+# cores and won on 2 (bench/RESULTS.md, "cpu.step rows", "Tuned knobs").
+_DW_BLOCK_KIB = dw_block_kib()      # (this machine's, read once)
+KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", _DW_BLOCK_KIB,
+                                       tuple(sorted({128, 256, 512, 1024, _DW_BLOCK_KIB}))),
                  "proj_chunk": Knob("fwd", 32, (8, 16, 32, 64), bf16=True),
                  "proj_serial_kmacs": Knob("fwd", 2048, (1, 2048, 8192)),
                  "dh_panel_kib": Knob("bwd", 512, (256, 512, 1024, 2048), bf16=True),
