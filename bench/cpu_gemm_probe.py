@@ -12,6 +12,8 @@ Variants (ROWS: rows a register tile, default 6; 4 x ROWS accumulators):
                   tiles' sums kept in out between blocks
   packed[ROWS]    x's rows packed ROWS at a time (N/ROWS, K, ROWS): a tile's
                   broadcasts from one stream
+  any of them + h K's two halves a step of the reduction loop, unrolled
+                  (tileh, kblock256h: a loop of K/2 steps, each 2 x the tile's FMAs)
 Rows in chunks of 32 tiles (fewer where N is smaller), (chunk, panel) pairs in parallel. Outputs are
 checked against numpy first; prints ms and GFLOP/s, medians of --reps.
 """
@@ -27,9 +29,18 @@ import numpy as np
 CHUNK_TILES = 32
 
 
+def _halves(acc, r, extent):
+    """acc's reduction over r as extent / 2 steps, each step's two halves
+    unrolled (k = h * extent / 2 + l: every row's address one base plus a
+    constant; k = 2 ko + ki made LLVM compute them in vector registers)."""
+    rh, rl = hl.RVar(r.name() + "h"), hl.RVar(r.name() + "l")
+    acc.update().split(r, rh, rl, extent // 2).reorder(rh, rl).unroll(rh)
+
+
 def build(variant, N, K, target):
     """The GEMM pipeline of `variant` compiled for target: (func, x, w)."""
-    kind, a, b = re.fullmatch(r"(tile|kblock|packed)(\d*)(?:x(\d+))?", variant).groups()
+    kind, a, b, halves = re.fullmatch(r"(tile|kblock|packed)(\d*)(?:x(\d+))?(h?)",
+                                        variant).groups()
     V = target.natural_vector_size(hl.Float(32))
     rows = int(b or (a if kind in ("tile", "packed") and a else 6))
     packed = kind == "packed"
@@ -56,6 +67,8 @@ def build(variant, N, K, target):
         for s in (acc, acc.update()):
             s.vectorize(c, V).unroll(c).unroll(n)
         acc.update().reorder(c, n, r.x, jo)
+        if halves:
+            _halves(acc, r.x, K)
     else:
         kc = int(a)
         if K % kc:
@@ -76,6 +89,8 @@ def build(variant, N, K, target):
         for s in (part, part.update()):
             s.vectorize(c, V).unroll(c).unroll(n)
         part.update().reorder(c, n, ri.x, jo, ko)
+        if halves:
+            _halves(part, ri.x, kc)
     C = 4 * V
     out.bound(c, 0, C)
     if packed:
