@@ -14,8 +14,9 @@ Variants (ROWS: rows a register tile, default 6; 4 x ROWS accumulators):
                   broadcasts from one stream
   any of them + h K's two halves a step of the reduction loop, unrolled
                   (tileh, kblock256h: a loop of K/2 steps, each 2 x the tile's FMAs)
-Rows in chunks of 32 tiles (fewer where N is smaller), (chunk, panel) pairs in parallel. Outputs are
-checked against numpy first; prints ms and GFLOP/s, medians of --reps.
+Rows in chunks of 32 tiles (fewer where N is smaller), (chunk, panel)
+pairs in parallel. Outputs are checked against numpy first; prints ms and
+GFLOP/s, medians of --reps.
 """
 import argparse
 import os
@@ -31,14 +32,18 @@ CHUNK_TILES = 32
 
 def _halves(acc, r, extent):
     """acc's reduction over r as extent / 2 steps, each step's two halves
-    unrolled (k = h * extent / 2 + l: every row's address one base plus a
-    constant; k = 2 ko + ki made LLVM compute them in vector registers)."""
+    unrolled (k = h * extent / 2 + l: each row's address its base plus a
+    constant; in the schedules, whose rows are clamped, k = 2 ko + ki let
+    LLVM compute the rows' addresses in vector registers)."""
+    if extent % 2:
+        raise SystemExit(f"the halves need an even reduction, got {extent}")
     rh, rl = hl.RVar(r.name() + "h"), hl.RVar(r.name() + "l")
     acc.update().split(r, rh, rl, extent // 2).reorder(rh, rl).unroll(rh)
 
 
 def build(variant, N, K, target):
-    """The GEMM pipeline of `variant` compiled for target: (func, x, w)."""
+    """The GEMM pipeline of `variant` compiled for target: (func, x, w,
+    rows a tile, whether x is packed)."""
     kind, a, b, halves = re.fullmatch(r"(tile|kblock|packed)(\d*)(?:x(\d+))?(h?)",
                                         variant).groups()
     V = target.natural_vector_size(hl.Float(32))
@@ -64,8 +69,8 @@ def build(variant, N, K, target):
         out.reorder(c, ni, nt, jo, no).fuse(jo, no, no).parallel(no)
         out.vectorize(c, V).unroll(c).unroll(ni)
         acc.compute_at(out, nt)
-        for s in (acc, acc.update()):
-            s.vectorize(c, V).unroll(c).unroll(n)
+        for stage in (acc, acc.update()):
+            stage.vectorize(c, V).unroll(c).unroll(n)
         acc.update().reorder(c, n, r.x, jo)
         if halves:
             _halves(acc, r.x, K)
@@ -80,14 +85,14 @@ def build(variant, N, K, target):
         out[c, n, jo] = hl.undef(hl.Float(32))
         # (block 0 selects 0 over out's unwritten value: no pass of zeros)
         out[c, n, jo] = hl.select(ro.x == 0, 0.0, out[c, n, jo]) + part[c, n, jo, ro.x]
-        s = out.update()
-        s.split(n, no, n, chunk, hl.TailStrategy.GuardWithIf)
-        s.split(n, nt, ni, rows, hl.TailStrategy.GuardWithIf)
-        s.vectorize(c, V).unroll(c).unroll(ni)
-        s.reorder(c, ni, nt, ro.x, jo, no).fuse(jo, no, no).parallel(no)
+        u = out.update()
+        u.split(n, no, n, chunk, hl.TailStrategy.GuardWithIf)
+        u.split(n, nt, ni, rows, hl.TailStrategy.GuardWithIf)
+        u.vectorize(c, V).unroll(c).unroll(ni)
+        u.reorder(c, ni, nt, ro.x, jo, no).fuse(jo, no, no).parallel(no)
         part.compute_at(out, nt)
-        for s in (part, part.update()):
-            s.vectorize(c, V).unroll(c).unroll(n)
+        for stage in (part, part.update()):
+            stage.vectorize(c, V).unroll(c).unroll(n)
         part.update().reorder(c, n, ri.x, jo, ko)
         if halves:
             _halves(part, ri.x, kc)
@@ -124,11 +129,11 @@ def main():
         f, x, w, rows, packed = build(v, N, K, target)
         if (packed or v.startswith("kblock")) and N % rows:
             raise SystemExit(f"--rows {N}: {v} needs a multiple of {rows}")
-        xs = np.ascontiguousarray(xa.reshape(N // rows, rows, K).transpose(0, 2, 1)) if packed else xa
+        xs = (np.ascontiguousarray(xa.reshape(N // rows, rows, K).transpose(0, 2, 1))
+              if packed else xa)                          # packed: (N/rows, K, rows)
         out = np.zeros((panels, N, C), np.float32)
-        args = (f, x, hl.Buffer(xs), w, hl.Buffer(wa), hl.Buffer(out))
 
-        def run(f=f, x=x, xb=args[2], w=w, wb=args[4], ob=args[5]):
+        def run(f=f, x=x, w=w, xb=hl.Buffer(xs), wb=hl.Buffer(wa), ob=hl.Buffer(out)):
             x.set(xb), w.set(wb)
             f.realize(ob)
         run()
