@@ -3,9 +3,10 @@ variants that block it as BLAS libraries do, against torch.mm:
 
     python bench/cpu_gemm_probe.py --rows 1536 --depth 1024 --panels 64 --variants tile,kblock256,packed --torch
 
-out (panels, N, C) = x (N, K) . w (panels, K, C), C = 4 vectors (a panel
-of 4 gates x one vector of units, as schedules/cpu.py's proj tiles it).
-Variants (ROWS: rows a register tile, default 6; 4 x ROWS accumulators):
+out (panels, N, C) = x (N, K) . w (panels, K, C), C = --vectors vectors (4:
+a panel of 4 gates x one vector of units, as schedules/cpu.py's proj tiles
+it with AVX-512; AVX2's tiles take 2 gates). Variants (ROWS: rows a
+register tile, default 6; vectors x ROWS accumulators):
   tileROWS        every tile's accumulators over the whole K (the schedule's form)
   kblockKC[xROWS] K in blocks of KC outside the row tiles, so that a panel's
                   block is read from L1 by every row tile of a chunk; the
@@ -41,7 +42,7 @@ def _halves(acc, r, extent):
     acc.update().split(r, rh, rl, extent // 2).reorder(rh, rl).unroll(rh)
 
 
-def build(variant, N, K, target):
+def build(variant, N, K, target, vectors):
     """The GEMM pipeline of `variant` compiled for target: (func, x, w,
     rows a tile, whether x is packed)."""
     kind, a, b, halves = re.fullmatch(r"(tile|kblock|packed)(\d*)(?:x(\d+))?(h?)",
@@ -96,7 +97,7 @@ def build(variant, N, K, target):
         part.update().reorder(c, n, ri.x, jo, ko)
         if halves:
             _halves(part, ri.x, kc)
-    C = 4 * V
+    C = vectors * V
     out.bound(c, 0, C)
     if packed:
         x.dim(0).set_bounds(0, rows).dim(1).set_stride(rows)
@@ -112,21 +113,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1536, help="N (T * B)")
     ap.add_argument("--depth", type=int, default=1024, help="K")
-    ap.add_argument("--panels", type=int, default=64, help="column panels (4*H/16 with AVX-512)")
+    ap.add_argument("--panels", type=int, default=64,
+                    help="column panels (4*H/16 with AVX-512 and 4 vectors)")
     ap.add_argument("--variants", default="tile,kblock256,packed")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--torch", action="store_true", help="time torch.mm of the product too")
+    ap.add_argument("--vectors", type=int, default=4, help="vectors a panel (a tile's columns)")
+    ap.add_argument("--target", default="host",
+                    help="Halide target (this CPU must run it), e.g. an AVX2 one")
     a = ap.parse_args()
-    target = hl.get_host_target()
+    target = hl.get_host_target() if a.target == "host" else hl.Target(a.target)
     N, K, panels = a.rows, a.depth, a.panels
-    C = 4 * target.natural_vector_size(hl.Float(32))
+    C = a.vectors * target.natural_vector_size(hl.Float(32))
     rng = np.random.default_rng(0)
     xa = rng.standard_normal((N, K)).astype(np.float32)
     wa = rng.standard_normal((panels, K, C)).astype(np.float32)
     want = np.einsum("nk,pkc->pnc", xa, wa)
     runs = {}
     for v in a.variants.split(","):
-        f, x, w, rows, packed = build(v, N, K, target)
+        f, x, w, rows, packed = build(v, N, K, target, a.vectors)
         if (packed or v.startswith("kblock")) and N % rows:
             raise SystemExit(f"--rows {N}: {v} needs a multiple of {rows}")
         xs = (np.ascontiguousarray(xa.reshape(N // rows, rows, K).transpose(0, 2, 1))
