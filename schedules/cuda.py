@@ -15,8 +15,8 @@ import halide as hl
 from .. import machine
 from ..layout import Layout
 from .cuda_lanes import lanes_fit, lanes_product, lanes_slices
-from .cuda_rows import (ROW_INPUT_BYTES, bwd_row_inputs, row_block, row_inputs, row_threads,
-                        row_work)
+from . import cuda_rows
+from .cuda_rows import bwd_row_inputs, row_block, row_inputs, row_threads, row_work
 from .cuda_tiles import (GUARD, LANES, MAX_THREADS, even_slices, gate_lane_units, grid_kernel,
                          register_tile, warp_slices)
 from .knobs import KNOBS as _KNOBS
@@ -468,7 +468,7 @@ def step_bwd_fold(p, target):
     at = _fold_kernel(p, p.stage("dh_prev_acc"), [r.x, r.y], [], slices, "dhg_row")
     # (the inputs' shared memory less dhg's and the product's partial sums')
     row_inputs(p, p.stage("out"), at, bwd_row_inputs(p),
-                ROW_INPUT_BYTES - 4 * (p.G * p.H + slices * LANES))
+                cuda_rows.ROW_INPUT_BYTES - 4 * (p.G * p.H + slices * LANES))
 
 
 def step(p, target):
