@@ -464,6 +464,7 @@ def _driver_build(spec: Spec, plan: _Plan, pipes) -> driver.Layer:
         split_quantum_small=math.lcm(*(p.split_quantum_small or p.split_quantum for p in pipes)),
         split_small_below=max(p.split_small_below for p in pipes),
         split_batch_bytes=max(p.split_batch_bytes for p in pipes),
+        proj_serial_macs=max(p.proj_serial_macs for p in pipes),
         cublas=plan.layout.vendor_gemm, precision=spec.precision)
 
 

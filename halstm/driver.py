@@ -53,6 +53,7 @@ class Layer:
     split_quantum_small: int = 1  # ... or of this many, where a step has fewer rows
     split_small_below: int = 0    # than this
     split_batch_bytes: int = 0   # ... or of batch rows, where W_hh is at most this size
+    proj_serial_macs: int = 0    # a projection of fewer MACs on the calling thread (csrc/threads.h)
     cublas: bool = False         # CUDA: the non-recurrent GEMMs by cuBLAS (csrc/cublas.h)
     precision: str = "fp32"      # ... in this precision (halstm.cublas.COMPUTE_TYPES)
 
@@ -71,6 +72,7 @@ class Layer:
                   "HALSTM_SPLIT_CALL_MACS": lay.split.call_macs,
                   "HALSTM_POOL_MACS": lay.split.pool_macs,
                   "HALSTM_SPLIT_BATCH_BYTES": self.split_batch_bytes,
+                  "HALSTM_PROJ_SERIAL_MACS": self.proj_serial_macs,
                   "HALSTM_SPLIT_ROWS_ONLY": int(lay.split.rows_only)}
         if lay.xp_panels:
             d["HALSTM_XP_PANELS"] = 1

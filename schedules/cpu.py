@@ -219,21 +219,25 @@ def proj_tile(target: hl.Target, gates: int) -> tuple:
 
 
 # A projection of fewer multiply-adds than knob proj_serial_kmacs * 2^10
-# (default 2^21) runs on the calling thread: waking Halide's pool costs
-# more than a second core gives back. On the Zen 5 VM one LSTMCell call
-# (no_grad) took 10-13 us less serial at 256 units B=1, 128 units B=16 and
-# B=32 (0.26-2 M MACs), 3-10 us more at 512 units B=2 (2 M, W_ih 4 MB);
-# larger ones lost by tens of us. On the Intel VM 256 units B=1 took 29 us
-# more serial, where two cores read W_ih faster than one (bench/RESULTS.md,
-# "Schedule decisions": cpu.PROJ_SERIAL_MACS; "Tuned knobs").
+# (default 2^21) runs on the calling thread where its call runs on the
+# driver's own threads (csrc/threads.h PoolWork): waking Halide's pool's
+# sleeping workers costs more than a second core gives back. On the Zen 5
+# VM one LSTMCell call (no_grad) took 10-13 us less serial at 256 units
+# B=1, 128 units B=16 and B=32 (0.26-2 M MACs), 3-10 us more at 512 units
+# B=2 (2 M, W_ih 4 MB); larger ones lost by tens of us. On the Intel VM 256
+# units B=1 took 29 us more serial, where two cores read W_ih faster than
+# one. On a shared OpenMP team (halstm.torch under torch's default wait
+# policy) the threads are awake, and every projection runs in parallel
+# (bench/RESULTS.md, "Schedule decisions": cpu.PROJ_SERIAL_MACS; "Tuned
+# knobs").
 
 
 def proj(p, target):
     """Tiles of proj_tile's rows x gates of one panel (xp_panels: a tile
     of every gate is one contiguous run of xp), rows in chunks of
     proj_chunk tiles; one parallel loop over (chunk, panel) pairs,
-    chunk-major, unless the rows' products are fewer than knob
-    proj_serial_kmacs * 2^10 multiply-adds."""
+    chunk-major, which the driver runs on the calling thread below knob
+    proj_serial_kmacs * 2^10 multiply-adds (p.proj_serial_macs)."""
     if p.cpu_bf16:
         if p.amx_tiles:
             return amx.proj(p)
@@ -244,19 +248,12 @@ def proj(p, target):
     rows = out.output_buffer().dim(2).extent()
     nf, no, ni, nc, go, gi = (hl.Var(name) for name in ("nf", "no", "ni", "nc", "go", "gi"))
     group, tile = proj_tile(target, p.G)
-    serial_macs = knob(p, "proj_serial_kmacs") << 10
-    serial_rows = -(-serial_macs // (p.K * p.G * p.H))   # fewer rows: serial
-    branches = []
-    if serial_rows > 1:
-        serial = out.specialize(rows < serial_rows)
-        branches = [(serial.specialize(rows >= tile), tile, False), (serial, 1, False)]
-    for stage, f, par in branches + [(out.specialize(rows >= tile), tile, True), (out, 1, True)]:
+    p.proj_serial_macs = knob(p, "proj_serial_kmacs") << 10
+    for stage, f in ((out.specialize(rows >= tile), tile), (out, 1)):
         stage.split(n, nf, ni, f, SHIFT).split(nf, nc, no, knob(p, "proj_chunk"), GUARD)
         stage.split(gate, go, gi, group)            # (group == G: go has extent 1)
         stage.reorder(ji, gi, ni, go, no, jo, nc).vectorize(ji).unroll(gi).unroll(ni)
-        stage.fuse(jo, nc, jo)
-        if par:
-            stage.parallel(jo)
+        stage.fuse(jo, nc, jo).parallel(jo)
     acc.compute_at(out, go)
     for stage in (acc, acc.update()):
         stage.vectorize(j, p.P).unroll(gate).unroll(n)

@@ -229,6 +229,25 @@ def test_calls_with_their_own_cores_keep_their_own_threads(openmp_team, monkeypa
     assert np.array_equal(states[0, 1:], y)
 
 
+def test_short_calls_split_their_steps_on_a_shared_openmp_team(openmp_team, monkeypatch):
+    """A time loop of too few multiply-adds to start threads for
+    (cpu.SPLIT_CALL_MACS: one step of 4.3 M) runs its steps on one thread
+    of its own, and over three on a shared OpenMP team, whose threads are
+    started, with the same results."""
+    monkeypatch.setenv("HL_NUM_THREADS", "3")
+    m = halstm.LSTM(I, 300, seed=3)
+    x = np.random.default_rng(13).standard_normal((1, 12, I)).astype(np.float32)
+    runs = []
+    for team, threads in ((None, 1), (openmp_team, 3)):
+        runtime.share_openmp(team)
+        y, finals = call(m, "lstm", x)
+        (lib,) = m._libs.values()
+        assert lib.step_threads() == threads and lib.steps_shared() == (team is not None)
+        runs.append((y, *finals))
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_directions_in_turn_on_a_shared_openmp_team(openmp_team, monkeypatch):
     """Where the kernels share an OpenMP team, a bidirectional layer whose
     steps want half the cores or fewer runs its directions one after the

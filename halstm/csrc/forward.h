@@ -143,7 +143,7 @@ int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const fl
     View vx((const float *)x, {{K, 1}, {N, K}});
     {
 #if HALSTM_SPLIT
-        PoolWork work((double)N * K * G * H);
+        PoolWork work((double)N * K * G * H, HALSTM_PROJ_SERIAL_MACS);
 #endif
         rc = halstm_proj(vx.hb(), vwp_ih.hb(), vb_ih.hb(), vxp.hb());
     }

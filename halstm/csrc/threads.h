@@ -134,11 +134,11 @@ int run_chunk(void *uc, int i, uint8_t *closure) {
 
 int par_for_in_parts(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
     const int parts = t_pool_parts;   // (as many as the pool has or more: the pool's way)
+    Chunks c = {task, closure, min, size, parts};
+    if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
     const int threads = threads_available();   // (once a loop: getenv, getpid, the affinity)
     if (parts <= 0 || parts >= size || parts >= threads)
         return par_for_pool(uc, task, min, size, closure, threads);
-    Chunks c = {task, closure, min, size, parts};
-    if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
     return par_for_pool(uc, run_chunk, 0, parts, (uint8_t *)&c, threads);
 }
 
@@ -150,11 +150,14 @@ void take_parallel_loops() {
 }
 
 #if HALSTM_SPLIT
+// serial_below: fewer macs run on the calling thread alone, unless the call
+// may use the shared OpenMP team, whose threads are awake (wait actively)
+// where one is shared; the driver's own pool's sleep between calls.
 struct PoolWork {
     int was;
-    explicit PoolWork(double macs) : was(t_pool_parts) {
+    explicit PoolWork(double macs, double serial_below = 0) : was(t_pool_parts) {
         take_parallel_loops();
-        const double parts = macs / HALSTM_POOL_MACS;
+        const double parts = macs < serial_below && !usable_openmp() ? 1 : macs / HALSTM_POOL_MACS;
         t_pool_parts = parts < 1 ? 1 : parts > (1 << 30) ? (1 << 30) : (int)parts;
     }
     ~PoolWork() { t_pool_parts = was; }
@@ -240,9 +243,10 @@ struct SplitPlan {
 
 // Threads a time loop's steps are worth by their work (macs a step,
 // HALSTM_SPLIT_MACS a thread; one where the whole loop is under
-// HALSTM_SPLIT_CALL_MACS), at most units.
+// HALSTM_SPLIT_CALL_MACS and would start threads of its own), at most units.
 int worth_threads(double macs, int T, int units) {
-    if (macs * T < HALSTM_SPLIT_CALL_MACS) return 1;   // starting a thread costs more
+    // starting a thread costs more (the shared OpenMP team's are started)
+    if (macs * T < HALSTM_SPLIT_CALL_MACS && !usable_openmp()) return 1;
     double worth = macs / HALSTM_SPLIT_MACS;
     return worth < 1 ? 1 : worth > units ? units : (int)worth;
 }

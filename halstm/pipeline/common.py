@@ -50,6 +50,8 @@ class Pipe(Stages):
     split_quantum_small: int = 0  # (set by the schedule) ... where a step may have fewer
     split_small_below: int = 0    # rows than this (0: split_quantum whatever the rows)
     split_batch_bytes: int = 0   # (set by the schedule) ranges of rows up to this size of W_hh
+    proj_serial_macs: int = 0    # (set by the schedule) a projection of fewer MACs runs on the
+    #                              calling thread, unless on a shared OpenMP team (0: never)
     vendor_gemm: bool = False    # the driver runs the GEMMs of proj and grads (see _proj)
     vendor_bf16: bool = False    # ... on bf16 operands: vendor steps also store h (dhg) in bf16
     vendor_splits: int = 1       # forward vendor steps: partial products (vendor_step_splits)
