@@ -133,11 +133,11 @@ int run_chunk(void *uc, int i, uint8_t *closure) {
 }
 
 int par_for_in_parts(void *uc, halide_task_t task, int min, int size, uint8_t *closure) {
-    const int parts = t_pool_parts;   // (as many as the pool has or more: the pool's way)
+    const int parts = t_pool_parts;   // (0: the loop as Halide schedules it)
     Chunks c = {task, closure, min, size, parts};
     if (parts == 1) return run_chunk(uc, 0, (uint8_t *)&c);
     const int threads = threads_available();   // (once a loop: getenv, getpid, the affinity)
-    if (parts <= 0 || parts >= size || parts >= threads)
+    if (parts <= 0 || parts >= size)
         return par_for_pool(uc, task, min, size, closure, threads);
     return par_for_pool(uc, run_chunk, 0, parts, (uint8_t *)&c, threads);
 }
