@@ -159,7 +159,7 @@ def test_cpu_register_tiles_follow_the_register_file(target, registers, step_row
 
 
 @pytest.mark.parametrize("kmacs", [2048, 1])
-def test_cpu_projection_of_few_rows_on_the_calling_thread_by_knob(kmacs, capfd):
+def test_cpu_projection_serial_size_goes_to_the_driver(kmacs, capfd):
     """The input projection is one parallel loop in every branch; knob
     proj_serial_kmacs reaches the driver as the multiply-adds below which
     it runs that loop on the calling thread (p.proj_serial_macs,

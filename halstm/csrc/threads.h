@@ -151,8 +151,8 @@ void take_parallel_loops() {
 
 #if HALSTM_SPLIT
 // serial_below: fewer macs run on the calling thread alone, unless the call
-// may use the shared OpenMP team, whose threads are awake (wait actively)
-// where one is shared; the driver's own pool's sleep between calls.
+// may use the shared OpenMP team, whose threads wait actively (Halide's
+// pool's sleep between calls, and cost more to wake than a small loop gains).
 struct PoolWork {
     int was;
     explicit PoolWork(double macs, double serial_below = 0) : was(t_pool_parts) {
