@@ -61,8 +61,9 @@ def dw_block_kib() -> int:
 
 # cpu (schedules/cpu.py): the accumulators of a weight-gradient block
 # (KiB), the projection's row chunk (tiles), the multiply-adds (in 2^10)
-# below which the float32 projection runs on the calling thread (1: only
-# a layer of fewer than 1024 input weights), the backward product's panel
+# below which the float32 projection runs on the calling thread where the
+# call runs on threads of its own, not on a shared OpenMP team (1: only a
+# layer of fewer than 1024 input weights), the backward product's panel
 # budget (KiB; see cpu._dh_tiles) and, for a cell that reduces over units,
 # the W_hh size up to which its forward takes ranges of batch rows (in
 # KiB: 1 never, 1 GiB always; cpu._cell_rows; past it, steps in two
