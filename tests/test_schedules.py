@@ -484,14 +484,20 @@ def test_cuda_folded_step_of_the_layer_norm_lstm(kind, H):
         assert text.count("div.rn") + text.count("rcp.rn") == 6    # as step_bwd's
 
 
+def _driver_pipe():
+    """A stand-in for a built pipe: what aot's driver build reads of the
+    pipes, at the values a schedule leaves unset."""
+    from types import SimpleNamespace
+    return SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
+                           split_batch_bytes=0, proj_serial_macs=0)
+
+
 def test_folded_steps_only_for_cells_that_reduce_on_cuda():
     """A CUDA library of a reducing cell has the folded steps of its
     direction, and its driver is built to run them; an LSTM's and a CPU's
     have neither."""
-    from types import SimpleNamespace
     from halstm import pipeline
-    pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
-                           split_batch_bytes=0, proj_serial_macs=0)   # (what the driver build reads)
+    pipe = _driver_pipe()
     for cell, target, folds in (("layernorm_lstm", CUDA_TARGET, True), ("lstm", CUDA_TARGET, False),
                                 ("layernorm_lstm", "host", False)):
         for direction, fold, define in (("fwd", pipeline.FOLD_FWD, "HALSTM_FOLD_FWD"),
@@ -516,11 +522,9 @@ def test_narrow_steps_where_their_blocks_fit_the_multiprocessors(monkeypatch):
     cells, reducing cells, H = 512, backward libraries and CPU targets
     have none."""
     import re
-    from types import SimpleNamespace
     from halstm import machine, pipeline
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
-    pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
-                           split_batch_bytes=0, proj_serial_macs=0)   # (what the driver build reads)
+    pipe = _driver_pipe()
     for cell, hidden, direction, target, rows in (
             ("lstm", 256, "fwd", CUDA_TARGET, 132 // 32), ("lstm", 384, "fwd", CUDA_TARGET, 2),
             ("gru", 384, "fwd", CUDA_TARGET, 132 // 48), ("peephole_lstm", 256, "fwd", CUDA_TARGET, 4),
@@ -734,12 +738,10 @@ def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
     step's xp read from shared memory (all of them, or on a GPU of less
     shared memory as many as fit)."""
     import re
-    from types import SimpleNamespace
     from halstm import machine, pipeline
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
     monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 227 << 10)
-    pipe = SimpleNamespace(split_quantum=1, split_quantum_small=0, split_small_below=0,
-                           split_batch_bytes=0, proj_serial_macs=0)   # (what the driver build reads)
+    pipe = _driver_pipe()
     for cell, hidden, direction, target, rows in (
             ("lstm", 120, "fwd", CUDA_TARGET, 132), ("lstm", 121, "fwd", CUDA_TARGET, 0),
             ("gru", 139, "fwd", CUDA_TARGET, 132), ("gru", 140, "fwd", CUDA_TARGET, 0),
