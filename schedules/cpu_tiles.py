@@ -6,9 +6,7 @@ value for a pipe.
 """
 import halide as hl
 
-from .knobs import KNOBS as _KNOBS
-
-KNOBS = _KNOBS["cpu"]      # what `halstm tune` searches; a tuned value is p.knobs[name]
+from . import knobs
 
 SHIFT = hl.TailStrategy.ShiftInwards
 GUARD = hl.TailStrategy.GuardWithIf
@@ -147,5 +145,5 @@ def tile_panels(extent: int, P: int, want: int) -> int:
 
 
 def knob(p, name: str):
-    """A knob's value for pipe p: tuned (halstm tune), else its default."""
-    return p.knobs.get(name, KNOBS[name].default)
+    """A cpu knob's value for pipe p: tuned (halstm tune), else its default."""
+    return knobs.value("cpu", p.knobs, name)

@@ -20,6 +20,7 @@ from .cuda_rows import bwd_row_inputs, row_block, row_inputs, row_threads, row_w
 from .cuda_tiles import (GUARD, LANES, MAX_THREADS, even_slices, gate_lane_units, grid_kernel,
                          register_tile, warp_slices)
 from .knobs import KNOBS as _KNOBS
+from .knobs import value as knob_value
 
 KNOBS = _KNOBS["cuda"]      # what `halstm tune` searches; tuned values come in a spec's knobs
 
@@ -72,12 +73,6 @@ VENDOR_STEP_BWD_GATES = KNOBS["step_gemm_bwd_mmacs"].floor[0]     # 3 (its floor
 VENDOR_STEP_MACS_TENSOR = KNOBS["step_gemm_tensor_mmacs"].default << 20    # 1 << 25
 
 
-def _knob(knobs, name: str) -> int:
-    """A knob's value among a spec's knobs: tuned (halstm tune), else its
-    default."""
-    return (knobs or {}).get(name, KNOBS[name].default)
-
-
 def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
                   precision: str = "fp32", knobs=None, reduces: bool = False) -> Layout:
     """layout with the projection and gradient GEMMs by cuBLAS, and the
@@ -93,7 +88,7 @@ def vendor_layout(layout: Layout, gates: int, H: int, direction: str = "fwd",
     reducing = reduces and fp32
     name = ("step_gemm" + ("" if fp32 else "_tensor") + ("_reducing" if reducing else "")
             + ("" if fwd else "_bwd") + "_mmacs")
-    macs = KNOBS[name].effective(_knob(knobs, name), gates) << 20
+    macs = KNOBS[name].effective(knob_value("cuda", knobs, name), gates) << 20
     least = VENDOR_STEP_BWD_ROWS if fp32 and not fwd and not reducing else 1
     return replace(layout, vendor_gemm=True,
                    vendor_step_rows=max(least, -(-macs // (gates * H * H))),
@@ -256,7 +251,7 @@ def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     from H = 512 (the lanes products). (The gate lanes need a reduction
     over two warps or more: warp_slices gives 8 from H = 8, and the bytes
     rule asks for G * H >= 1024.)"""
-    if gates < 2 or H >= 512 or LANES * gates * H * 4 < _knob(knobs, "narrow_kib") << 10:
+    if gates < 2 or H >= 512 or LANES * gates * H * 4 < knob_value("cuda", knobs, "narrow_kib") << 10:
         return layout
     rows = machine.gpu_sms() // -(-H // gate_lane_units(gates))
     return replace(layout, narrow_rows=rows) if rows else layout
@@ -289,7 +284,7 @@ def loop_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     H at small sizes. The driver calls it for batches of up to one block
     an SM (machine.gpu_sms). (bench/RESULTS.md, "Schedule decisions":
     cuda.loop.)"""
-    most = machine.gpu_block_shared_bytes() * _knob(knobs, "loop_shared_pct") // 100
+    most = machine.gpu_block_shared_bytes() * knob_value("cuda", knobs, "loop_shared_pct") // 100
     if gates * H * H * 4 > most or H > MAX_THREADS:
         return layout
     return replace(layout, loop_rows=machine.gpu_sms())

@@ -116,6 +116,13 @@ KNOBS = {"cpu": {"dw_block_kib": Knob("bwd", _DW_BLOCK_KIB,
                                          infer=True)}}
 
 
+def value(schedule: str, knobs, name: str) -> int:
+    """Knob `name` of `schedule` among a layer's tuned knobs (a mapping,
+    or None: none tuned): the tuned value (halstm tune), else the
+    knob's default."""
+    return (knobs or {}).get(name, KNOBS[schedule][name].default)
+
+
 # Per schedule and direction, the facts of the machine that compiles them
 # (halstm.machine's functions of those names) that shape its libraries:
 # their cache keys hold them. cpu: the core count, the weight gradients'
