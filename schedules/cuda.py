@@ -19,8 +19,7 @@ from . import cuda_rows
 from .cuda_rows import bwd_row_inputs, row_block, row_inputs, row_threads, row_work
 from .cuda_tiles import (GUARD, LANES, MAX_THREADS, even_slices, gate_lane_units, grid_kernel,
                          register_tile, warp_slices)
-from .knobs import KNOBS as _KNOBS
-from .knobs import value as knob_value
+from .knobs import KNOBS as _KNOBS, value as knob_value
 
 KNOBS = _KNOBS["cuda"]      # what `halstm tune` searches; tuned values come in a spec's knobs
 
@@ -251,7 +250,8 @@ def narrow_layout(layout: Layout, gates: int, H: int, knobs=None) -> Layout:
     from H = 512 (the lanes products). (The gate lanes need a reduction
     over two warps or more: warp_slices gives 8 from H = 8, and the bytes
     rule asks for G * H >= 1024.)"""
-    if gates < 2 or H >= 512 or LANES * gates * H * 4 < knob_value("cuda", knobs, "narrow_kib") << 10:
+    least = knob_value("cuda", knobs, "narrow_kib") << 10
+    if gates < 2 or H >= 512 or LANES * gates * H * 4 < least:
         return layout
     rows = machine.gpu_sms() // -(-H // gate_lane_units(gates))
     return replace(layout, narrow_rows=rows) if rows else layout
