@@ -313,11 +313,13 @@ def loop_infer(p, target):
     are copied into shared memory once, before the steps, and read from
     there every step (the threads of a warp read consecutive units: no
     bank conflicts); the rest are read from global memory through L1. The
-    step's xp is staged first (Func xs); that puts a barrier between it
-    and the step and, since Halide closes a block-level loop with a
-    barrier only where its body holds one, a barrier after every step,
-    before the next reads the new states. More than 48 KiB of shared
-    memory needs the driver's opt-in (csrc/cuda_graphs.h)."""
+    step's xp is staged first (Func xs), a thread a unit with its gates
+    unrolled inside: one barrier between it and the step (with the gates
+    outside the thread loop, a barrier after each gate, each waiting on
+    that gate's global load) and, since Halide closes a block-level loop
+    with a barrier only where its body holds one, a barrier after every
+    step, before the next reads the new states. More than 48 KiB of
+    shared memory needs the driver's opt-in (csrc/cuda_graphs.h)."""
     v, r = p.vars, p.rdoms["loop"]
     out = p.stage("out")
     staged = loop_shared_gates(p.G, p.H)
@@ -328,7 +330,8 @@ def loop_infer(p, target):
     #                            device, so that the output needs no host memory)
     out.update(0).allow_race_conditions().reorder(r.x, r.y, v["b"]) \
         .gpu_blocks(v["b"]).gpu_threads(r.x)
-    p.stage("xs").compute_at(out, r.y).gpu_threads(v["j"]).unroll(v["gate"])
+    p.stage("xs").compute_at(out, r.y).reorder(v["gate"], v["j"]).gpu_threads(v["j"]) \
+        .unroll(v["gate"])
     for g in range(staged):     # a thread a unit, LOOP_STAGE_LOADS loads in flight
         w = p.stage(f"w_loop{g}")
         unit, k = w.args()
