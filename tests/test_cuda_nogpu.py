@@ -82,31 +82,6 @@ def test_cuda_step_pipelines_allocate_no_device_memory(cell, H, tmp_path):
         assert "halide_device_malloc" not in text, f"{kind} allocates device memory"
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_cuda_loop_step_holds_two_barriers(cell, tmp_path):
-    """loop_infer's step loop, in its PTX, holds two barriers whatever the
-    cell's gate count: one after the step's staged xp (every gate of a
-    unit in one thread loop, its loads all in flight) and one closing the
-    step. (Lowers, needs no GPU.)"""
-    import halide as hl
-    from halstm import cells, pipeline, schedules
-    target = hl.Target(CUDA_TARGET)
-    module = schedules.for_target(target, "cuda")
-    p = pipeline.build(cells.get(cell), "loop_infer", 13, 37, module.layout(target))
-    module.loop_infer(p, target)
-    out = tmp_path / "loop.stmt"
-    p.pipeline().compile_to({hl.OutputFileType.stmt: str(out)}, [hl.Argument(q) for q in p.inputs],
-                            "loop", target.with_feature(hl.TargetFeature.NoRuntime))
-    ptx = out.read_text(errors="replace")
-    ptx = ptx[ptx.index(".entry"):]
-    # (the loop's name: loop_out.s1.r_loop$y, with Halide's suffix where a
-    # process built another pipeline of those names first)
-    head = re.search(r'^(\$L\w+):\s*//\s*%"\d+_for_loop_out\S*?\.s1\.r_loop\S*?\$y', ptx, re.M)
-    assert head, "no step loop in the PTX"
-    body = ptx[head.end():re.search(r"bra\s+" + re.escape(head.group(1)) + ";", ptx).start()]
-    assert body.count("bar.sync") == 2, body.count("bar.sync")
-
-
 def _one_pass_norm_cell(x, r, s):
     """An LSTM with its recurrent products normalized by a one-pass layer
     norm (variance = mean of squares - squared mean)."""

@@ -772,3 +772,21 @@ def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
     monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 99 << 10)
     assert aot._plan(aot.Spec("gru", I, 96, "fwd", CUDA_TARGET), (), False).layout.loop_rows == 0
     assert "halide_error_host_is_null" not in text   # (device pointers only, as the driver's)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_one_kernel_step_holds_two_barriers(cell):
+    """loop_infer's step loop, in its PTX, holds two barriers whatever the
+    cell's gate count: one after the step's staged xp (every gate of a
+    unit in one thread loop, its loads all in flight) and one closing the
+    step."""
+    import re
+    p, _, target = _cuda_pipe(cell, "loop_infer", I, 37)
+    ptx = _lowered(p, target)
+    ptx = ptx[ptx.index(".entry"):]
+    # (the loop's name: loop_out.s1.r_loop$y, with Halide's suffix where a
+    # process built another pipeline of those names first)
+    head = re.search(r'^(\$L\w+):\s*//\s*%"\d+_for_loop_out\S*?\.s1\.r_loop\S*?\$y', ptx, re.M)
+    assert head, "no step loop in the PTX"
+    body = ptx[head.end():re.search(r"bra\s+" + re.escape(head.group(1)) + ";", ptx).start()]
+    assert body.count("bar.sync") == 2, body.count("bar.sync")
