@@ -299,11 +299,30 @@ LOOP_SHARED_SPARE = 1 << 10
 LOOP_STAGE_LOADS = 32
 
 
-def loop_shared_gates(G: int, H: int) -> int:
-    """The gates of W_hh (H*H floats each) loop_infer keeps in a block's
-    shared memory: as many as fit beside the step's staged xp."""
+def _gates_fitting(G: int, H: int, row: int) -> int:
+    """The gates of W_hh, H rows of `row` floats each, that fit a block's
+    shared memory beside the step's staged xp."""
     room = machine.gpu_block_shared_bytes() - 4 * G * H - LOOP_SHARED_SPARE
-    return max(0, min(G, room // (4 * H * H)))
+    return max(0, min(G, room // (4 * H * row)))
+
+
+def loop_row_floats(G: int, H: int) -> int:
+    """The floats of a unit's row of a W_hh gate in loop_infer's shared
+    memory, its H weights consecutive (a thread reads them 16 bytes a
+    load): H rounded up to an odd multiple of 4, so that the 8 threads of
+    a quarter warp's 16-byte loads read 8 distinct groups of 4 banks.
+    Where not every gate fits in such rows, 0: the units innermost, a
+    load a weight (the threads of a warp read consecutive units), which
+    measured faster where a gate is read through L1 (bench/RESULTS.md,
+    "Schedule decisions": cuda.loop)."""
+    row = 4 * ((H + 3) // 4 | 1)
+    return row if _gates_fitting(G, H, row) == G else 0
+
+
+def loop_shared_gates(G: int, H: int) -> int:
+    """The gates of W_hh loop_infer keeps in a block's shared memory: as
+    many as fit beside the step's staged xp (rows of loop_row_floats)."""
+    return _gates_fitting(G, H, loop_row_floats(G, H) or H)
 
 
 def loop_infer(p, target):
@@ -311,8 +330,9 @@ def loop_infer(p, target):
     order, a thread a unit (every gate's product as an unrolled sum, the
     cell, the new states). The gates of W_hh that fit (loop_shared_gates)
     are copied into shared memory once, before the steps, and read from
-    there every step (the threads of a warp read consecutive units: no
-    bank conflicts); the rest are read from global memory through L1. The
+    there every step, a unit's weights of a gate in a row of their own
+    where that keeps as many gates there (loop_row_floats: 16 bytes a load,
+    a quarter of the loads); the rest are read from global memory through L1. The
     step's xp is staged first (Func xs), a thread a unit with its gates
     unrolled inside: one barrier between it and the step (with the gates
     outside the thread loop, a barrier after each gate, each waiting on
@@ -322,10 +342,11 @@ def loop_infer(p, target):
     shared memory needs the driver's opt-in (csrc/cuda_graphs.h)."""
     v, r = p.vars, p.rdoms["loop"]
     out = p.stage("out")
-    staged = loop_shared_gates(p.G, p.H)
+    staged, row = loop_shared_gates(p.G, p.H), loop_row_floats(p.G, p.H)
     p.notes.append(f"loop_infer: one kernel; a block a batch row, a thread one unit's "
                    f"{p.G} gate(s), each an unrolled {p.H}-term product; {staged} gate(s) "
-                   f"of W_hh in shared memory")
+                   f"of W_hh in shared memory, " +
+                   (f"a unit's row of {row} floats" if row else "the units innermost"))
     out.gpu_blocks(v["b"])     # (the pure stage, undefined, computes nothing: on the
     #                            device, so that the output needs no host memory)
     out.update(0).allow_race_conditions().reorder(r.x, r.y, v["b"]) \
@@ -339,6 +360,8 @@ def loop_infer(p, target):
         w.compute_at(out, v["b"]).store_in(hl.MemoryType.GPUShared) \
             .split(k, ko, ki, min(LOOP_STAGE_LOADS, p.H), hl.TailStrategy.GuardWithIf) \
             .reorder(ki, ko, unit).gpu_threads(unit).unroll(ki)
+        if row:
+            w.reorder_storage(k, unit).align_storage(k, row)
 
 
 def _step_lanes(p, target):

@@ -727,6 +727,30 @@ def test_loop_pipeline_matches_the_reference(cell):
             assert np.array_equal(got[0], a0.astype(np.float32)), "step 0 written"
 
 
+def test_loop_rows_hold_16_byte_loads_without_bank_conflicts(monkeypatch):
+    """cuda.loop_row_floats: a unit's row of a gate in loop_infer's
+    shared memory holds its H weights in whole 16-byte words, and the 8
+    threads of a quarter warp (consecutive units), each loading one word
+    of its row, hit 8 distinct groups of 4 of the 32 banks; where not
+    every gate fits in such rows (on an H100 the GRU past H = 136, the
+    LSTM past 116), none: the units innermost."""
+    from halstm import machine
+    from halstm.schedules import cuda
+    monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 227 << 10)
+    for units in range(1, 257):
+        row = cuda.loop_row_floats(3, units)
+        if not row:
+            assert units > 136, units
+            continue
+        assert row % 4 == 0 and units <= row <= units + 7, (units, row)
+        for k in range(0, units, 4):
+            groups = {(unit * row + k) // 4 % 8 for unit in range(8)}
+            assert len(groups) == 8, (units, row, k)
+    assert [cuda.loop_row_floats(4, n) for n in (112, 116, 117, 120)] == [116, 116, 0, 0]
+    assert cuda.loop_shared_gates(4, 116) == 4 and cuda.loop_shared_gates(4, 120) == 3
+    assert cuda.loop_row_floats(3, 137) == 0 and cuda.loop_shared_gates(3, 137) == 3
+
+
 def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
     """A CUDA forward library of a cell without sums over units whose W_hh
     fits the shared memory of one block (machine.gpu_block_shared_bytes:
@@ -735,8 +759,8 @@ def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
     reducing cell, a backward library and a CPU target have none. Its
     kernel: a block a batch row, a thread a unit, barriers in the step
     loop, no local memory, and the gates of W_hh that fit beside the
-    step's xp read from shared memory (all of them, or on a GPU of less
-    shared memory as many as fit)."""
+    step's xp read from shared memory (all of them, 16 bytes a load, or on
+    a GPU of less shared memory as many as fit)."""
     import re
     from halstm import machine, pipeline
     monkeypatch.setattr(machine, "gpu_sms", lambda: 132)
@@ -766,8 +790,14 @@ def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
             [(["extent", "1"], "96")], runs        # (blocks: the output's rows)
         shared = eval(runs[0][2].replace("(", "").replace(")", ""))   # e.g. 0 + (n*4)
         assert staged * 96 * 96 * 4 <= shared <= block_kib << 10, (shared, staged)
-        # each step reads its staged gates' 96 x 96 weights from shared memory
-        assert text.count("ld.shared") >= staged * 96, text.count("ld.shared")
+        # each step reads its staged gates' 96 x 96 weights from shared
+        # memory: with every gate there, a unit's row (100 floats) 4
+        # weights a load; else the units innermost, a weight a load
+        loads = (text.count("ld.shared.v4"), text.count("ld.shared.b32"))
+        if staged == 3:
+            assert staged * 96 * 100 * 4 <= shared and loads[0] >= staged * 96 // 4, loads
+        else:
+            assert loads[0] == 0 and loads[1] >= staged * 96, loads
         assert text.count("bar.sync") >= 2 and ".local" not in text
     monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 99 << 10)
     assert aot._plan(aot.Spec("gru", I, 96, "fwd", CUDA_TARGET), (), False).layout.loop_rows == 0
