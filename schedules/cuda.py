@@ -331,8 +331,8 @@ def loop_infer(p, target):
     cell, the new states). The gates of W_hh that fit (loop_shared_gates)
     are copied into shared memory once, before the steps, and read from
     there every step, a unit's weights of a gate in a row of their own
-    where that keeps as many gates there (loop_row_floats: 16 bytes a load,
-    a quarter of the loads); the rest are read from global memory through L1. The
+    where every gate fits so (loop_row_floats: 16 bytes a load, a quarter
+    of the loads); the rest are read from global memory through L1. The
     step's xp is staged first (Func xs), a thread a unit with its gates
     unrolled inside: one barrier between it and the step (with the gates
     outside the thread loop, a barrier after each gate, each waiting on
