@@ -804,6 +804,35 @@ def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
     assert "halide_error_host_is_null" not in text   # (device pointers only, as the driver's)
 
 
+@pytest.mark.parametrize("cell,hidden", [("gru", 128), ("gru", 37), ("lstm", 116),
+                                         ("lstm", 120)])
+def test_one_kernel_step_stores_nothing_into_the_staged_weights(cell, hidden, monkeypatch):
+    """Halide packs a kernel's shared allocations by their live ranges in
+    the order its stages run, and does not carry the range of one made
+    before the step loop (the staged gates of W_hh, read every step)
+    around the loop: a step stage produced after the product may be
+    placed inside W_hh's rows, and the next step reads them overwritten.
+    loop_infer's step stores (its staged xp) must lie past the staged
+    gates' bytes."""
+    import re
+    from halstm import machine
+    from halstm.schedules import cuda
+    monkeypatch.setattr(machine, "gpu_block_shared_bytes", lambda: 227 << 10)
+    p, _, target = _cuda_pipe(cell, "loop_infer", I, hidden)
+    G = 4 if cell == "lstm" else 3
+    staged, row = cuda.loop_shared_gates(G, hidden), cuda.loop_row_floats(G, hidden) or hidden
+    assert staged, (cell, hidden)
+    ptx = _lowered(p, target).replace("\0", "")
+    ptx = ptx[ptx.index(".entry"):]
+    head = re.search(r'%"\d+_for_loop_out\S*?\.s1\.r_loop\S*?\$y', ptx)
+    tail = re.search(r'%"\d+_end_for_loop_out\S*?\.s1\.r_loop\S*?\$y', ptx)
+    # (each store's address: a thread's offset, then its allocation's start)
+    stores = re.findall(r"st\.shared\S*\s+\[([^\]]+)\]", ptx[head.end():tail.start()])
+    starts = [re.fullmatch(r"%rd\d+\+(\d+)", s) for s in stores]
+    assert stores and all(starts), stores
+    assert min(int(m.group(1)) for m in starts) >= staged * hidden * row * 4, (stores, staged, row)
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_one_kernel_step_holds_two_barriers(cell):
     """loop_infer's step loop, in its PTX, holds two barriers whatever the
