@@ -15,7 +15,8 @@ to the first variant's:
 
 --infer times a forward that no backward follows (under halstm.no_grad(),
 as `halstm bench --fwd` does) in place of the training forward and the
-backward.
+backward, and checks that forward's output against the reference too
+(it may run other kernels: pipeline.LOOP).
 """
 import argparse
 import os
@@ -59,6 +60,10 @@ def main():
             if (m.input_size, m.hidden_size) != (I, H):
                 raise ValueError(f"{folder} holds I={m.input_size} H={m.hidden_size}")
             err = max(reference_errors(m, m.cell, x, m(x)[0], dy).values())
+            if a.infer:      # (the path --infer times: a forward without a tape)
+                with halstm.no_grad():
+                    y = m(x)[0]
+                err = max(err, reference_errors(m, m.cell, x, y)["y"])
         except Exception as e:
             print(f"  {name}: failed: {e}")
             continue
