@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Time source variants of halstm against each other, one layer per shape,
-# interleaved in one process (bench/gpu_ab.py). A variant is NAME (this
+# interleaved round by round (bench/gpu_ab.py). A variant is NAME (this
 # tree as it is) or NAME:PATCH (a copy of this tree with PATCH, a unified
 # diff, applied by patch -p1). Each variant compiles every cell and shape
 # into /tmp/cell-ab/NAME (all at once, in parallel), then each cell and
-# shape times every variant; the first variant is the base of the ratios.
+# shape times every variant, each in a process of its own that runs its
+# own copy's runtime (gpu_ab.py --runtime); the first variant is the base
+# of the ratios.
 # AB_ARGS: more arguments for bench/gpu_ab.py (--infer: the no_grad forward).
 #   [TARGET=host-cuda] [CELLS="lstm gru"] [SHAPES="I H B T;..."] [REPS=30] [AB_ARGS=...] \
 #       bench/cell_ab.sh OUT.txt NAME[:PATCH] ...
@@ -57,10 +59,13 @@ done
 for cell in ${CELLS:-lstm gru}; do
   for s in "${rows[@]}"; do
     read -r I H B T <<< "$s"
-    folders=()
-    for v in "$@"; do folders+=("${v%%:*}=$root/${v%%:*}/$cell-$I-$H"); done
+    folders=(); runtimes=()
+    for v in "$@"; do
+      folders+=("${v%%:*}=$root/${v%%:*}/$cell-$I-$H")
+      runtimes+=(--runtime "${v%%:*}=$root/${v%%:*}")
+    done
     python3 bench/gpu_ab.py --target "$target" --cell "$cell" --input-size "$I" \
-      --hidden-size "$H" --batch "$B" --steps "$T" --reps "${REPS:-30}" ${AB_ARGS:-} "${folders[@]}" \
-      2>&1 | tee -a "$out"
+      --hidden-size "$H" --batch "$B" --steps "$T" --reps "${REPS:-30}" ${AB_ARGS:-} \
+      "${runtimes[@]}" "${folders[@]}" 2>&1 | tee -a "$out"
   done
 done
