@@ -808,7 +808,8 @@ def test_one_kernel_inference_where_w_hh_fits_a_block(monkeypatch):
                                          ("lstm", 120)])
 def test_one_kernel_step_stores_nothing_into_the_staged_weights(cell, hidden, monkeypatch):
     """Halide packs a kernel's shared allocations by their live ranges in
-    the order its stages run, and does not carry the range of one made
+    the order its stages run (FuseGPUThreadLoops' reuse of shared memory,
+    halide/Halide#1089), and does not carry the range of one made
     before the step loop (the staged gates of W_hh, read every step)
     around the loop: a step stage produced after the product may be
     placed inside W_hh's rows, and the next step reads them overwritten.
