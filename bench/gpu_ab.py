@@ -123,6 +123,7 @@ class _Worker:
     """A variant in a process of its own (_serve), halstm from `tree`."""
 
     def __init__(self, variant: str, tree: str, argv: list):
+        self.name = variant.partition("=")[0]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.abspath(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve",
@@ -137,7 +138,10 @@ class _Worker:
     def ask(self, line: str) -> str:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        return self.proc.stdout.readline()
+        reply = self.proc.stdout.readline()
+        if not reply:       # (its error went to stderr)
+            raise RuntimeError(f"the worker of {self.name} ended (exit code {self.proc.wait()})")
+        return reply
 
     def timed(self, mode: str) -> float:
         return float(self.ask(f"run {mode}"))
