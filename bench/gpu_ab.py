@@ -1,5 +1,5 @@
 """Time variants of one layer of a cell against each other, interleaved
-in one process, so that the machine's drift (10-15% between processes on
+round by round, so that the machine's drift (10-15% between processes on
 the shared H100s) falls on every variant alike.
 
 A variant NAME is a cache folder holding a library compiled under that
@@ -21,9 +21,9 @@ backward, and checks that forward's output against the reference too
 --runtime NAME=TREE (for every variant): each variant runs in a process
 of its own whose `halstm` package is TREE's (a copy of the source with
 the variant's change, as bench/cell_ab.sh makes), so that a variant may
-change the runtime, the driver's arguments or the manifest; the rounds
-still alternate, one variant's call at a time, each call timed in its
-own process.
+change the runtime (the Python side of the library calls) or the
+manifest; the rounds still alternate, one variant's call at a time, each
+call timed in its own process.
 """
 import argparse
 import json
