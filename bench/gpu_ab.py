@@ -26,9 +26,9 @@ manifest; the rounds still alternate, one variant's call at a time, each
 call timed in its own process.
 """
 import argparse
+import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -190,13 +190,11 @@ def main():
     if first not in runs:
         raise SystemExit(f"the first variant, {first}, is needed for the ratios")
     modes = ("infer",) if a.infer else ("fwd", "bwd")
+    # each variant times its own calls (in its process, with --runtime);
     # the first round warms up
-    if trees:
-        med = _alternating_timed(runs, modes, a.reps + 1, 1)
-    else:
-        calls = {(n, k): v.calls[k] for n, v in runs.items() for k in modes}
-        sync = cuda.synchronize if "cuda" in a.target else (lambda: None)
-        med = {k: s * 1e3 for k, s in alternating(calls, a.reps + 1, 1, sync).items()}
+    calls = {(n, k): functools.partial(v.timed, k) for n, v in runs.items() for k in modes}
+    med = {k: s * 1e3 for k, s in
+           alternating(calls, a.reps + 1, 1, None, self_timed=True).items()}
     print(f"{a.target} {a.cell} I={I} H={H} B={B} T={T}, {a.reps} interleaved rounds, medians in ms "
           f"(ratio to {first})" + (", each variant its own runtime" if trees else ""))
     for n, v in runs.items():
@@ -206,17 +204,6 @@ def main():
     for v in runs.values():
         if isinstance(v, _Worker):
             v.quit()
-
-
-def _alternating_timed(runs: dict, modes, rounds: int, warmup: int) -> dict:
-    """benchmark.alternating's rounds (the order rotating) over variants
-    that time their own calls: median ms of each (variant, mode)."""
-    keys = [(n, k) for n in runs for k in modes]
-    times = {key: [] for key in keys}
-    for r in range(rounds):
-        for n, k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[n, k].append(runs[n].timed(k))
-    return {key: statistics.median(t[warmup:]) * 1e3 for key, t in times.items()}
 
 
 if __name__ == "__main__":

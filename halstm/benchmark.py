@@ -141,11 +141,14 @@ def _interleaved(timed: list, min_runs=3, min_seconds=1.0, max_runs=50,
     return times, rounds
 
 
-def alternating(calls: dict, rounds: int, warmup: int, sync, per_round: bool = False) -> dict:
+def alternating(calls: dict, rounds: int, warmup: int, sync, per_round: bool = False,
+                self_timed: bool = False) -> dict:
     """Median seconds of each of `calls` (name -> function), timed from
     sync() to sync(), over `rounds` rounds that run every call once, the
     first `warmup` rounds left out (bench/gpu_ab.py, bench/gpu_host.py);
-    per_round: each round's seconds instead, for ratios per round.
+    per_round: each round's seconds instead, for ratios per round;
+    self_timed: each call returns its own seconds (timed where it runs,
+    e.g. in another process; sync unused).
     The order rotates from round to round: on a CPU a fixed order favoured
     one side by up to 7% between variants whose code was the same."""
     times = {k: [] for k in calls}
@@ -153,6 +156,9 @@ def alternating(calls: dict, rounds: int, warmup: int, sync, per_round: bool = F
     for r in range(rounds):
         for k in order[r % len(order):] + order[:r % len(order)]:
             f = calls[k]
+            if self_timed:
+                times[k].append(f())
+                continue
             sync()
             t = time.perf_counter()
             f()

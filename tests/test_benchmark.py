@@ -64,6 +64,15 @@ def test_alternating_runs_each_call_once_a_round_between_syncs():
     assert med["slow"] >= 0.002 > med["fast"]
 
 
+def test_alternating_takes_the_seconds_self_timed_calls_return():
+    log = []
+    calls = {k: (lambda k=k, sec=sec: (log.append(k), sec)[1])
+             for k, sec in (("a", 1.0), ("b", 3.0))}
+    med = B.alternating(calls, rounds=4, warmup=1, sync=None, self_timed=True)
+    assert log == ["a", "b", "b", "a"] * 2         # the order rotating, as timed calls'
+    assert med == {"a": 1.0, "b": 3.0}
+
+
 def test_ratio_pairs_rounds():
     def result(impl, rounds):
         return B.Result("s", "lstm", "fwd", impl, sorted(rounds)[1], 1.0, 3, None, None, None,
