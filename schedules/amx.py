@@ -110,11 +110,11 @@ def step(p):
     threads take ranges of panels only (a range of fewer rows would leave
     an AMX tile's rows idle) (bench/RESULTS.md, "Schedule decisions":
     cpu.amx tiles)."""
-    act = p.stage("saved")
     out, bo = _per_panel(p, p.vars["j"], "h_bf", "hg", "k")
     # whole panels at the guarded edge too (the cell's reads are clamped)
-    act.compute_at(out, bo).bound_extent(p.vars["j"], p.P).vectorize(p.vars["j"])
-    act.unroll(act.args()[1])
+    for f in p.saved_stages():
+        f.compute_at(out, bo).bound_extent(p.vars["j"], p.P).vectorize(p.vars["j"])
+        f.unroll(f.args()[1])
     p.split_quantum = 1
     p.split_batch_bytes = 0
 
@@ -165,7 +165,7 @@ def step_narrow(p, panels: int):
     """A step of few rows with AMX's operands, without AMX: per row and
     tile of `panels` panels, every gate's accumulators in registers, the
     reduction's pairs unrolled; the cell on the tile."""
-    out, act = p.stage("out"), p.stage("saved")
+    out = p.stage("out")
     acc, tile = p.stage("hg_bf16sum"), p.stage("hg_tile")
     j, b, P = p.vars["j"], p.vars["b"], p.P
     r = p.rdoms["k"].x
@@ -188,7 +188,8 @@ def step_narrow(p, panels: int):
     acc.vectorize(a_ji).unroll(a_gate).unroll(a_jo)
     acc.update().split(r, ro, ri, 2).reorder(ri, a_ji, a_gate, a_jo, ro, a_row).atomic() \
         .vectorize(ri).vectorize(a_ji).unroll(a_gate).unroll(a_jo)
-    act.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
+    for f in p.saved_stages():
+        f.compute_at(out, b).bound_extent(j, P * panels).vectorize(j, P).unroll(f.args()[1])
     p.split_quantum = panels
     p.split_batch_bytes = 0
 

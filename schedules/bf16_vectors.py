@@ -74,12 +74,13 @@ def step(p, rows: int, panels: int) -> None:
     every gate's product in registers, then the cell on the tile; h's bf16
     rows first, once a call. The driver's threads take ranges of tiles
     (`panels` must divide Hp / P: W_hh's panels are read unclamped)."""
-    act, j, P = p.stage("saved"), p.vars["j"], p.P
+    j, P = p.vars["j"], p.P
     out, bo = _tiles(p, j, rows, panels, "wp_hh", "h_bf")
     product(p.stage("hg_bf16sum"), p.stage("hg_tile"), p.rdoms["k"], hl.LoopLevel(out, bo), rows,
             panels)
     # whole panels at the guarded edge too (the cell's reads are clamped)
-    act.compute_at(out, bo).bound_extent(j, P * panels).vectorize(j, P).unroll(act.args()[1])
+    for f in p.saved_stages():
+        f.compute_at(out, bo).bound_extent(j, P * panels).vectorize(j, P).unroll(f.args()[1])
     p.split_batch_bytes = 0
 
 

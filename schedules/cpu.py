@@ -383,7 +383,7 @@ def _cell_rows(p) -> None:
     driver runs the step as step_product and step_cell), and ranges go
     down to one row."""
     j, b, P = p.vars["j"], p.vars["b"], p.P
-    out, act = p.stage("out"), p.stage("saved")
+    out = p.stage("out")
     p.split_batch_bytes = knob(p, "rows_fwd_kib") << 10
     jo, ji = hl.Var("jo"), hl.Var("ji")
     out.split(j, jo, ji, P, GUARD).vectorize(ji)
@@ -391,7 +391,8 @@ def _cell_rows(p) -> None:
         out.parallel(b)
     _row_sums(p, out, b, P)
     _row_stagings(p, out, b, P)
-    act.compute_at(out, jo).vectorize(j, P, GUARD).unroll(act.args()[1])
+    for f in p.saved_stages():
+        f.compute_at(out, jo).vectorize(j, P, GUARD).unroll(f.args()[1])
 
 
 def step_product(p, target):
@@ -424,7 +425,7 @@ def step(p, target):
         return bf16_vectors.step(p, *_bf16_tile(p, target, p.G))
     v, H, P = p.vars, p.H, p.P
     j, b, gate = v["j"], v["b"], v["gate"]
-    out, acc, act = p.stage("out"), p.stage("hg_acc"), p.stage("saved")
+    out, acc = p.stage("out"), p.stage("hg_acc")
     batch = p.param("h_prev").dim(1).extent()
     # units past H (when P does not divide H) are computed and not stored
     j_tail = ROUND if H % P == 0 else GUARD
@@ -447,13 +448,14 @@ def step(p, target):
     p.split_batch_bytes = ROWS_FWD_BYTES   # ranges of rows below (see SPLIT_ROWS)
     at = hl.Var("bo")                  # the innermost tile loop (see register_tile)
     if not aligned:                    # whole panels at the guarded edge too
-        for f in (acc, act):
+        for f in (acc, *p.saved_stages()):
             f.bound_extent(j, P)
     acc.unroll(gate)
     acc.update().unroll(gate)
     if wide is not None:    # the product a gate group at a time, each its own pass over k
         _group_passes(out, acc, j, gate, b, p.rdoms["k"].x, p.G, group, at, wide[1])
-    act.compute_at(out, at).vectorize(j, P).unroll(act.args()[1]).unroll(b)
+    for f in p.saved_stages():
+        f.compute_at(out, at).vectorize(j, P).unroll(f.args()[1]).unroll(b)
 
 
 def _wide(target, gates: int, group: int, rows: int, out_rows):

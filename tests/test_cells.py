@@ -414,6 +414,43 @@ def test_a_cell_of_three_states(size):
     assert m._state_names == ("h", "c", "m")
 
 
+def _chained(x, r, s):
+    """Gates that each read the one before: saved values of three levels."""
+    a = sigmoid(x.a + r.a)
+    n = tanh(x.n + a * r.n)
+    z = sigmoid(x.z + r.z + n * s.h)
+    return {"h": (1 - z) * n + z * s.h}
+
+
+CHAINED = define("chained_gates", gates="anz", states="h", step=_chained)
+
+
+def _chained_np(xg, hg, s):
+    H = s[0].shape[1]
+    xa, xn, xz = (xg[:, k * H:(k + 1) * H] for k in range(3))
+    ra, rn, rz = (hg[:, k * H:(k + 1) * H] for k in range(3))
+    a = 1 / (1 + np.exp(-(xa + ra)))
+    n = np.tanh(xn + a * rn)
+    z = 1 / (1 + np.exp(-(xz + rz + n * s[0])))
+    return ((1 - z) * n + z * s[0],)
+
+
+@pytest.mark.parametrize("size", ["base", "T1"])
+def test_saved_values_read_from_lower_levels(size):
+    """A saved activation computed from others reads them from the Funcs of
+    lower levels (cells.lowering._leveled), here two; the kernels match
+    the numpy step, gradients included."""
+    import halide as hl
+    from halstm import pipeline, schedules
+    from halstm.cells.lowering import DefinedCell
+    target = hl.get_host_target()
+    p = pipeline.build(DefinedCell(CHAINED), "step", I, H,
+                       schedules.for_target(target, "cpu").layout(target))
+    assert [f.name().split("$")[0] for f in p.saved_levels] == ["chained_gates_saved_level0",
+                                                  "chained_gates_saved_level1"]
+    check_against_step(CHAINED, _chained_np, size, seed=8)
+
+
 def test_a_cell_file_without_a_definition_is_refused(tmp_path):
     path = tmp_path / "empty.py"
     path.write_text("x = 1\n")

@@ -64,6 +64,7 @@ class Cell:
     reduces: bool = False         # the step reduces over the units (see reductions)
     reductions: list = []         # Funcs over b of the last forward/backward built
     stagings: list = []           # its Funcs over (unit, b) computed once per row, if placed
+    saved_levels: list = []       # Funcs (j, channel, b) the saved Func reads (forward)
 
     def reduction_groups(self) -> list[list]:
         """reductions in groups whose sums read none of each other's

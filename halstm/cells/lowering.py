@@ -19,7 +19,7 @@ import math
 import halide as hl
 
 from .base import Cell, _is_nan, gate_func, sigmoid, tanh
-from .language import REDUCTIONS, Definition, Sym, _rows, _topo
+from .language import REDUCTIONS, STAGED_OPS, Definition, Sym, _rows, _topo
 
 
 def _relu(v):
@@ -255,6 +255,20 @@ class _Lowering:
         return depth[id(node)]
 
 
+def _saved_levels(nodes) -> dict:
+    """id -> level of each saved unit value: 0 unless it is computed from
+    another's costly value (language.STAGED_OPS), else 1 + the most level
+    of those it reads."""
+    ids = {id(n) for n in nodes}
+    levels, reach = {}, {}       # reach: the level a value computed from a node has
+    for n in _topo(nodes):
+        level = max((reach[id(c)] for c in n.args), default=0)
+        if id(n) in ids:
+            levels[id(n)] = level
+        reach[id(n)] = level + 1 if id(n) in ids and n.op in STAGED_OPS else level
+    return levels
+
+
 class DefinedCell(Cell):
     """A Cell whose forward is a Definition's step and whose backward is
     the Definition's derived adjoints."""
@@ -269,6 +283,7 @@ class DefinedCell(Cell):
         self.reductions: list = []     # the reduction Funcs of the last forward or backward
         self.levels: dict = {}         # their levels by name (_Lowering._level)
         self.stagings: list = []       # its Funcs over (unit, row) (_Lowering)
+        self.saved_levels: list = []   # Funcs (j, channel, b) that saved reads (_leveled)
         self.row_funcs: list = []      # its Funcs over the row (_Lowering._row_func)
         self.keys: dict = {}           # the stagings' and row Funcs' (level, depth) by name
 
@@ -317,12 +332,15 @@ class DefinedCell(Cell):
         d, leaf = self.d, self._leaf(xp, hg, prev, vec, b)
         self.reductions, rows, stagings, self.levels = [], {}, {}, {}
         shared = _shared()
-        direct = _Lowering(d.name, H, b, leaf, self.reductions, rows, d.staged_fwd, stagings,
-                           self.levels, shared=shared)
+
+        def lowering(known):
+            return _Lowering(d.name, H, b, known, self.reductions, rows, d.staged_fwd, stagings,
+                             self.levels, shared=shared)
+        direct = lowering(leaf)
         row_values = [direct(n, j) for n in d.row_saved]       # (the same at every unit)
         packed = [hl.select(*[e for k, r in enumerate(row_values[m:m + H]) for e in (j == k, r)],
                             hl.f32(0)) for m in range(0, len(row_values), H)]
-        saved = gate_func(f"{d.name}_saved", [direct(n, j) for n in d.unit_saved] + packed,
+        saved = gate_func(f"{d.name}_saved", self._leveled(lowering, leaf, j, b) + packed,
                           j, b)
         slot = {id(n): k for k, n in enumerate(d.unit_saved)}
 
@@ -339,6 +357,33 @@ class DefinedCell(Cell):
         self.stagings = list(stagings.values())
         self._lowered(shared)
         return saved, new
+
+    def _leveled(self, lowering, leaf, j, b) -> list:
+        """The saved unit values' Exprs at unit j. A saved value computed
+        from another's activation (peephole's o from c', from i, f, g)
+        reads it from a Func of the values of a lower level (saved_levels:
+        Funcs (j, channel, b), each of values that read none of the later
+        ones) instead of computing it again: on a CPU each saved channel
+        is a loop of its own. lowering(known): a _Lowering at unit j."""
+        d = self.d
+        levels = _saved_levels(d.unit_saved)
+        at: dict = {}                 # id -> (Func, its channel) of a lower level
+
+        def known(n, u):
+            if id(n) in at and u.name() == j.name():
+                f, k = at[id(n)]
+                return f[u, k, b]
+            return leaf(n, u)
+        self.saved_levels = []
+        for level in range(max(levels.values(), default=0)):
+            lower = lowering(known)
+            nodes = [n for n in d.unit_saved if levels[id(n)] == level]
+            f = gate_func(f"{d.name}_saved_level{level}", [lower(n, j) for n in nodes], j, b)
+            self.saved_levels.append(f)
+            at.update({id(n): (f, k) for k, n in enumerate(nodes)})
+        lower = lowering(known)
+        return [at[id(n)][0][j, at[id(n)][1], b] if id(n) in at else lower(n, j)
+                for n in d.unit_saved]
 
     def step_exprs(self, xp, hg, prev, vec, H, u, b) -> dict:
         """The new states as Exprs at unit u (a Var or an RVar) and row b,

@@ -22,6 +22,12 @@ class Stages:
             raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
                            f"it has {sorted(self.stages)}") from None
 
+    def saved_stages(self) -> list:
+        """The forward step's saved values: the Funcs of their lower levels
+        (cells.lowering, DefinedCell._leveled), then "saved"; a schedule
+        places them alike."""
+        return [*self.saved_levels, self.stage("saved")]
+
     def pipeline(self) -> hl.Pipeline:
         return hl.Pipeline(self.outputs)
 
@@ -69,6 +75,7 @@ class Pipe(Stages):
     reduction_groups: list = field(default_factory=list)  # them by level (Cell.reduction_groups)
     stagings: list = field(default_factory=list)    # its Funcs over (unit, b) (cells.lowering)
     staging_groups: list = field(default_factory=list)   # them as Cell.staging_groups
+    saved_levels: list = field(default_factory=list)  # Funcs (j, channel, b) "saved" reads
     row_func_groups: list = field(default_factory=list)  # Cell.row_func_groups: Funcs over b
     knobs: dict = field(default_factory=dict)    # the schedule's knob values other than its defaults
 

@@ -198,7 +198,7 @@ def _step(p: Pipe, save: bool = True, product: str = "", fold: bool = False) -> 
     saved, new = cell.forward(xp_in, hg, prev_in, vec_in, H, j, b)
     p.reductions, p.stagings = list(cell.reductions), list(cell.stagings)
     p.reduction_groups, p.staging_groups = cell.reduction_groups(), cell.staging_groups()
-    p.row_func_groups = cell.row_func_groups()
+    p.row_func_groups, p.saved_levels = cell.row_func_groups(), list(cell.saved_levels)
     folded, nexts = [], []
     if fold:     # the next step's product on the new h, itself a stage
         folded = [_param(p, "wp_hh", p.panel_extents(H)),     # numpy (Hp/P, G/PG, H, PG, P)
