@@ -8,10 +8,14 @@
 # own copy's runtime (gpu_ab.py --runtime); the first variant is the base
 # of the ratios.
 # AB_ARGS: more arguments for bench/gpu_ab.py (--infer: the no_grad forward).
+# PYTHON: the interpreter (default: the checkout's .venv where there is
+# one, as the README sets it up, else python3).
 #   [TARGET=host-cuda] [CELLS="lstm gru"] [SHAPES="I H B T;..."] [REPS=30] [AB_ARGS=...] \
 #       bench/cell_ab.sh OUT.txt NAME[:PATCH] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && py=$PWD/.venv/bin/python
 out=$1; shift
 target=${TARGET:-host-cuda}
 shapes=${SHAPES:-"1024 1024 64 25;128 128 16 100;256 256 1 1000"}
@@ -36,9 +40,9 @@ for v in "$@"; do
       [ -n "${built[$cell-$I-$H]:-}" ] && continue
       built[$cell-$I-$H]=1
       log=$tree/$cell-$I-$H.log
-      # (from inside the copy: `python3 -c` puts the working directory
+      # (from inside the copy: `python -c` puts the working directory
       # first on sys.path, ahead of PYTHONPATH)
-      (cd "$tree" && HALSTM_CACHE=$tree/cache PYTHONPATH="$tree:${PYTHONPATH:-}" python3 -c \
+      (cd "$tree" && HALSTM_CACHE=$tree/cache PYTHONPATH="$tree:${PYTHONPATH:-}" "$py" -c \
         "from halstm.cli import main; main()" compile --cell "$cell" -i "$I" -H "$H" \
         --target "$target" --out "$tree/$cell-$I-$H" > "$log" 2>&1) &
       pids+=($!); what+=("$name $cell H=$H (log $log)")
@@ -53,7 +57,7 @@ done
 # each variant's libraries carry the hash of the code they were built from
 for v in "$@"; do
   name=${v%%:*}
-  python3 -c "import json, glob, sys; print(sys.argv[1], sorted({json.load(open(f))['halstm_code'][:12] for f in glob.glob(sys.argv[2] + '/*/*/manifest.json')}))" \
+  "$py" -c "import json, glob, sys; print(sys.argv[1], sorted({json.load(open(f))['halstm_code'][:12] for f in glob.glob(sys.argv[2] + '/*/*/manifest.json')}))" \
     "$name" "$root/$name" | tee -a "$out"
 done
 for cell in ${CELLS:-lstm gru}; do
@@ -64,7 +68,7 @@ for cell in ${CELLS:-lstm gru}; do
       folders+=("${v%%:*}=$root/${v%%:*}/$cell-$I-$H")
       runtimes+=(--runtime "${v%%:*}=$root/${v%%:*}")
     done
-    python3 bench/gpu_ab.py --target "$target" --cell "$cell" --input-size "$I" \
+    "$py" bench/gpu_ab.py --target "$target" --cell "$cell" --input-size "$I" \
       --hidden-size "$H" --batch "$B" --steps "$T" --reps "${REPS:-30}" ${AB_ARGS:-} \
       "${runtimes[@]}" "${folders[@]}" 2>&1 | tee -a "$out"
   done
