@@ -645,6 +645,13 @@ def step_bwd_fused(p, target):
                   vec_tail=ROUND if aligned else GUARD, small=(batch < rows, narrow, None),
                   par=None if p.split_steps else "ko", unroll_out=False,
                   wide=_dh_wide(out, target, wide, rows))
+    # the costly forward values several outputs read (the LSTM's tanh(c'):
+    # every gate's adjoint and dc; cells.lowering._read_by_several), once a
+    # tile, before its outputs
+    at = hl.Var(b.name() + "o")        # the innermost tile loop (register_tile)
+    # (guarded: the pointwise inputs are read unclamped, at stored units only)
+    for f in p.stagings:
+        f.compute_at(out, at).vectorize(f.args()[0], p.P, GUARD)
 
 
 def _dh_wide(out, target, panels: int, rows: int):

@@ -269,6 +269,27 @@ def _saved_levels(nodes) -> dict:
     return levels
 
 
+def _read_by_several(outputs, stored) -> frozenset:
+    """ids of the costly forward values (language.STAGED_OPS) that backward
+    computes (not stored) for more than one of its outputs: the LSTM's
+    tanh(c'), read by every gate's adjoint and by dc. Each output is a
+    store of its own (a Tuple element, a gate's plane), where Halide
+    would compute it again."""
+    readers: dict = {}
+    for k, out in enumerate(outputs):
+        seen: set = set()
+        stack = [n.args[0] for n in _topo([out]) if n.op == "val"]
+        while stack:
+            n = stack.pop()
+            if id(n) in seen or stored(n):
+                continue
+            seen.add(id(n))
+            if n.op in STAGED_OPS:
+                readers.setdefault(id(n), set()).add(k)
+            stack.extend(n.args)
+    return frozenset(i for i, ks in readers.items() if len(ks) > 1)
+
+
 class DefinedCell(Cell):
     """A Cell whose forward is a Definition's step and whose backward is
     the Definition's derived adjoints."""
@@ -414,10 +435,15 @@ class DefinedCell(Cell):
             if n.op in ("x", "r"):
                 raise AssertionError(f"{n!r} is needed but not saved")
             return leaf(n, u)
-        self.reductions, rows, self.stagings, self.levels = [], {}, [], {}
+        self.reductions, rows, stagings, self.levels = [], {}, {}, {}
         stored = lambda n: id(n) in slot or id(n) in row_at or id(n) in new_node   # noqa: E731
         shared = _shared()
-        values = _Lowering(d.name + "_val", H, b, value, self.reductions, {},
+        outputs = [a for a in (*d.d_x.values(), *d.d_r.values(), *d.d_prev.values(), *d.d_vec)
+                   if a is not None]
+        # (a cell that reduces keeps its values inline: staged as well, the
+        # layer-norm LSTM's took no less time on the CPU)
+        staged = frozenset() if self.reduces else _read_by_several(outputs, stored)
+        values = _Lowering(d.name + "_val", H, b, value, self.reductions, {}, staged, stagings,
                            levels=self.levels, stored=stored, shared=shared)
 
         def known(n, u):
@@ -444,5 +470,6 @@ class DefinedCell(Cell):
         dvec = None
         if self.channels:
             dvec = gate_func(f"{d.name}_dvec", [lower(a) for a in d.d_vec], j, b)
+        self.stagings = list(stagings.values())
         self._lowered(shared)
         return dxp, dhg, dprev, dvec

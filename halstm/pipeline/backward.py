@@ -273,6 +273,7 @@ def _step_bwd_fused(p: Pipe, bf16_product: bool = False) -> None:
                                           dnew, vec_in, H, k, b)
     assert not cell.reductions, "a step that reduces over units has no fused backward"
     assert (dhg is dxp) == cell.dxp_is_dhg, "cell.dxp_is_dhg disagrees with its backward"
+    p.stagings = list(cell.stagings)    # (Funcs over (k, b) several outputs read)
     values = [dh[k, b]] + [dxp[k, g, b] for g in range(G)]
     if not cell.dxp_is_dhg:
         values += [dhg[k, g, b] for g in range(G)]
