@@ -257,8 +257,8 @@ class _Lowering:
 
 def _saved_levels(nodes) -> dict:
     """id -> level of each saved unit value: 0 unless it is computed from
-    another's costly value (language.STAGED_OPS), else 1 + the most level
-    of those it reads."""
+    other saved values that are costly (language.STAGED_OPS), else 1 + the
+    highest level among those."""
     ids = {id(n) for n in nodes}
     levels, reach = {}, {}       # reach: the level a value computed from a node has
     for n in _topo(nodes):
