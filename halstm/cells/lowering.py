@@ -438,8 +438,9 @@ class DefinedCell(Cell):
         self.reductions, rows, stagings, self.levels = [], {}, {}, {}
         stored = lambda n: id(n) in slot or id(n) in row_at or id(n) in new_node   # noqa: E731
         shared = _shared()
-        outputs = [a for a in (*d.d_x.values(), *d.d_r.values(), *d.d_prev.values(), *d.d_vec)
-                   if a is not None]
+        # (each output once: with dxp_is_dhg a gate's d_x is its d_r, one store)
+        outputs = list({id(a): a for a in (*d.d_x.values(), *d.d_r.values(),
+                                           *d.d_prev.values(), *d.d_vec) if a is not None}.values())
         # (a cell that reduces keeps its values inline: staged as well, the
         # layer-norm LSTM's took no less time on the CPU)
         staged = frozenset() if self.reduces else _read_by_several(outputs, stored)

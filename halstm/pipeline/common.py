@@ -22,12 +22,6 @@ class Stages:
             raise KeyError(f"pipeline {self.kind!r} has no stage {name!r}; "
                            f"it has {sorted(self.stages)}") from None
 
-    def saved_stages(self) -> list:
-        """The forward step's saved values: the Funcs of their lower levels
-        (cells.lowering, DefinedCell._leveled), then "saved"; a schedule
-        places them alike."""
-        return [*self.saved_levels, self.stage("saved")]
-
     def pipeline(self) -> hl.Pipeline:
         return hl.Pipeline(self.outputs)
 
@@ -82,6 +76,12 @@ class Pipe(Stages):
     @property
     def G(self) -> int:
         return self.cell.n_gates
+
+    def saved_stages(self) -> list:
+        """The forward step's saved values: the Funcs of their lower levels
+        (cells.lowering, DefinedCell._leveled), then "saved"; a schedule
+        places them alike."""
+        return [*self.saved_levels, self.stage("saved")]
 
     @property
     def V(self) -> int:
