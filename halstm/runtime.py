@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import threading
 import weakref
 from pathlib import Path
@@ -162,6 +163,10 @@ class Library:
         self._packs = {}
         self._entry.restype = _I
         self._ws = {}      # by (memory kind, stream, name)
+        # forward's workspaces and their pointers by (memory kind, stream, T,
+        # B): a call of a size seen before reuses them (_forward_workspaces);
+        # emptied whenever _workspace makes an array
+        self._frames = {}
         # One call at a time: the workspaces are shared between calls, and
         # ctypes releases the GIL while the library runs.
         self._lock = threading.Lock()
@@ -192,8 +197,72 @@ class Library:
                 return a.reshape(-1)[:n].reshape(*shape)
         if a is None or tuple(a.shape) != tuple(shape):
             self._ws.pop(key, None)
+            self._frames.clear()
             a = self._ws[key] = (mem.zeros if zeros else mem.empty)(tuple(shape))
         return a
+
+    def _forward_workspaces(self, mem, stream, T: int, B: int, bs, packed: bool) -> tuple:
+        """forward's workspaces (wp_ih, wp_hh, xp, x_rows or None) and
+        their pointers: the same arrays as the last call of this size had
+        where nothing was made since (no batch sizes, kept workspaces), else
+        from _workspace."""
+        key = ("fwd", mem.kind, stream, T, B)
+        cache = bs is None and mem.keep_workspaces
+        if cache:
+            found = self._frames.get(key)
+            if found is not None:
+                return found
+        K, G, Hp = self.K, self.G, self.Hp
+        N = step_rows_count(bs, T, B, packed)
+        ws = [self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),
+              self._workspace(mem, stream, "wp_hh", self._panels_shape(self.H)),
+              self._workspace(mem, stream, "xp", (N, G, Hp)),
+              # x in the steps' rows, or the folded steps' two products
+              (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
+               if packed else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
+               if self._folds else None)]
+        found = ws, tuple(None if a is None else mem.ptr(a) for a in ws)
+        if cache:
+            self._frames[key] = found
+        return found
+
+    def _backward_workspaces(self, mem, stream, T: int, B: int, bs, packed: bool,
+                             skip_dx: bool) -> tuple:
+        """backward's workspaces by name (None where the build has none) and
+        their pointers in the driver's order (wq_ih, wq_hh, dxp, dhg, fused,
+        dvec_rows, rows), reused as _forward_workspaces'."""
+        key = ("bwd", mem.kind, stream, T, B, skip_dx)
+        cache = bs is None and mem.keep_workspaces
+        if cache:
+            found = self._frames.get(key)
+            if found is not None:
+                return found
+        G, H, Hp, Kp, K, V = self.G, self.H, self.Hp, self.Kp, self.K, self.V
+        pipelines = self.manifest["pipelines"]
+        ws = dict.fromkeys(("wq_ih", "wq_hh", "dxp", "dhg", "fused", "dvec_rows", "rows"))
+        if "halstm_step_bwd_fused" in pipelines:   # (driver.cpp halstm_backward)
+            ws["fused"] = self._workspace(mem, stream, "fused_bwd",
+                                          (3 * B * Hp + 3 * B * G * H + B * V * H,), zeros=True)
+        if "halstm_pack_bwd" in pipelines:   # (else the products read the weights as given)
+            # with CPU bf16, wq_hh's panels are followed by W_hh^T's bf16 pair panels
+            # over (gate, unit), one "gate" (halstm.bf16)
+            wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
+                     if self._cpu_bf16 else (Hp // self.P, G, H, self.P))
+            ws["wq_ih"] = self._workspace(mem, stream, "wq_ih", (Kp // self.P, G, H, self.P))
+            ws["wq_hh"] = self._workspace(mem, stream, "wq_hh", wq_hh)
+        N = step_rows_count(bs, T, B, packed)
+        ws["dxp"] = self._workspace(mem, stream, "dxp", (N, G, H))
+        ws["dhg"] = (ws["dxp"] if self.manifest["dxp_is_dhg"] else
+                     self._workspace(mem, stream, "dhg", (N, G, H)))
+        if V:     # the vector gradients' sums per batch row, two of them
+            ws["dvec_rows"] = self._workspace(mem, stream, "dvec_rows", (2, B, V, H))
+        if packed:   # x, h_{t-1} and dx in the steps' rows
+            ws["rows"] = self._workspace(mem, stream, "rows", (
+                N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
+        found = ws, tuple(None if a is None else mem.ptr(a) for a in ws.values())
+        if cache:
+            self._frames[key] = found
+        return found
 
     def _pack_reused(self, mem, stream, ws, pack_key) -> bool:
         """Whether this call may skip packing the weights into the workspaces
@@ -202,7 +271,7 @@ class Library:
         one's once it has run."""
         last = self._packs.pop((mem.kind, stream), None)
         return (pack_key is not None and last is not None and last[0] == pack_key
-                and all(a is b for a, b in zip(last[1], ws)))
+                and len(last[1]) == len(ws) and all(map(operator.is_, last[1], ws)))
 
     def _pack_done(self, mem, stream, ws, pack_key) -> None:
         if pack_key is not None and mem.keep_workspaces:
@@ -307,17 +376,22 @@ class Library:
                              f"got {None if saved is None else tuple(saved.shape)}")
         return list(states), saved
 
-    def _initial(self, mem, init, B: int) -> list:
+    def _initial(self, mem, init, B: int) -> tuple:
         """The initial states (B, H) as the library reads them (contiguous;
-        None: zeros), which it copies into states[:, 0]."""
+        None: zeros), which it copies into states[:, 0]: (those arrays,
+        which the call must outlive, the driver's array of their pointers)."""
         if len(init) != len(self.states):
             raise ValueError(f"init: expected {len(self.states)} initial states "
                              f"({', '.join(self.states)}), got {len(init)}")
+        arrays = []
         for name, a in zip(self.states, init):
-            if a is not None and tuple(a.shape) != (B, self.H):
-                raise ValueError(f"init: expected {name}0 of shape {(B, self.H)}, got "
-                                 f"{tuple(a.shape)}")
-        return [None if a is None else mem.contiguous(a) for a in init]
+            if a is not None:
+                if tuple(a.shape) != (B, self.H):
+                    raise ValueError(f"init: expected {name}0 of shape {(B, self.H)}, got "
+                                     f"{tuple(a.shape)}")
+                a = mem.contiguous(a)
+            arrays.append(a)
+        return arrays, (_P * len(arrays))(*[None if a is None else mem.ptr(a) for a in arrays])
 
     def _panels_shape(self, n: int, gates: int | None = None) -> tuple:
         """A packed weight of reduction n and `gates` gates (None: the
@@ -384,7 +458,7 @@ class Library:
         with self._lock:
             T, B, K = self._x_shape(x)
             bs = self._batch_sizes(batch_sizes, T, B)
-            G, H, S, NS = self.G, self.H, self.S, len(self.states)
+            H, S, NS = self.H, self.S, len(self.states)
             packed = self._packed(bs)
             # (packed, the library zeroes the rows past each step's itself)
             if out is None:
@@ -393,23 +467,15 @@ class Library:
                 saved = mem.empty((T, B, S, H)) if save else None
             else:
                 states, saved = self._out(out, bs, save, (T + 1, B, H), (T, B, S, H))
-            init = self._initial(mem, init, B)
-            Hp = self.Hp
-            N = step_rows_count(bs, T, B, packed)
-            ws = [self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),
-                  self._workspace(mem, stream, "wp_hh", self._panels_shape(H)),
-                  self._workspace(mem, stream, "xp", (N, G, Hp)),
-                  # x in the steps' rows, or the folded steps' two products
-                  (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
-                   if packed else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
-                   if self._folds else None)]
+            init, init_ptrs = self._initial(mem, init, B)
+            ws, ws_ptrs = self._forward_workspaces(mem, stream, T, B, bs, packed)
             reuse = self._pack_reused(mem, stream, ws[:2], pack_key)
             self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data,
                        self._x_ptr(mem, x),
-                       *map(mem.ptr, (w_ih, b_ih, w_hh, b_hh)), self._vec(mem, vec),
-                       *[None if a is None else mem.ptr(a) for a in ws],
+                       mem.ptr(w_ih), mem.ptr(b_ih), mem.ptr(w_hh), mem.ptr(b_hh),
+                       self._vec(mem, vec), *ws_ptrs,
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, states, NS), self._ptrs(mem, init, NS),
+                       self._ptrs(mem, states, NS), init_ptrs,
                        threads=threads,
                        reuse_pack=reuse)
             self._pack_done(mem, stream, ws[:2], pack_key)
@@ -417,7 +483,8 @@ class Library:
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None,
                  batch_sizes=None, mem=None, stream=None, threads=None, pack_key=None):
-        """BPTT of one layer. states as forward returned them; dfinal: one
+        """BPTT of one layer. states as forward returned them; dy (T, B, H),
+        or None: zeros (a loss of the final states alone); dfinal: one
         (B, H) gradient (or None: zeros) per final state; vec, batch_sizes,
         mem, stream, threads and pack_key as forward's (with batch sizes, a row's final-state
         gradient enters at its own last step, and its dy past it is unread).
@@ -430,14 +497,17 @@ class Library:
         with self._lock:
             T, B, K = self._x_shape(x)
             bs = self._batch_sizes(batch_sizes, T, B)
-            G, H, Hp, Kp, P, V = self.G, self.H, self.Hp, self.Kp, self.P, self.V
-            if tuple(dy.shape) != (T, B, H):
+            G, H, Hp, Kp, V = self.G, self.H, self.Hp, self.Kp, self.V
+            if dy is None:   # (read only: zeros kept from call to call)
+                dy = self._workspace(mem, stream, "zero_dy", (T, B, H), zeros=True)
+            elif tuple(dy.shape) != (T, B, H):
                 raise ValueError(f"dy: expected (T, B, {H}) = {(T, B, H)}, got {tuple(dy.shape)}")
             need_dx = need_dx and not self.onehot
-            fused = None       # the fused backward step's workspace (driver.cpp halstm_backward)
-            if "halstm_step_bwd_fused" in self.manifest["pipelines"]:
-                fused = self._workspace(mem, stream, "fused_bwd",
-                                        (3 * B * Hp + 3 * B * G * H + B * V * H,), zeros=True)
+            skip_dx = not need_dx and (self.device == "cpu"
+                                       or self.manifest.get("gemm") == "cublas")
+            packed = self._packed(bs)
+            ws, ws_ptrs = self._backward_workspaces(mem, stream, T, B, bs, packed, skip_dx)
+            fused, dvec_rows = ws["fused"], ws["dvec_rows"]
             # step t reads a row's state gradient from [(T - 1 - t) & 1], so a
             # row of length n starts from [(T - n) & 1]; the fused step reads
             # step t's dh_add rows from add[(t + 1) & 1]: n's from add[n & 1]
@@ -446,66 +516,40 @@ class Library:
             if fused is not None and lengths is not None:
                 add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
                 mem.zero(add)      # (the last call left its rows there)
-            dstate = []
             dstates = mem.zeros((len(dfinal), 2, B, Hp))   # (one zero-fill for all)
             for s, d in enumerate(dfinal):
-                a = dstates[s]
                 if d is not None and lengths is None:
-                    mem.put_leading(a[0], d)
+                    mem.put_leading(dstates[s][0], d)
                 elif d is not None:
-                    mem.scatter_rows(a, (T - lengths) & 1, d)
+                    mem.scatter_rows(dstates[s], (T - lengths) & 1, d)
                     if add is not None and s == 0:
                         mem.scatter_rows(add, lengths & 1, d)
-                dstate.append(a)
-            ws = [None, None]       # no pack_bwd: the products read the weights as given
-            if "halstm_pack_bwd" in self.manifest["pipelines"]:
-                # with CPU bf16, wq_hh's panels are followed by W_hh^T's bf16 pair panels
-                # over (gate, unit), one "gate" (halstm.bf16)
-                wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
-                         if self._cpu_bf16 else (Hp // P, G, H, P))
-                ws = [self._workspace(mem, stream, "wq_ih", (Kp // P, G, H, P)),
-                      self._workspace(mem, stream, "wq_hh", wq_hh)]
-            reuse = ws[0] is not None and self._pack_reused(mem, stream, ws, pack_key)
-            packed = self._packed(bs)
-            N = step_rows_count(bs, T, B, packed)
-            dxp = self._workspace(mem, stream, "dxp", (N, G, H))
-            dhg = (dxp if self.manifest["dxp_is_dhg"] else
-                   self._workspace(mem, stream, "dhg", (N, G, H)))
+            wq = ws["wq_ih"], ws["wq_hh"]
+            reuse = wq[0] is not None and self._pack_reused(mem, stream, wq, pack_key)
             if bs is not None and not packed:   # rows no step writes enter the sums as zeros
-                for a in {id(a): a for a in (dxp, dhg)}.values():
+                for a in {id(a): a for a in (ws["dxp"], ws["dhg"])}.values():
                     mem.zero(a)
-            dvec_rows = None    # the vector gradients' sums per batch row, two of them
-            if V:
-                dvec_rows = self._workspace(mem, stream, "dvec_rows", (2, B, V, H))
+            if dvec_rows is not None:
                 mem.zero(dvec_rows)
-            vec_ptr = self._vec(mem, vec)
-            skip_dx = not need_dx and (self.device == "cpu"
-                                       or self.manifest.get("gemm") == "cublas")
-            # x, h_{t-1} and dx in the steps' rows
-            rows_ws = (self._workspace(mem, stream, "rows", (
-                N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
-                if packed else None)
             out = {"dx": None if skip_dx else mem.empty((T, B, Kp)), "dw_ih": mem.empty((G * H, K)),
                    "db_ih": mem.empty(G * H), "dw_hh": mem.empty((G * H, H)),
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
             self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data,
-                       self._x_ptr(mem, x),
-                       *map(mem.ptr, (w_ih, w_hh)), vec_ptr, mem.ptr(saved),
-                       self._ptrs(mem, states, len(self.states)), mem.ptr(dy),
-                       self._ptrs(mem, dstates, len(dfinal)),
-                       *[None if a is None else mem.ptr(a) for a in (*ws, dxp, dhg, fused,
-                                                                     dvec_rows, rows_ws,
-                                                                     *out.values())],
+                       self._x_ptr(mem, x), mem.ptr(w_ih), mem.ptr(w_hh), self._vec(mem, vec),
+                       mem.ptr(saved), self._ptrs(mem, states, len(self.states)), mem.ptr(dy),
+                       self._ptrs(mem, dstates, len(dfinal)), *ws_ptrs,
+                       *[None if a is None else mem.ptr(a) for a in out.values()],
                        threads=threads, reuse_pack=reuse)
-            if ws[0] is not None:
-                self._pack_done(mem, stream, ws, pack_key)
+            if wq[0] is not None:
+                self._pack_done(mem, stream, wq, pack_key)
             if not V:
                 del out["dvec"]
             if not need_dx:
                 del out["dx"]
             elif Kp != K:
                 out["dx"] = mem.leading(out["dx"], K)
-            for s, a in zip(self.states, dstate):   # the driver leaves them in row T & 1
-                # (a is this call's own: where it has no padding, a view will do)
-                out[f"d{s}0"] = a[T & 1] if Hp == H else mem.leading(a[T & 1], H)
+            for s, name in enumerate(self.states):   # the driver leaves them in row T & 1
+                # (dstates is this call's own: where it has no padding, a view will do)
+                a = dstates[s][T & 1]
+                out[f"d{name}0"] = a if Hp == H else mem.leading(a, H)
             return out

@@ -244,6 +244,26 @@ def test_deterministic_run_to_run(cell):
             np.testing.assert_array_equal(grads[k], runs[0][2][k], err_msg=k)
 
 
+def test_calls_of_alternating_sizes_match_reference():
+    """One module called at sizes that grow, shrink and come back (its
+    library keeps workspaces per size and reuses the last ones of a size
+    seen before): every call's outputs and gradients as the reference's."""
+    m = make("lstm", 1)
+    rng = np.random.default_rng(11)
+    for Tc, Bc in ((5, 3), (9, 4), (5, 3), (1, 1), (9, 4), (5, 3)):
+        x = rng.standard_normal((Tc, Bc, I)).astype(np.float32)
+        dy = rng.standard_normal((Tc, Bc, H)).astype(np.float32)
+        y, finals = call(m, "lstm", x)
+        grads = backward(m, "lstm", dy)
+        y_ref, finals_ref, grads_ref = ref_run("lstm", m, x, dy=dy)
+        assert_close(f"y at T={Tc} B={Bc}", y, y_ref)
+        for got, want in zip(finals, finals_ref):
+            assert_close(f"final at T={Tc} B={Bc}", got, want)
+        assert_close(f"input grad at T={Tc} B={Bc}", grads["input"], grads_ref["input"])
+        assert_close(f"weight_hh grad at T={Tc} B={Bc}", grads["weight_hh_l0"],
+                     grads_ref["weight_hh_l0"])
+
+
 def _run_all(m, cell, x, hx=None, dy=None, dfinal=None):
     y, finals = call(m, cell, x, hx)
     grads = backward(m, cell, np.ones_like(y) if dy is None else dy, dfinal)

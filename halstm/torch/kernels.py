@@ -45,6 +45,8 @@ class _Tensors:
             # 350k faults a forward+backward); smaller ones from torch's
             # allocator (64-byte aligned, as memory.empty's)
             return torch.from_numpy(memory.empty(shape))
+        if self._cpu:     # (a device argument costs a microsecond a call)
+            return torch.empty(shape, dtype=torch.float32)
         return torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def zeros(self, shape):

@@ -76,9 +76,8 @@ def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes
     _library's; threads as Library.backward's."""
     lib, mem = _library(spec, "bwd", x.device, per_call)
     bs = None if batch_sizes is None else _host(batch_sizes)
-    if dy is None:                       # (a loss of the finals alone)
-        dy = x.new_zeros((states.shape[1] - 1, *states.shape[2:]))
-    return lib.backward(x.contiguous(), w_ih, w_hh, saved, states, dy.contiguous(),
+    return lib.backward(x.contiguous(), w_ih, w_hh, saved, states,
+                        None if dy is None else dy.contiguous(),   # (None: a loss of the finals)
                         [None if d is None else d.contiguous() for d in dfinal],
                         need_dx=need_dx, vec=vec, batch_sizes=bs, mem=mem,
                         stream=_stream(x.device), threads=threads,
@@ -343,8 +342,7 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
         states, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
                                      False)
         if finals_only and batch_sizes is None:
-            T = states.shape[1] - 1
-            return None, [states[s, T] for s in range(states.shape[0])]
+            return None, states[:, states.shape[1] - 1].unbind(0)
         return states[0, 1:], _finals(states, batch_sizes)
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
     return y, finals
