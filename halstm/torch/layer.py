@@ -3,6 +3,8 @@ torch.autograd.Function, under torch.compile custom operators, under
 torch.func Functions with vmap rules)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -97,8 +99,9 @@ def _backward_impl(x: Tensor, w_ih: Tensor, w_hh: Tensor, vec: Tensor | None, sa
             g["db_hh"], g["dvec"] if "dvec" in g else x.new_empty((0,)), dinit)
 
 
-def _state_grad_keys(spec: str) -> list[str]:
-    return [f"d{s}0" for s in cells.definition(_unspec(spec)[0]).states]
+@functools.lru_cache(maxsize=None)
+def _state_grad_keys(spec: str) -> tuple[str, ...]:
+    return tuple(f"d{s}0" for s in cells.definition(_unspec(spec)[0]).states)
 
 
 def _host(a: Tensor) -> np.ndarray:
