@@ -5,7 +5,7 @@ alternating rounds, with the kernels' entry a no-op, so that what is timed
 is the Python and torch work around the kernels (the part a change to
 runtime.py moves), free of the machine's drift between processes.
 
-    python bench/host_ab.py --old REV [--device cpu|cuda] [--mode infer|train]
+    python bench/host_ab.py --old REV|FILE [--device cpu|cuda] [--mode infer|train]
 
 A call is an LSTMCell step (I = H = --size, batch --batch): infer, under
 torch.no_grad(); train, a loop of 10 steps and the backward of the last h,
@@ -34,9 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def old_runtime(rev: str):
-    """halstm/runtime.py at rev, as a module of its own."""
-    src = subprocess.run(["git", "show", f"{rev}:halstm/runtime.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    """halstm/runtime.py at rev (a commit, or the path of such a file), as
+    a module of its own."""
+    if Path(rev).is_file():
+        src = Path(rev).read_text()
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:halstm/runtime.py"], cwd=ROOT,
+                             check=True, capture_output=True, text=True).stdout
     src = src.replace("from . import ", "from halstm import ").replace(
         "from .errors import", "from halstm.errors import")
     path = Path(tempfile.mkdtemp()) / "runtime_old.py"
@@ -67,7 +71,8 @@ class _NoKernels:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=True, help="the commit whose runtime.py is the old side")
+    ap.add_argument("--old", required=True,
+                    help="the commit whose runtime.py is the old side, or that file's path")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--mode", default="infer", choices=("infer", "train"))
     ap.add_argument("--size", type=int, default=256)
