@@ -163,8 +163,9 @@ class Library:
         self._packs = {}
         self._entry.restype = _I
         self._ws = {}      # by (memory kind, stream, name)
-        # forward's workspaces and their pointers by (memory kind, stream, T,
-        # B): a call of a size seen before reuses them (_forward_workspaces);
+        # forward's and backward's workspaces and their pointers by
+        # (direction, memory kind, stream, T, B, ...): a call of a size seen
+        # before reuses them (_forward_workspaces, _backward_workspaces);
         # emptied whenever _workspace makes an array
         self._frames = {}
         # One call at a time: the workspaces are shared between calls, and
