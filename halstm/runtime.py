@@ -25,6 +25,7 @@ from .errors import KernelError, LibraryError
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+FRAMES = 64   # call sizes whose workspaces a library keeps at hand (Library._frames)
 
 
 def row_lengths(batch_sizes, B: int) -> np.ndarray:
@@ -224,7 +225,7 @@ class Library:
                if self._folds else None)]
         found = ws, tuple(None if a is None else mem.ptr(a) for a in ws)
         if cache:
-            self._frames[key] = found
+            self._keep_frame(key, found)
         return found
 
     def _backward_workspaces(self, mem, stream, T: int, B: int, bs, packed: bool,
@@ -262,8 +263,16 @@ class Library:
                 N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
         found = ws, tuple(None if a is None else mem.ptr(a) for a in ws.values())
         if cache:
-            self._frames[key] = found
+            self._keep_frame(key, found)
         return found
+
+    def _keep_frame(self, key, frame) -> None:
+        """Keep a call size's frame; at most FRAMES of them (a frame of
+        a smaller size holds views of the kept arrays, so that sizes that
+        never grow them would otherwise pile up)."""
+        if len(self._frames) >= FRAMES:
+            self._frames.clear()
+        self._frames[key] = frame
 
     def _pack_reused(self, mem, stream, ws, pack_key) -> bool:
         """Whether this call may skip packing the weights into the workspaces

@@ -264,6 +264,21 @@ def test_calls_of_alternating_sizes_match_reference():
                      grads_ref["weight_hh_l0"])
 
 
+
+def test_kept_call_sizes_are_bounded(monkeypatch):
+    """Call sizes that never grow the workspaces (views of the kept ones)
+    keep at most runtime.FRAMES frames, and their calls stay right."""
+    monkeypatch.setattr(halstm.runtime, "FRAMES", 3)
+    m = make("gru", 1)
+    rng = np.random.default_rng(12)
+    for Tc in (9, 8, 7, 6, 5, 9):
+        x = rng.standard_normal((Tc, B, I)).astype(np.float32)
+        y, _ = call(m, "gru", x)
+        assert_close(f"y at T={Tc}", y, ref_run("gru", m, x)[0])
+    (lib,) = m._libs.values()
+    assert 1 <= len(lib._frames) <= 3
+
+
 def _run_all(m, cell, x, hx=None, dy=None, dfinal=None):
     y, finals = call(m, cell, x, hx)
     grads = backward(m, cell, np.ones_like(y) if dy is None else dy, dfinal)
