@@ -166,8 +166,8 @@ class Library:
         self._ws = {}      # by (memory kind, stream, name)
         # forward's and backward's workspaces and their pointers by
         # (direction, memory kind, stream, T, B, ...): a call of a size seen
-        # before reuses them (_forward_workspaces, _backward_workspaces);
-        # emptied whenever _workspace makes an array
+        # before reuses them (_frame); emptied whenever _workspace makes an
+        # array
         self._frames = {}
         # One call at a time: the workspaces are shared between calls, and
         # ctypes releases the GIL while the library runs.
@@ -203,76 +203,71 @@ class Library:
             a = self._ws[key] = (mem.zeros if zeros else mem.empty)(tuple(shape))
         return a
 
-    def _forward_workspaces(self, mem, stream, T: int, B: int, bs, packed: bool) -> tuple:
-        """forward's workspaces (wp_ih, wp_hh, xp, x_rows or None) and
-        their pointers: the same arrays as the last call of this size had
-        where nothing was made since (no batch sizes, kept workspaces), else
-        from _workspace."""
-        key = ("fwd", mem.kind, stream, T, B)
+    def _frame(self, key, mem, bs, build) -> tuple:
+        """A call's workspaces by name, in the driver's order, and their
+        pointers (None where the build has none): those of the last call
+        with this key (its direction, memory, stream and size) where
+        nothing was made since, without batch sizes and where the memory
+        keeps workspaces; else build() (_workspace's arrays), kept for the
+        next call of the key, at most FRAMES keys (a size that never grows
+        the workspaces gets views of the kept arrays and a frame of its
+        own, so that sizes changing call to call would pile them up)."""
         cache = bs is None and mem.keep_workspaces
-        if cache:
-            found = self._frames.get(key)
-            if found is not None:
-                return found
-        K, G, Hp = self.K, self.G, self.Hp
-        N = step_rows_count(bs, T, B, packed)
-        ws = [self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),
-              self._workspace(mem, stream, "wp_hh", self._panels_shape(self.H)),
-              self._workspace(mem, stream, "xp", (N, G, Hp)),
-              # x in the steps' rows, or the folded steps' two products
-              (self._workspace(mem, stream, "x_rows", (N, 1 if self.onehot else K))
-               if packed else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
-               if self._folds else None)]
-        found = ws, tuple(None if a is None else mem.ptr(a) for a in ws)
-        if cache:
-            self._keep_frame(key, found)
+        found = self._frames.get(key) if cache else None
+        if found is None:
+            ws = build()
+            found = ws, tuple(None if a is None else mem.ptr(a) for a in ws.values())
+            if cache:
+                if len(self._frames) >= FRAMES:
+                    self._frames.clear()
+                self._frames[key] = found
         return found
+
+    def _forward_workspaces(self, mem, stream, T: int, B: int, bs, packed: bool) -> tuple:
+        """forward's workspaces (wp_ih, wp_hh, xp, x_rows) by _frame."""
+        def build():
+            K, G, Hp = self.K, self.G, self.Hp
+            N = step_rows_count(bs, T, B, packed)
+            return {"wp_ih": self._workspace(mem, stream, "wp_ih", self._panels_shape(K)),
+                    "wp_hh": self._workspace(mem, stream, "wp_hh", self._panels_shape(self.H)),
+                    "xp": self._workspace(mem, stream, "xp", (N, G, Hp)),
+                    # x in the steps' rows, or the folded steps' two products
+                    "x_rows": (self._workspace(mem, stream, "x_rows",
+                                               (N, 1 if self.onehot else K)) if packed
+                               else self._workspace(mem, stream, "x_rows", (2, B, G, Hp))
+                               if self._folds else None)}
+        return self._frame(("fwd", mem.kind, stream, T, B), mem, bs, build)
 
     def _backward_workspaces(self, mem, stream, T: int, B: int, bs, packed: bool,
                              skip_dx: bool) -> tuple:
-        """backward's workspaces by name (None where the build has none) and
-        their pointers in the driver's order (wq_ih, wq_hh, dxp, dhg, fused,
-        dvec_rows, rows), reused as _forward_workspaces'."""
-        key = ("bwd", mem.kind, stream, T, B, skip_dx)
-        cache = bs is None and mem.keep_workspaces
-        if cache:
-            found = self._frames.get(key)
-            if found is not None:
-                return found
-        G, H, Hp, Kp, K, V = self.G, self.H, self.Hp, self.Kp, self.K, self.V
-        pipelines = self.manifest["pipelines"]
-        ws = dict.fromkeys(("wq_ih", "wq_hh", "dxp", "dhg", "fused", "dvec_rows", "rows"))
-        if "halstm_step_bwd_fused" in pipelines:   # (driver.cpp halstm_backward)
-            ws["fused"] = self._workspace(mem, stream, "fused_bwd",
-                                          (3 * B * Hp + 3 * B * G * H + B * V * H,), zeros=True)
-        if "halstm_pack_bwd" in pipelines:   # (else the products read the weights as given)
-            # with CPU bf16, wq_hh's panels are followed by W_hh^T's bf16 pair panels
-            # over (gate, unit), one "gate" (halstm.bf16)
-            wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
-                     if self._cpu_bf16 else (Hp // self.P, G, H, self.P))
-            ws["wq_ih"] = self._workspace(mem, stream, "wq_ih", (Kp // self.P, G, H, self.P))
-            ws["wq_hh"] = self._workspace(mem, stream, "wq_hh", wq_hh)
-        N = step_rows_count(bs, T, B, packed)
-        ws["dxp"] = self._workspace(mem, stream, "dxp", (N, G, H))
-        ws["dhg"] = (ws["dxp"] if self.manifest["dxp_is_dhg"] else
-                     self._workspace(mem, stream, "dhg", (N, G, H)))
-        if V:     # the vector gradients' sums per batch row, two of them
-            ws["dvec_rows"] = self._workspace(mem, stream, "dvec_rows", (2, B, V, H))
-        if packed:   # x, h_{t-1} and dx in the steps' rows
-            ws["rows"] = self._workspace(mem, stream, "rows", (
-                N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
-        found = ws, tuple(None if a is None else mem.ptr(a) for a in ws.values())
-        if cache:
-            self._keep_frame(key, found)
-        return found
-
-    def _keep_frame(self, key, frame) -> None:
-        """Keep a call size's frame; at most FRAMES of them (a frame of
-        a smaller size holds views of the kept arrays, so that sizes that
-        never grow them would otherwise pile up)."""
-        if len(self._frames) >= FRAMES:
-            self._frames.clear()
-        self._frames[key] = frame
+        """backward's workspaces (wq_ih, wq_hh, dxp, dhg, fused, dvec_rows,
+        rows) by _frame."""
+        def build():
+            G, H, Hp, Kp, K, V = self.G, self.H, self.Hp, self.Kp, self.K, self.V
+            pipelines = self.manifest["pipelines"]
+            ws = dict.fromkeys(("wq_ih", "wq_hh", "dxp", "dhg", "fused", "dvec_rows", "rows"))
+            if "halstm_step_bwd_fused" in pipelines:   # (driver.cpp halstm_backward)
+                ws["fused"] = self._workspace(mem, stream, "fused_bwd",
+                                              (3 * B * Hp + 3 * B * G * H + B * V * H,),
+                                              zeros=True)
+            if "halstm_pack_bwd" in pipelines:   # (else the products read the weights as given)
+                # with CPU bf16, wq_hh's panels are followed by W_hh^T's bf16 pair panels
+                # over (gate, unit), one "gate" (halstm.bf16)
+                wq_hh = ((Hp * G * H + math.prod(self._panels_shape(G * H, gates=1)),)
+                         if self._cpu_bf16 else (Hp // self.P, G, H, self.P))
+                ws["wq_ih"] = self._workspace(mem, stream, "wq_ih", (Kp // self.P, G, H, self.P))
+                ws["wq_hh"] = self._workspace(mem, stream, "wq_hh", wq_hh)
+            N = step_rows_count(bs, T, B, packed)
+            ws["dxp"] = self._workspace(mem, stream, "dxp", (N, G, H))
+            ws["dhg"] = (ws["dxp"] if self.manifest["dxp_is_dhg"] else
+                         self._workspace(mem, stream, "dhg", (N, G, H)))
+            if V:     # the vector gradients' sums per batch row, two of them
+                ws["dvec_rows"] = self._workspace(mem, stream, "dvec_rows", (2, B, V, H))
+            if packed:   # x, h_{t-1} and dx in the steps' rows
+                ws["rows"] = self._workspace(mem, stream, "rows", (
+                    N * ((1 if self.onehot else K) + H + (0 if skip_dx else Kp)),))
+            return ws
+        return self._frame(("bwd", mem.kind, stream, T, B, skip_dx), mem, bs, build)
 
     def _pack_reused(self, mem, stream, ws, pack_key) -> bool:
         """Whether this call may skip packing the weights into the workspaces
@@ -479,7 +474,8 @@ class Library:
                 states, saved = self._out(out, bs, save, (T + 1, B, H), (T, B, S, H))
             init, init_ptrs = self._initial(mem, init, B)
             ws, ws_ptrs = self._forward_workspaces(mem, stream, T, B, bs, packed)
-            reuse = self._pack_reused(mem, stream, ws[:2], pack_key)
+            wp = ws["wp_ih"], ws["wp_hh"]
+            reuse = self._pack_reused(mem, stream, wp, pack_key)
             self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data,
                        self._x_ptr(mem, x),
                        mem.ptr(w_ih), mem.ptr(b_ih), mem.ptr(w_hh), mem.ptr(b_hh),
@@ -488,7 +484,7 @@ class Library:
                        self._ptrs(mem, states, NS), init_ptrs,
                        threads=threads,
                        reuse_pack=reuse)
-            self._pack_done(mem, stream, ws[:2], pack_key)
+            self._pack_done(mem, stream, wp, pack_key)
             return states, saved
 
     def backward(self, x, w_ih, w_hh, saved, states, dy, dfinal, need_dx=True, vec=None,
