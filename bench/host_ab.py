@@ -113,6 +113,7 @@ def main():
         for name, cls in sides if r % 2 else sides[::-1]:
             for lib in libs:
                 lib.__class__ = cls
+                lib._frames = {}     # (the two sides' caches of call sizes may differ in form)
             sync()
             t = time.perf_counter()
             steps = run(a.calls)
