@@ -9,7 +9,6 @@ import ctypes
 import functools
 import math
 import threading
-import weakref
 
 import numpy as np
 
@@ -33,7 +32,9 @@ def empty(shape) -> np.ndarray:
     """An uninitialised float32 array whose data starts on a 64-byte boundary
     (a cache line; an AVX-512 vector); from 1 MiB, memory of _pool."""
     n = math.prod(shape) if hasattr(shape, "__len__") else int(shape)
-    raw = _pool.take(n * 4 + 64) if n * 4 >= POOL_FROM else np.empty(n * 4 + 64, np.uint8)
+    if n * 4 >= POOL_FROM:
+        return _pool.take(n * 4 + 64, tuple(shape) if hasattr(shape, "__len__") else (n,))
+    raw = np.empty(n * 4 + 64, np.uint8)
     start = -address(raw) % 64
     return raw[start:start + n * 4].view(np.float32).reshape(shape)
 
@@ -45,13 +46,23 @@ POOL_FROM, POOL_GRAIN = 1 << 20, 2 << 20
 
 class _Lease:
     """A block handed out: numpy arrays over it keep it alive (their base);
-    when the last one goes, its finalizer gives the block back."""
+    when the last one goes, the block goes back to its pool (__del__: a
+    weakref.finalize cost about 3 us a lease)."""
 
-    __slots__ = ("__array_interface__", "__weakref__")
+    __slots__ = ("__array_interface__", "_back")
 
-    def __init__(self, block: np.ndarray):
-        self.__array_interface__ = {"data": (block.ctypes.data, False), "shape": block.shape,
-                                    "typestr": "|u1", "version": 3}
+    def __init__(self, block: np.ndarray, address: int, back, shape):
+        # the block's bytes, or float32 of `shape` from its first 64-byte boundary
+        self.__array_interface__ = (
+            {"data": (address, False), "shape": block.shape, "typestr": "|u1", "version": 3}
+            if shape is None else
+            {"data": (address + -address % 64, False), "shape": shape, "typestr": "<f4",
+             "version": 3})
+        self._back = back, block, address
+
+    def __del__(self):
+        back, block, address = self._back
+        back(block, address)
 
 
 class _HostPool:
@@ -65,31 +76,33 @@ class _HostPool:
     process holds no more than its peak; release() frees them."""
 
     def __init__(self):
-        self.lock = threading.RLock()   # (a finalizer may run inside take)
+        self.lock = threading.RLock()   # (a lease's __del__ may run inside take)
         self.idle: dict[int, list] = {}
         self.idle_bytes = self.leased = self.peak = 0
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 array of at least nbytes, of a block no live array uses."""
+    def take(self, nbytes: int, shape: tuple | None = None) -> np.ndarray:
+        """A uint8 array of at least nbytes, of a block no live array uses;
+        with shape, a float32 array of that shape in it, from its first
+        64-byte boundary (nbytes: room for that)."""
         size = -(-nbytes // POOL_GRAIN) * POOL_GRAIN
         with self.lock:
             blocks = self.idle.get(size)
-            block = blocks.pop() if blocks else None
-            if block is not None:
+            found = blocks.pop() if blocks else None     # (block, its address)
+            if found is not None:
                 self.idle_bytes -= size
             self.leased += size
             self.peak = max(self.peak, self.leased)
-        if block is None:
+        if found is None:
             block = np.empty(size, np.uint8)
-        lease = _Lease(block)
-        weakref.finalize(lease, self._give_back, size, block)
-        return np.asarray(lease)
+            found = block, block.ctypes.data
+        return np.asarray(_Lease(*found, self._give_back, shape))
 
-    def _give_back(self, size: int, block: np.ndarray) -> None:
+    def _give_back(self, block: np.ndarray, address: int) -> None:
+        size = block.size
         with self.lock:
             self.leased -= size
             if self.idle_bytes + size <= self.peak:
-                self.idle.setdefault(size, []).append(block)
+                self.idle.setdefault(size, []).append((block, address))
                 self.idle_bytes += size
 
     def release(self) -> None:
