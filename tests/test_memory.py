@@ -51,3 +51,14 @@ def test_idle_blocks_stay_under_the_peak_and_can_be_freed():
 def test_small_arrays_are_numpy_own():
     a = memory.empty((16,))
     assert a.ctypes.data % 64 == 0 and not isinstance(a.base.base, memory._Lease)
+
+
+def test_pooled_arrays_have_the_asked_shape_aligned():
+    n = memory.POOL_FROM // 4 + 3
+    for shape, want in ((n, (n,)), ((3, n), (3, n))):
+        a = memory.empty(shape)
+        assert a.shape == want and a.dtype == np.float32 and a.flags.c_contiguous
+        assert a.flags.writeable and a.ctypes.data % 64 == 0
+        assert isinstance(a.base, memory._Lease)      # (a block of the pool)
+        a[...] = 7.0
+        assert float(a.sum()) == 7.0 * a.size
