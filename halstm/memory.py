@@ -31,9 +31,10 @@ def address(a: np.ndarray) -> int:
 def empty(shape) -> np.ndarray:
     """An uninitialised float32 array whose data starts on a 64-byte boundary
     (a cache line; an AVX-512 vector); from 1 MiB, memory of _pool."""
-    n = math.prod(shape) if hasattr(shape, "__len__") else int(shape)
+    shape = tuple(shape) if hasattr(shape, "__len__") else (int(shape),)
+    n = math.prod(shape)
     if n * 4 >= POOL_FROM:
-        return _pool.take(n * 4 + 64, tuple(shape) if hasattr(shape, "__len__") else (n,))
+        return _pool.take(n * 4 + 64, shape)
     raw = np.empty(n * 4 + 64, np.uint8)
     start = -address(raw) % 64
     return raw[start:start + n * 4].view(np.float32).reshape(shape)
@@ -53,11 +54,10 @@ class _Lease:
 
     def __init__(self, block: np.ndarray, address: int, back, shape):
         # the block's bytes, or float32 of `shape` from its first 64-byte boundary
-        self.__array_interface__ = (
-            {"data": (address, False), "shape": block.shape, "typestr": "|u1", "version": 3}
-            if shape is None else
-            {"data": (address + -address % 64, False), "shape": shape, "typestr": "<f4",
-             "version": 3})
+        start, typestr = (0, "|u1") if shape is None else (-address % 64, "<f4")
+        self.__array_interface__ = {"data": (address + start, False), "typestr": typestr,
+                                    "shape": block.shape if shape is None else shape,
+                                    "version": 3}
         self._back = back, block, address
 
     def __del__(self):
