@@ -49,16 +49,17 @@ class EagerCell(torch.nn.Module):
 
 
 def _cells(name, I, H):
-    """(halstm's cell, the peer) for a cell name, the peer with the same
-    parameters: torch.nn's cell for lstm and gru, else EagerCell."""
+    """(halstm's cell, the peer, the peer's name) for a cell name, the peer
+    with the same parameters: torch.nn's cell for lstm and gru, else
+    EagerCell."""
     if name in CELLS:
         mine, theirs = CELLS[name]
         ref = theirs(I, H)
         m = mine(I, H)
         m.load_state_dict(ref.state_dict())
-        return m, ref
+        return m, ref, "torch.nn"
     m = hnn.RecurrentCell(name, I, H)
-    return m, EagerCell(name, m)
+    return m, EagerCell(name, m), "torch eager"
 
 
 def _loop(cell, x, state, steps, grad):
@@ -94,17 +95,17 @@ def main():
         for size in a.sizes.split(","):
             I, H, B = (int(v) for v in size.split("x"))
             torch.manual_seed(0)
-            m, ref = _cells(name, I, H)
+            m, ref, peer = _cells(name, I, H)
             m, ref = m.to(dev), ref.to(dev)
-            peer = "torch.nn" if name in CELLS else "torch eager"
             x = torch.randn(B, I, device=dev)
             n = len(cells.definition(name).states)
-            state = tuple(torch.randn(B, H, device=dev) for _ in range(n))
-            state = state[0] if n == 1 else state
-            if name not in CELLS:   # a state the cell reaches: one step from zeros
-                with torch.no_grad():   # (random ones can sit where it is ill-conditioned)
+            if name in CELLS:
+                state = tuple(torch.randn(B, H, device=dev) for _ in range(n))
+            else:   # a state the cell reaches: one step from zeros (random ones
+                with torch.no_grad():   # can sit where it is ill-conditioned)
                     state = m(x)
-                state = state.clone() if n == 1 else tuple(a.clone() for a in state)
+                state = tuple(a.clone() for a in (state if n > 1 else (state,)))
+            state = state[0] if n == 1 else state
             with torch.no_grad():
                 got, want = m(x, state), ref(x, state)
             got, want = (got, want) if n > 1 else ((got,), (want,))
