@@ -47,11 +47,13 @@ ENTRY_POINTS = {
         "where the pipelines include halstm_step_fold (else unused, NULL)",
         "out saved (T, B, S, H), or NULL where no backward follows (halstm_step_infer runs)",
         "out states[NS] (T+1, B, H): [0] the initial state, [t+1] the state after step t",
-        "init[NS] (B, H): each state's initial value, or NULL: zeros"]},
+        "init[NS] (B, H): each state's initial value, or NULL: zeros",
+        "out finals[NS] (B, H): each state's final value, states[s][T] (NULL: not wanted), "
+        "or NULL; NULL with batch_sizes"]},
     "bwd": {"halstm_backward": [
         "int T", "int B", "batch_sizes (T,) int32, or NULL", "x (T, B, K)", "w_ih (G*H, K)", "w_hh (G*H, H)",
         "vec (V, H) (unused, NULL, with V = 0)", "saved (T, B, S, H)", "states[NS] (T+1, B, H)", "dy (T, B, H)",
-        "inout dstate[NS] (2, B, HP): in [0], out [T & 1]",
+        "inout dstate[NS] (2, B, HP): in [0] (unless dfinal), out [T & 1]",
         "ws wq_ih (KP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
         "ws wq_hh (HP/P, G, H, P) (unused, NULL, where the pipelines lack halstm_pack_bwd)",
         "ws dxp (N, G, H)", "ws dhg (N, G, H)",
@@ -61,7 +63,10 @@ ENTRY_POINTS = {
         "ws rows: N*(K + H + KP) floats (one-hot: N*(1 + H)), on a CPU given batch_sizes "
         "(else unused, NULL)",
         "out dx (T, B, KP), or NULL on a CPU target where dx is not wanted", "out dw_ih (G*H, K)", "out db_ih (G*H,)",
-        "out dw_hh (G*H, H)", "out db_hh (G*H,)", "out dvec (V, H) (unused, NULL, with V = 0)"]},
+        "out dw_hh (G*H, H)", "out db_hh (G*H,)", "out dvec (V, H) (unused, NULL, with V = 0)",
+        "dfinal[NS] (B, H): each final state's gradient (NULL: zeros), put into dstate by the "
+        "call; or NULL: the caller has (dstate zeros but for them); NULL with batch_sizes, and "
+        "on a CUDA target where HP != H"]},
 }
 
 

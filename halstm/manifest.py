@@ -10,7 +10,8 @@ from pathlib import Path
 
 from .errors import LibraryError
 
-FORMAT = 4     # 3: vector parameters (the entry points take vec); 4: halstm_forward takes init
+FORMAT = 5     # 3: vector parameters (the entry points take vec); 4: halstm_forward takes init;
+               # 5: halstm_forward takes finals, halstm_backward dfinal
 DIRECTIONS = ("fwd", "bwd")
 
 _STR, _INT, _BOOL, _LIST = "a string", "a positive int", "true or false", "a list of strings"

@@ -153,10 +153,10 @@ class Library:
         self._cpu_bf16 = bool(manifest["layout"].get("cpu_bf16"))   # (halstm.bf16)
         if manifest["direction"] == "fwd":
             self._entry = self._lib.halstm_forward
-            self._entry.argtypes = [_I, _I] + [_P] * 14
+            self._entry.argtypes = [_I, _I] + [_P] * 15
         else:
             self._entry = self._lib.halstm_backward
-            self._entry.argtypes = [_I, _I] + [_P] * 22
+            self._entry.argtypes = [_I, _I] + [_P] * 23
         self._lib.halstm_set_call_threads.argtypes = [_I]
         self._lib.halstm_set_reuse_pack.argtypes = [_I]
         # by (memory kind, stream): (pack key, its workspaces) of the last
@@ -398,6 +398,25 @@ class Library:
             arrays.append(a)
         return arrays, (_P * len(arrays))(*[None if a is None else mem.ptr(a) for a in arrays])
 
+    def _state_sized(self, mem, a, B: int, what: str):
+        """a checked to be (B, H), contiguous (float32 on the host)."""
+        if tuple(a.shape) != (B, self.H):
+            raise ValueError(f"{what}: expected arrays of shape {(B, self.H)}, got "
+                             f"{tuple(a.shape)}")
+        return mem.contiguous(a)
+
+    def _finals(self, mem, arrays, bs, B: int) -> ctypes.Array:
+        """forward's `finals` checked: the driver's array of their pointers."""
+        if bs is not None:
+            raise ValueError("finals: expected None with batch_sizes (each row's final "
+                             "state is at its own length)")
+        if len(arrays) != len(self.states) or any(
+                a is not None and tuple(a.shape) != (B, self.H) for a in arrays):
+            raise ValueError(f"finals: expected {len(self.states)} arrays (or None) of shape "
+                             f"{(B, self.H)}, got "
+                             f"{[None if a is None else tuple(a.shape) for a in arrays]}")
+        return (_P * len(arrays))(*[None if a is None else mem.ptr(a) for a in arrays])
+
     def _panels_shape(self, n: int, gates: int | None = None) -> tuple:
         """A packed weight of reduction n and `gates` gates (None: the
         cell's), in float32 elements: (Hp/P, n, G, P), or with precision
@@ -433,7 +452,7 @@ class Library:
         return mem.ptr(vec)
 
     def forward(self, x, w_ih, b_ih, w_hh, b_hh, init, save=True, vec=None, batch_sizes=None,
-                mem=None, stream=None, threads=None, pack_key=None, out=None):
+                mem=None, stream=None, threads=None, pack_key=None, out=None, finals=None):
         """One layer over a sequence. x (T, B, K); weights in PyTorch layout;
         init: one (B, H) array (or None: zeros) per state; vec: the cell's
         vector parameters (V, H), one row per channel (None without).
@@ -458,7 +477,10 @@ class Library:
         out: None, or (states, saved) to write instead of new arrays (no
         batch_sizes): a list of NS (T+1, B, H) arrays and a (T, B, S, H)
         array (None with save=False); an initial state may be the very
-        array states[s][0] (not copied then)."""
+        array states[s][0] (not copied then).
+        finals: None, or per state a (B, H) array (None: not wanted) into
+        which the call copies that state's final value, states[s][T] (no
+        batch_sizes: there each row's final is at its own length)."""
         mem = mem or self.mem
         with self._lock:
             T, B, K = self._x_shape(x)
@@ -473,6 +495,7 @@ class Library:
             else:
                 states, saved = self._out(out, bs, save, (T + 1, B, H), (T, B, S, H))
             init, init_ptrs = self._initial(mem, init, B)
+            fin_ptrs = None if finals is None else self._finals(mem, finals, bs, B)
             ws, ws_ptrs = self._forward_workspaces(mem, stream, T, B, bs, packed)
             wp = ws["wp_ih"], ws["wp_hh"]
             reuse = self._pack_reused(mem, stream, wp, pack_key)
@@ -481,7 +504,7 @@ class Library:
                        mem.ptr(w_ih), mem.ptr(b_ih), mem.ptr(w_hh), mem.ptr(b_hh),
                        self._vec(mem, vec), *ws_ptrs,
                        None if saved is None else mem.ptr(saved),
-                       self._ptrs(mem, states, NS), init_ptrs,
+                       self._ptrs(mem, states, NS), init_ptrs, fin_ptrs,
                        threads=threads,
                        reuse_pack=reuse)
             self._pack_done(mem, stream, wp, pack_key)
@@ -517,19 +540,31 @@ class Library:
             # step t reads a row's state gradient from [(T - 1 - t) & 1], so a
             # row of length n starts from [(T - n) & 1]; the fused step reads
             # step t's dh_add rows from add[(t + 1) & 1]: n's from add[n & 1]
+            NS = len(self.states)
+            if len(dfinal) != NS:
+                raise ValueError(f"dfinal: expected {NS} final-state gradients (or None), got "
+                                 f"{len(dfinal)}")
             lengths = None if bs is None else row_lengths(bs, B)
-            add = None   # the fused step's dh_add rows: a row's first call reads zeros or d
-            if fused is not None and lengths is not None:
-                add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
-                mem.zero(add)      # (the last call left its rows there)
-            dstates = mem.zeros((len(dfinal), 2, B, Hp))   # (one zero-fill for all)
-            for s, d in enumerate(dfinal):
-                if d is not None and lengths is None:
-                    mem.put_leading(dstates[s][0], d)
-                elif d is not None:
-                    mem.scatter_rows(dstates[s], (T - lengths) & 1, d)
-                    if add is not None and s == 0:
-                        mem.scatter_rows(add, lengths & 1, d)
+            dfin_ptrs, dfin = None, None
+            if lengths is None and (self.device == "cpu" or Hp == H):
+                # the driver zeroes dstates and puts the gradients in place
+                dstates = mem.empty((NS, 2, B, Hp))
+                dfin = [None if d is None else self._state_sized(mem, d, B, "dfinal")
+                        for d in dfinal]
+                dfin_ptrs = (_P * NS)(*[None if d is None else mem.ptr(d) for d in dfin])
+            else:
+                add = None   # the fused step's dh_add rows: a row's first call reads zeros or d
+                if fused is not None and lengths is not None:
+                    add = fused[B * G * H:B * G * H + 2 * B * Hp].reshape(2, B, Hp)
+                    mem.zero(add)      # (the last call left its rows there)
+                dstates = mem.zeros((NS, 2, B, Hp))   # (one zero-fill for all)
+                for s, d in enumerate(dfinal):
+                    if d is not None and lengths is None:
+                        mem.put_leading(dstates[s][0], d)
+                    elif d is not None:
+                        mem.scatter_rows(dstates[s], (T - lengths) & 1, d)
+                        if add is not None and s == 0:
+                            mem.scatter_rows(add, lengths & 1, d)
             wq = ws["wq_ih"], ws["wq_hh"]
             reuse = wq[0] is not None and self._pack_reused(mem, stream, wq, pack_key)
             if bs is not None and not packed:   # rows no step writes enter the sums as zeros
@@ -542,9 +577,9 @@ class Library:
                    "db_hh": mem.empty(G * H), "dvec": mem.empty((V, H)) if V else None}
             self._call(mem, stream, T, B, None if bs is None else bs.ctypes.data,
                        self._x_ptr(mem, x), mem.ptr(w_ih), mem.ptr(w_hh), self._vec(mem, vec),
-                       mem.ptr(saved), self._ptrs(mem, states, len(self.states)), mem.ptr(dy),
-                       self._ptrs(mem, dstates, len(dfinal)), *ws_ptrs,
-                       *[None if a is None else mem.ptr(a) for a in out.values()],
+                       mem.ptr(saved), self._ptrs(mem, states, NS), mem.ptr(dy),
+                       self._ptrs(mem, dstates, NS), *ws_ptrs,
+                       *[None if a is None else mem.ptr(a) for a in out.values()], dfin_ptrs,
                        threads=threads, reuse_pack=reuse)
             if wq[0] is not None:
                 self._pack_done(mem, stream, wq, pack_key)

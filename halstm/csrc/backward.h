@@ -58,8 +58,12 @@ int halstm_grads_ids_argv(void **);
 // x (T, B, K); w_ih (G*H, K); w_hh (G*H, H); vec (NV, H) (unused without
 // vector parameters, NV = 0); saved (T, B, S, H) and
 // states[NS] (T+1, B, H) from the forward call; dy (T, B, H);
-// dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry;
-// on return [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
+// dstate[NS] each (2, B, HP): [0][:, :H] holds dL/d(final state) on entry,
+// the rest zeros, unless dfinal (the last argument) is given; on return
+// [T & 1][:, :H] holds dL/d(initial state) (the rows alternate).
+// dfinal: NULL, or per state dL/d(final state) (B, H) (NULL: zeros), which
+// this call puts into dstate (zeroed here first): without batch_sizes, and
+// in CUDA builds only where HP == H.
 // workspaces wq_ih (KP/P, G, H, P); wq_hh (HP/P, G, H, P), with HALSTM_CPU_BF16
 //   followed by W_hh^T's bf16 pair panels (HP/P, 1, NH, P, 2), NH = G*H
 //   rounded up to 32, halved;
@@ -90,9 +94,33 @@ int halstm_backward(int T, int B, const int *batch_sizes, const void *x, const f
                     const float *vec, const float *saved, const float *const *states,
                     const float *dy, float *const *dstate, float *wq_ih, float *wq_hh,
                     float *dxp, float *dhg, float *fused_ws, float *dvec_rows, float *rows_ws, float *dx,
-                    float *dw_ih, float *db_ih, float *dw_hh, float *db_hh, float *dvec) {
+                    float *dw_ih, float *db_ih, float *dw_hh, float *db_hh, float *dvec,
+                    const float *const *dfinal) {
     g_error[0] = 0;
     (void)dhg, (void)fused_ws;
+    if (dfinal) {   // dstate's entry contents made here (see above)
+#ifdef HALSTM_CUDA
+        const bool pitched = HP != H;
+#else
+        const bool pitched = false;
+#endif
+        if (batch_sizes || pitched) {
+            halide_error(nullptr, "halstm_backward: dfinal must be NULL with batch_sizes "
+                                  "(and in CUDA builds where HP != H)");
+            return -1;
+        }
+        for (int s = 0; s < NS; s++) {
+            if (int rc = put_floats(dstate[s], nullptr, (size_t)2 * B * HP)) return rc;
+            if (!dfinal[s]) continue;
+            if (HP == H) {
+                if (int rc = put_floats(dstate[s], dfinal[s], (size_t)B * H)) return rc;
+            } else {
+                for (int b = 0; b < B; b++)
+                    std::memcpy(dstate[s] + (int64_t)b * HP, dfinal[s] + (int64_t)b * H,
+                                H * sizeof(float));
+            }
+        }
+    }
     View vvec(vec, {{H, 1}, {NV, H}});
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
     const StepRows sr(T, B, batch_sizes);

@@ -303,7 +303,7 @@ struct DeviceCopies {
                  : fill(u64(dst), 0, n, g_stream);
         void *prev;
         pop(&prev);
-        if (rc) halide_error(nullptr, "CUDA: copying an initial state failed");
+        if (rc) halide_error(nullptr, "CUDA: copying or zeroing a state failed");
         return rc;
     }
 };
@@ -320,6 +320,18 @@ bool fold_wanted(int64_t blocks) {
     return g_fold_steps >= 0 ? g_fold_steps == 1 : blocks <= g_graphs.multiprocessors();
 }
 #endif
+
+// dst[0, n) = src[0, n) floats (device memory in CUDA builds, on the call's
+// stream), zeros where src is NULL, nothing where src is dst.
+int put_floats(float *dst, const float *src, size_t n) {
+#ifdef HALSTM_CUDA
+    return g_copies.put(dst, src, n);
+#else
+    if (!src) std::memset(dst, 0, n * sizeof(float));
+    else if (src != dst) std::memcpy(dst, src, n * sizeof(float));
+    return 0;
+#endif
+}
 
 // Run a time loop (`steps` returns the first nonzero code of its calls);
 // key: T, B and every pointer the loop's calls are given.

@@ -77,21 +77,40 @@ int halstm_step_fold_infer_argv(void **);
 // batch_sizes[t]) only (sequences sorted by length, longest first); the other
 // rows of saved[t] are not written, those of states[t+1] are zeroed where
 // StepRows is packed (a CPU build), else not written.
+static int forward_loop(int T, int B, const int *batch_sizes, const void *x, const float *w_ih,
+                        const float *b_ih, const float *w_hh, const float *b_hh, const float *vec,
+                        float *wp_ih, float *wp_hh, float *xp, void *x_rows, float *saved,
+                        float *const *states, const float *const *init);
+
+// finals: NULL, or per state a (B, H) array (NULL: none) that receives its
+// final value, states[s][T] (copied here: a copy from Python costs
+// microseconds a state, each call); NULL where batch_sizes is given (each
+// row's final is then at its own length: the caller takes them).
 int halstm_forward(int T, int B, const int *batch_sizes, const void *x, const float *w_ih, const float *b_ih,
                    const float *w_hh, const float *b_hh, const float *vec, float *wp_ih, float *wp_hh,
                    float *xp, void *x_rows, float *saved, float *const *states,
-                   const float *const *init) {
+                   const float *const *init, float *const *finals) {
     g_error[0] = 0;
+    if (finals && batch_sizes) {
+        halide_error(nullptr, "halstm_forward: finals must be NULL with batch_sizes");
+        return -1;
+    }
+    int rc = forward_loop(T, B, batch_sizes, x, w_ih, b_ih, w_hh, b_hh, vec, wp_ih, wp_hh, xp,
+                          x_rows, saved, states, init);
+    for (int s = 0; !rc && finals && s < NS; s++)
+        if (finals[s]) rc = put_floats(finals[s], states[s] + (int64_t)T * B * H, (size_t)B * H);
+    return rc;
+}
+
+static int forward_loop(int T, int B, const int *batch_sizes, const void *x, const float *w_ih,
+                        const float *b_ih, const float *w_hh, const float *b_hh, const float *vec,
+                        float *wp_ih, float *wp_hh, float *xp, void *x_rows, float *saved,
+                        float *const *states, const float *const *init) {
     // the initial states (copied here, not by the caller: a copy from
     // Python costs microseconds a state, each call)
     for (int s = 0; s < NS; s++) {
         const size_t n = (size_t)B * H;
-#ifdef HALSTM_CUDA
-        if (int rc = g_copies.put(states[s], init[s], n)) return rc;
-#else
-        if (!init[s]) std::memset(states[s], 0, n * sizeof(float));
-        else if (init[s] != states[s]) std::memcpy(states[s], init[s], n * sizeof(float));
-#endif
+        if (int rc = put_floats(states[s], init[s], n)) return rc;
     }
     View vw_ih(w_ih, {{K, 1}, {H, K}, {G, H * K}}), vw_hh(w_hh, {{H, 1}, {H, H}, {G, H * H}});
 #if HALSTM_CPU_BF16

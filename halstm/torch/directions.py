@@ -79,9 +79,9 @@ class _Directions(torch.autograd.Function):
             w_ih, b_ih, w_hh, b_hh, vec, *init = per[d]
             return _library_forward((x, x_rev)[d], w_ih, b_ih, w_hh, b_hh, vec, init,
                                     batch_sizes, _lane(spec, d if threads else 0), save,
-                                    threads=threads)
+                                    threads=threads, finals=True)
 
-        (states0, saved0), (states1, saved1) = nn.run_directions(
+        (states0, saved0, fin0), (states1, saved1, fin1) = nn.run_directions(
             one, _library(spec, "fwd", x.device)[0])
         if not save:
             saved0 = saved1 = x.new_empty((0,))
@@ -91,7 +91,7 @@ class _Directions(torch.autograd.Function):
                               *[a for d in (0, 1) for a in (per[d][0], per[d][2], per[d][4])])
         ctx.mark_non_differentiable(saved0, saved1)
         return (states0[0, 1:], states1[0, 1:], saved0, saved1,
-                *_finals(states0, batch_sizes), *_finals(states1, batch_sizes))
+                *(fin0 or _finals(states0, batch_sizes)), *(fin1 or _finals(states1, batch_sizes)))
 
     @staticmethod
     @once_differentiable          # the kernels' backward has no backward

@@ -27,8 +27,8 @@ def _forward_impl(x: Tensor, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Ten
     """x (T, B, K) -> states (NS, T+1, B, H) (initial states at [:, 0]),
     saved (T, B, S, H) for backward (save), else (0,). (The custom
     operator's: workspaces per call.)"""
-    states, saved = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
-                                     save, per_call=True)
+    states, saved, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
+                                        save, per_call=True)
     return states, x.new_empty((0,)) if saved is None else saved
 
 
@@ -60,15 +60,22 @@ class _PackKey:
 
 
 def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
-                     per_call=False, threads=None) -> tuple[Tensor, Tensor]:
-    """_forward_impl, with saved None where not save; per_call as
-    _library's; threads as Library.forward's."""
+                     per_call=False, threads=None, finals=False) -> tuple:
+    """_forward_impl, with saved None where not save, and the finals:
+    with `finals` and no batch sizes each state's final (B, H), new
+    tensors the library copies them into (_finals' without a torch op
+    each), else None. per_call as _library's; threads as
+    Library.forward's."""
     lib, mem = _library(spec, "fwd", x.device, per_call)
     bs = None if batch_sizes is None else _host(batch_sizes)
+    fin = None
+    if finals and bs is None:
+        fin = [mem.empty((x.shape[1], lib.H)) for _ in lib.states]
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
                                 vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
-                                threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh))
-    return states, saved
+                                threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh),
+                                finals=fin)
+    return states, saved, fin
 
 
 def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes, spec,
@@ -80,7 +87,7 @@ def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes
     bs = None if batch_sizes is None else _host(batch_sizes)
     return lib.backward(x.contiguous(), w_ih, w_hh, saved, states,
                         None if dy is None else dy.contiguous(),   # (None: a loss of the finals)
-                        [None if d is None else d.contiguous() for d in dfinal],
+                        list(dfinal),
                         need_dx=need_dx, vec=vec, batch_sizes=bs, mem=mem,
                         stream=_stream(x.device), threads=threads,
                         pack_key=_PackKey.of(per_call, w_ih, w_hh))
@@ -207,14 +214,14 @@ class _Layer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init):
-        states, saved = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, list(init),
-                                         batch_sizes, spec, save)
+        states, saved, finals = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, list(init),
+                                                 batch_sizes, spec, save, finals=True)
         saved = x.new_empty((0,)) if saved is None else saved
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.saved = spec, save
         ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
         ctx.mark_non_differentiable(saved)
-        return (states[0, 1:], saved, *_finals(states, batch_sizes))
+        return (states[0, 1:], saved, *(finals or _finals(states, batch_sizes)))
 
     @staticmethod
     @once_differentiable          # the kernels' backward has no backward
@@ -342,10 +349,12 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
                                   *init)[0]
         return states[0, 1:], _finals(states, batch_sizes)
     if not torch.is_grad_enabled():     # no graph to record: the kernels directly
-        states, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec,
-                                     False)
         if finals_only and batch_sizes is None:
+            states, _, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes,
+                                            spec, False)
             return None, states[:, states.shape[1] - 1].unbind(0)
-        return states[0, 1:], _finals(states, batch_sizes)
+        states, _, finals = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes,
+                                             spec, False, finals=True)
+        return states[0, 1:], finals or _finals(states, batch_sizes)
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
     return y, finals

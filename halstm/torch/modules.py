@@ -164,7 +164,24 @@ class _Recurrent(torch.nn.Module):
         """w_ih, b_ih, w_hh, b_hh, vectors {name: (H,) or (G*H,)} (None
         without), w_hr (None without a projection) of a layer and direction
         (_weights_by)."""
-        return self._weights_by(lambda name: getattr(self, f"{name}_l{layer}{sfx}", None), zero)
+        params, names = self._parameters, self._weight_names()
+
+        def get(name):
+            key = f"{name}_l{layer}{sfx}"
+            p = params.get(key)
+            # (getattr, which torch.nn.Module answers by exceptions where a name
+            # is missing, only for a declared weight that is not a plain
+            # parameter: torch.nn.utils.parametrize makes it a property)
+            return p if p is not None or key not in names else getattr(self, key, None)
+        return self._weights_by(get, zero)
+
+    def _weight_names(self) -> frozenset:
+        """_flat_weights_names as a set (kept; modules pickled without it
+        make it at their first call)."""
+        names = self.__dict__.get("_weight_name_set")
+        if names is None:
+            names = self.__dict__["_weight_name_set"] = frozenset(self._flat_weights_names)
+        return names
 
     def _weights_by(self, get, zero: Tensor | None):
         """_weights of parameters get(base name) (None where there is none).
@@ -329,7 +346,7 @@ class _Recurrent(torch.nn.Module):
         if order is not None and hx is not None:    # hx comes in the caller's row order
             init = [s.index_select(1, order) for s in init]
         # (zeros for the matrix biases where the layers lack them)
-        zero = (None if getattr(self, "bias_ih_l0", None) is not None
+        zero = (None if "bias_ih_l0" in self._weight_names()
                 else x.new_zeros((self._gates * H,)))
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
