@@ -554,6 +554,28 @@ def test_module_conveniences():
     assert "num_layers=2" in repr(m)
 
 
+def test_a_parametrized_weight_matches_torch():
+    """weight_norm (torch.nn.utils.parametrizations) on a recurrent weight:
+    the module reads the weight its parametrization makes (a property, not
+    a parameter), and gradients reach the parametrization's own tensors,
+    as with torch.nn.LSTM."""
+    from torch.nn.utils import parametrizations
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(I, H, 2)
+    m = hnn.LSTM(I, H, 2)
+    m.load_state_dict(ref.state_dict())
+    for mod in (ref, m):
+        parametrizations.weight_norm(mod, "weight_hh_l0")
+    x = torch.randn(4, 3, I)
+    (y, (h, _)), (want_y, (want_h, _)) = m(x), ref(x)
+    assert_close("y", y.detach(), want_y.detach())
+    (y.sum() + h.sum()).backward()
+    (want_y.sum() + want_h.sum()).backward()
+    for k in ("original0", "original1"):
+        assert_close(k, getattr(m.parametrizations.weight_hh_l0, k).grad,
+                     getattr(ref.parametrizations.weight_hh_l0, k).grad)
+
+
 def test_errors_name_the_argument():
     m = hnn.LSTM(I, H)
     with pytest.raises(TypeError, match="input: .*float32, got torch.float64"):
