@@ -396,7 +396,7 @@ class Library:
                                      f"{tuple(a.shape)}")
                 a = mem.contiguous(a)
             arrays.append(a)
-        return arrays, (_P * len(arrays))(*[None if a is None else mem.ptr(a) for a in arrays])
+        return arrays, self._ptrs(mem, arrays, len(arrays))
 
     def _state_sized(self, mem, a, B: int, what: str):
         """a checked to be (B, H), contiguous (float32 on the host)."""
@@ -415,7 +415,7 @@ class Library:
             raise ValueError(f"finals: expected {len(self.states)} arrays (or None) of shape "
                              f"{(B, self.H)}, got "
                              f"{[None if a is None else tuple(a.shape) for a in arrays]}")
-        return (_P * len(arrays))(*[None if a is None else mem.ptr(a) for a in arrays])
+        return self._ptrs(mem, arrays, len(arrays))
 
     def _panels_shape(self, n: int, gates: int | None = None) -> tuple:
         """A packed weight of reduction n and `gates` gates (None: the
@@ -551,7 +551,7 @@ class Library:
                 dstates = mem.empty((NS, 2, B, Hp))
                 dfin = [None if d is None else self._state_sized(mem, d, B, "dfinal")
                         for d in dfinal]
-                dfin_ptrs = (_P * NS)(*[None if d is None else mem.ptr(d) for d in dfin])
+                dfin_ptrs = self._ptrs(mem, dfin, NS)
             else:
                 add = None   # the fused step's dh_add rows: a row's first call reads zeros or d
                 if fused is not None and lengths is not None:

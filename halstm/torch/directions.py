@@ -9,7 +9,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import memory, nn
 from .kernels import _ints, _library, _traced, _transformed
-from .layer import (_check_saved, _finals, _library_backward, _library_forward, _state_grad_keys,
+from .layer import (_check_saved, _library_backward, _library_forward, _state_grad_keys,
                     _wanted)
 
 
@@ -90,8 +90,7 @@ class _Directions(torch.autograd.Function):
         ctx.save_for_backward(x, x_rev, batch_sizes, states0, saved0, states1, saved1,
                               *[a for d in (0, 1) for a in (per[d][0], per[d][2], per[d][4])])
         ctx.mark_non_differentiable(saved0, saved1)
-        return (states0[0, 1:], states1[0, 1:], saved0, saved1,
-                *(fin0 or _finals(states0, batch_sizes)), *(fin1 or _finals(states1, batch_sizes)))
+        return (states0[0, 1:], states1[0, 1:], saved0, saved1, *fin0, *fin1)
 
     @staticmethod
     @once_differentiable          # the kernels' backward has no backward

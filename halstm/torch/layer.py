@@ -61,11 +61,10 @@ class _PackKey:
 
 def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
                      per_call=False, threads=None, finals=False) -> tuple:
-    """_forward_impl, with saved None where not save, and the finals:
-    with `finals` and no batch sizes each state's final (B, H), new
-    tensors the library copies them into (_finals' without a torch op
-    each), else None. per_call as _library's; threads as
-    Library.forward's."""
+    """_forward_impl, with saved None where not save, and with `finals`
+    each state's final (B, H) (_finals'; without batch sizes, new tensors
+    the library copies them into, not a torch op each), else None.
+    per_call as _library's; threads as Library.forward's."""
     lib, mem = _library(spec, "fwd", x.device, per_call)
     bs = None if batch_sizes is None else _host(batch_sizes)
     fin = None
@@ -75,6 +74,8 @@ def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, sa
                                 vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
                                 threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh),
                                 finals=fin)
+    if finals and fin is None:      # (batch sizes: each row's own last step)
+        fin = _finals(states, batch_sizes)
     return states, saved, fin
 
 
@@ -221,7 +222,7 @@ class _Layer(torch.autograd.Function):
         ctx.spec, ctx.saved = spec, save
         ctx.save_for_backward(x, w_ih, w_hh, vec, saved, states, batch_sizes)
         ctx.mark_non_differentiable(saved)
-        return (states[0, 1:], saved, *(finals or _finals(states, batch_sizes)))
+        return (states[0, 1:], saved, *finals)
 
     @staticmethod
     @once_differentiable          # the kernels' backward has no backward
@@ -355,6 +356,6 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
             return None, states[:, states.shape[1] - 1].unbind(0)
         states, _, finals = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes,
                                              spec, False, finals=True)
-        return states[0, 1:], finals or _finals(states, batch_sizes)
+        return states[0, 1:], finals
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
     return y, finals
