@@ -123,6 +123,7 @@ class _Recurrent(torch.nn.Module):
                     self.register_parameter(name, torch.nn.Parameter(
                         torch.empty(shape, dtype=torch.float32, device=device)))
                     self._flat_weights_names.append(name)
+        self._weight_name_set = frozenset(self._flat_weights_names)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -134,6 +135,8 @@ class _Recurrent(torch.nn.Module):
     def __setstate__(self, state) -> None:     # (torch.load, copy.deepcopy)
         super().__setstate__(state)
         _make_step_function(self.cell)
+        # (a module pickled before the set existed)
+        self._weight_name_set = frozenset(self._flat_weights_names)
 
     def flatten_parameters(self) -> None:
         """torch.nn.RNNBase's: nothing to do (the kernels take the
@@ -164,7 +167,7 @@ class _Recurrent(torch.nn.Module):
         """w_ih, b_ih, w_hh, b_hh, vectors {name: (H,) or (G*H,)} (None
         without), w_hr (None without a projection) of a layer and direction
         (_weights_by)."""
-        params, names = self._parameters, self._weight_names()
+        params, names = self._parameters, self._weight_name_set
 
         def get(name):
             key = f"{name}_l{layer}{sfx}"
@@ -174,14 +177,6 @@ class _Recurrent(torch.nn.Module):
             # parameter: torch.nn.utils.parametrize makes it a property)
             return p if p is not None or key not in names else getattr(self, key, None)
         return self._weights_by(get, zero)
-
-    def _weight_names(self) -> frozenset:
-        """_flat_weights_names as a set (kept; modules pickled without it
-        make it at their first call)."""
-        names = self.__dict__.get("_weight_name_set")
-        if names is None:
-            names = self.__dict__["_weight_name_set"] = frozenset(self._flat_weights_names)
-        return names
 
     def _weights_by(self, get, zero: Tensor | None):
         """_weights of parameters get(base name) (None where there is none).
@@ -346,7 +341,7 @@ class _Recurrent(torch.nn.Module):
         if order is not None and hx is not None:    # hx comes in the caller's row order
             init = [s.index_select(1, order) for s in init]
         # (zeros for the matrix biases where the layers lack them)
-        zero = (None if "bias_ih_l0" in self._weight_names()
+        zero = (None if "bias_ih_l0" in self._weight_name_set
                 else x.new_zeros((self._gates * H,)))
         save = torch.is_grad_enabled()
         rev = None if D == 1 else self._reverse_index(T, B, lengths, x.device)
