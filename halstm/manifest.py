@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .errors import LibraryError
 
-FORMAT = 5     # 3: vector parameters (the entry points take vec); 4: halstm_forward takes init;
-               # 5: halstm_forward takes finals, halstm_backward dfinal
+FORMAT = 6     # 3: vector parameters (the entry points take vec); 4: halstm_forward takes init;
+               # 5: halstm_forward takes finals, halstm_backward dfinal; 6: halstm_set_call
 DIRECTIONS = ("fwd", "bwd")
 
 _STR, _INT, _BOOL, _LIST = "a string", "a positive int", "true or false", "a list of strings"

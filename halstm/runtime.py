@@ -138,8 +138,10 @@ class Library:
         self.device = manifest.get("device", "cpu")
         self._shared = SharedLibrary(path, self.device, context)
         self._lib, self.mem = self._shared.lib, self._shared.mem
-        if self.device == "cuda":
-            self._lib.halstm_cuda_set_context.argtypes = [_P]
+        self._cuda = self.device == "cuda"
+        self._set_call = self._lib.halstm_set_call
+        self._set_call.argtypes = [_P, _P, _I, _I]
+        self._set_call.restype = None
         self.precision = manifest.get("precision", "fp32")
         if manifest.get("gemm", "halide") == "cublas":
             found = cublas.library()
@@ -157,8 +159,6 @@ class Library:
         else:
             self._entry = self._lib.halstm_backward
             self._entry.argtypes = [_I, _I] + [_P] * 23
-        self._lib.halstm_set_call_threads.argtypes = [_I]
-        self._lib.halstm_set_reuse_pack.argtypes = [_I]
         # by (memory kind, stream): (pack key, its workspaces) of the last
         # call that packed weights into them (_pack_reused)
         self._packs = {}
@@ -336,20 +336,10 @@ class Library:
         return self._lib.halstm_step_threads_wanted()
 
     def _call(self, mem, stream, *args, threads=None, reuse_pack=False) -> None:
-        if self.device == "cuda":   # (the stream is one of mem's device)
-            self._lib.halstm_cuda_set_context(mem.context)
-            self._lib.halstm_cuda_set_stream(stream)
-        if threads:
-            self._lib.halstm_set_call_threads(int(threads))
-        if reuse_pack:
-            self._lib.halstm_set_reuse_pack(1)
-        try:
-            rc = self._entry(*args)
-        finally:
-            if threads:
-                self._lib.halstm_set_call_threads(0)
-            if reuse_pack:
-                self._lib.halstm_set_reuse_pack(0)
+        # (the stream is one of mem's device; one settings call, not four)
+        self._set_call(mem.context if self._cuda else None, stream, int(threads or 0),
+                       reuse_pack)
+        rc = self._entry(*args)
         if rc:
             m = self.manifest
             self._shared.check(rc, f"{m['cell']} {m['direction']} kernel "

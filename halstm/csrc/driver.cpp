@@ -70,6 +70,23 @@
 thread_local int t_reuse_pack = 0;
 extern "C" void halstm_set_reuse_pack(int on) { t_reuse_pack = on != 0; }
 
+// The calling thread's settings for its next calls, all four at once (a
+// call from Python costs about a microsecond; runtime.py makes this one
+// before each halstm_forward and halstm_backward): the CUDA context and
+// stream (halstm_cuda_set_context, halstm_cuda_set_stream; unused by CPU
+// builds), the most threads of the steps (halstm_set_call_threads; 0:
+// unset) and whether to skip packing the weights (halstm_set_reuse_pack).
+extern "C" void halstm_set_call(void *context, void *stream, int threads, int reuse_pack) {
+#ifdef HALSTM_CUDA
+    halstm_cuda_set_context(context);
+    halstm_cuda_set_stream(stream);
+#else
+    (void)context, (void)stream;
+#endif
+    halstm_set_call_threads(threads);
+    halstm_set_reuse_pack(reuse_pack);
+}
+
 #include "forward.h"      // halstm_forward
 #include "backward.h"     // halstm_backward
 #include "model.h"        // the char LM's head and optimizer

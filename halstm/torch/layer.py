@@ -65,13 +65,14 @@ def _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, sa
     each state's final (B, H) (_finals'; without batch sizes, new tensors
     the library copies them into, not a torch op each), else None.
     per_call as _library's; threads as Library.forward's."""
-    lib, mem = _library(spec, "fwd", x.device, per_call)
+    device = x.device
+    lib, mem = _library(spec, "fwd", device, per_call)
     bs = None if batch_sizes is None else _host(batch_sizes)
     fin = None
     if finals and bs is None:
         fin = [mem.empty((x.shape[1], lib.H)) for _ in lib.states]
     states, saved = lib.forward(x.contiguous(), w_ih, b_ih, w_hh, b_hh, list(init), save=save,
-                                vec=vec, batch_sizes=bs, mem=mem, stream=_stream(x.device),
+                                vec=vec, batch_sizes=bs, mem=mem, stream=_stream(device),
                                 threads=threads, pack_key=_PackKey.of(per_call, w_ih, w_hh),
                                 finals=fin)
     if finals and fin is None:      # (batch sizes: each row's own last step)
@@ -84,13 +85,14 @@ def _library_backward(x, w_ih, w_hh, vec, saved, states, dy, dfinal, batch_sizes
     """BPTT of one layer: the library's gradients (runtime.Library.backward);
     dfinal: per state its final's gradient, or None for none; per_call as
     _library's; threads as Library.backward's."""
-    lib, mem = _library(spec, "bwd", x.device, per_call)
+    device = x.device
+    lib, mem = _library(spec, "bwd", device, per_call)
     bs = None if batch_sizes is None else _host(batch_sizes)
     return lib.backward(x.contiguous(), w_ih, w_hh, saved, states,
                         None if dy is None else dy.contiguous(),   # (None: a loss of the finals)
                         list(dfinal),
                         need_dx=need_dx, vec=vec, batch_sizes=bs, mem=mem,
-                        stream=_stream(x.device), threads=threads,
+                        stream=_stream(device), threads=threads,
                         pack_key=_PackKey.of(per_call, w_ih, w_hh))
 
 
