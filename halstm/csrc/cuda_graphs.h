@@ -198,7 +198,11 @@ struct Graphs {
         std::lock_guard<std::mutex> guard(lock);
         void *context = call_context();
         Context *c = enabled ? entry(context) : nullptr;
-        if (!c || !c->capture || !c->warmed || n > KEY || caller_capturing()) {
+        // a loop of one step (key[0] is T) runs directly: its graph would
+        // replay the launches of one step, saving nothing, and a caller
+        // stepping a cell gets fresh arrays each call, whose pointers
+        // seldom recur, so most of its calls would capture a new graph
+        if (!c || !c->capture || !c->warmed || n > KEY || key[0] < 2 || caller_capturing()) {
             // the first call in a context runs directly: Halide loads its
             // kernels then
             int rc = steps();

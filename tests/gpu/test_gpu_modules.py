@@ -322,6 +322,32 @@ def test_a_training_loop_replays_its_graphs(cell, gpu_target):
     assert last["replays"] - before["replays"] == 18, counts
 
 
+def test_one_step_loops_run_directly(gpu_target):
+    """A time loop of one step (T = 1: what LSTMCell-style modules run,
+    with fresh arrays each call) launches its kernels directly, forward
+    with the saved channels and backward, and never captures a graph;
+    longer loops still do."""
+    rng = np.random.default_rng(2)
+    m = make("lstm", target=gpu_target)
+
+    def train(steps):
+        x = cuda.DeviceArray.from_numpy(rng.standard_normal((steps, B, I)).astype(np.float32))
+        dy = cuda.DeviceArray.from_numpy(rng.standard_normal((steps, B, H)).astype(np.float32))
+        call(m, "lstm", x)
+        backward(m, "lstm", dy)
+
+    train(1)    # (a library's first loop in a context runs directly in any case)
+    before = _stats(m)
+    for _ in range(3):
+        train(1)
+    after = _stats(m)
+    assert after["captures"] == before["captures"], (before, after)
+    assert after["replays"] == before["replays"], (before, after)
+    assert after["direct"] - before["direct"] == 3 * 2 * L, (before, after)   # L layers, 2 ways
+    train(T)
+    assert _stats(m)["captures"] > after["captures"]
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_backward_without_input_grad(cell, gpu_target):
     """input_grad=False leaves out the input gradient, nothing else (on a
