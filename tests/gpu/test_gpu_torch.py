@@ -50,6 +50,38 @@ def test_cuda_matches_torch(cell, layers, bidir, packed, i, h, T, B):
         assert_close(f"result {k}", a.cpu(), b.cpu(), rtol=2e-4)
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_cuda_cells_step_by_step_match_torch(cell):
+    """LSTMCell and GRUCell on CUDA tensors, five steps (each a one-step
+    time loop, launched directly) under no_grad and with gradients, against
+    torch.nn's cell on the CPU with the same state dict."""
+    ours_cls, peer_cls = {"lstm": (hnn.LSTMCell, torch.nn.LSTMCell),
+                          "gru": (hnn.GRUCell, torch.nn.GRUCell)}[cell]
+    torch.manual_seed(0)
+    peer = peer_cls(I, H)
+    ours = ours_cls(I, H).cuda()
+    ours.load_state_dict(peer.state_dict())
+    xs = torch.randn(5, 3, I)
+
+    def steps(module, device):
+        state, outs = None, []
+        for x in xs.to(device):
+            state = module(x, state)
+            outs += list(state) if isinstance(state, tuple) else [state]
+        return outs
+
+    with torch.no_grad():
+        for k, (got, want) in enumerate(zip(steps(ours, "cuda"), steps(peer, "cpu"))):
+            assert_close(f"no_grad output {k}", got.cpu(), want, rtol=2e-4)
+    got, want = steps(ours, "cuda"), steps(peer, "cpu")
+    sum(o.sum() for o in got).backward()
+    sum(o.sum() for o in want).backward()
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert_close(f"output {k}", a.detach().cpu(), b.detach(), rtol=2e-4)
+    for (name, a), b in zip(ours.named_parameters(), peer.parameters()):
+        assert_close(f"d{name}", a.grad.cpu(), b.grad, rtol=2e-4)
+
+
 @pytest.mark.parametrize("given", [False, True])
 def test_cuda_projection_matches_torch(given):
     torch.manual_seed(0)
