@@ -352,12 +352,11 @@ def _run_layer(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes, spec, save,
                                   *init)[0]
         return states[0, 1:], _finals(states, batch_sizes)
     if not torch.is_grad_enabled():     # no graph to record: the kernels directly
-        if finals_only and batch_sizes is None:
-            states, _, _ = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes,
-                                            spec, False)
-            return None, states[:, states.shape[1] - 1].unbind(0)
+        views = finals_only and batch_sizes is None    # (the finals as views of the states)
         states, _, finals = _library_forward(x, w_ih, b_ih, w_hh, b_hh, vec, init, batch_sizes,
-                                             spec, False, finals=True)
+                                             spec, False, finals=not views)
+        if views:
+            return None, states[:, states.shape[1] - 1].unbind(0)
         return states[0, 1:], finals
     y, _, *finals = _Layer.apply(x, w_ih, b_ih, w_hh, b_hh, vec, batch_sizes, spec, save, *init)
     return y, finals
