@@ -7,8 +7,10 @@ process (medians of alternating rounds; ratios to torch.nn in the same run).
     python bench/torch_layers.py --device cuda --json out.json
 
 Variants per shape: kernels (halstm.LSTM with numpy / CUDA arrays),
-halstm.torch, torch.nn; packed: lengths uniform in 1..T (seeded), the
-batch as a PackedSequence, through halstm.torch and torch.nn; bidirectional
+halstm.torch, torch.nn; packed: lengths uniform in 1..T (seeded; the
+first T), the batch as a PackedSequence, through halstm.torch and
+torch.nn, with the lengths' share of the padded steps (the work a packed
+batch keeps, which packed / padded approaches); bidirectional
 halstm.torch and torch.nn; proj_size H/2 through halstm.torch and
 torch.nn; both modules called inside torch.autocast(dtype=torch.bfloat16)
 (halstm.torch then runs its bf16 kernels where the device has them;
@@ -138,6 +140,9 @@ def main():
         out["shapes"][name]["ratios"] = r
         for k, v in r.items():
             print(f"  {k:34s} {v:6.3f}")
+        if "packed / padded (halstm.torch)" in r:   # (the work a packed batch keeps)
+            print(f"  {'lengths / padded steps':34s} "
+                  f"{out['shapes'][name]['lengths_mean'] / shapes[name]['T']:6.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
